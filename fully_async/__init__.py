@@ -1,0 +1,1 @@
+"""fully_async: fully asynchronous, decoupled rollout/trainer RL for LLMs on Ray."""

@@ -1,0 +1,187 @@
+"""Typed, validated configuration.
+
+`FullyAsyncConfig` is the whole run's config; Hydra composes it from the YAML groups beside this file (engine/,
+trainer/, reward/, data/, model/, logger/) on top of the dataclass defaults, and `build_config` turns the composed
+mapping into validated dataclasses. Imports neither torch nor ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fully_async.config.base import ConfigError, field_docs, from_dict, schema_node, suggest, to_dict, validate_tree
+from fully_async.config.sections import (
+    AlgorithmConfig,
+    AsyncTrainingConfig,
+    DataConfig,
+    EngineConfig,
+    LoggerConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    TrainerConfig,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parent
+PRIMARY_CONFIG = "fully_async"
+GROUPS = ("engine", "trainer", "reward", "data", "model", "logger")
+
+__all__ = [
+    "AlgorithmConfig",
+    "AsyncTrainingConfig",
+    "CONFIG_DIR",
+    "ConfigError",
+    "DataConfig",
+    "EngineConfig",
+    "FullyAsyncConfig",
+    "GROUPS",
+    "LoggerConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "build_config",
+    "check_overrides",
+    "compose",
+    "field_docs",
+    "group_options",
+    "to_dict",
+]
+
+
+@dataclass
+class FullyAsyncConfig:
+    seed: int = 0
+    """Global seed (sampling, shuffling, model init)."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Staleness bound, sync cadence, partial rollout, batch size in groups."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling: samples per prompt, concurrency, response length."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference engine servers."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Training backend, steps, optimizer, checkpoints."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the decoupled PPO loss."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions and their failure policy."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Metric sinks."""
+
+    def validate(self) -> FullyAsyncConfig:
+        """Check every section and the cross-section rules; raise ConfigError naming the key. Returns self."""
+        validate_tree(self)
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(
+                f"rollout.n must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} "
+                f"(a group baseline needs two samples), got {self.rollout.n}"
+            )
+        longest = self.data.max_prompt_length + self.rollout.response_length
+        if longest > self.engine.max_model_len:
+            raise ConfigError(
+                f"engine.max_model_len must be >= data.max_prompt_length + rollout.response_length = {longest}, "
+                f"got {self.engine.max_model_len}"
+            )
+        return self
+
+    def limits(self) -> dict[str, int]:
+        """The effective limits the run enforces, printed at start."""
+        at = self.async_training
+        return {
+            "staleness_bound_versions": at.max_staleness,
+            "groups_per_step": at.groups_per_step,
+            "groups_per_version": at.groups_per_version,
+            "max_groups_ahead_of_trainer": (at.max_staleness + 1) * at.groups_per_version,
+            "max_inflight_groups": min(math.ceil(self.rollout.max_concurrent / self.rollout.n),
+                                       (at.max_staleness + 1) * at.groups_per_version),
+            "max_inflight_samples": self.rollout.max_concurrent,
+            "queue_capacity_groups": at.effective_queue_capacity(),
+        }
+
+
+def build_config(data: Any) -> FullyAsyncConfig:
+    """Composed mapping (dict or OmegaConf node; a `hydra` key is ignored) -> validated FullyAsyncConfig."""
+    if not isinstance(data, dict):
+        from omegaconf import OmegaConf
+
+        data = OmegaConf.to_container(data, resolve=True)
+    data = {k: v for k, v in data.items() if k != "hydra"}
+    return from_dict(FullyAsyncConfig, data).validate()
+
+
+def group_options(group: str) -> list[str]:
+    """Names of the shipped YAML options of a config group (engine/vllm.yaml -> 'vllm')."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Reject unknown keys and group options in command-line overrides before Hydra sees them.
+
+    Hydra's own messages name neither the valid keys nor the closest one; ours do. `hydra.*` keys and
+    Hydra flags are left to Hydra.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    except Exception as e:  # Hydra's grammar error: say which argument, keep its message
+        raise ConfigError(f"cannot parse overrides {overrides}: {e}") from e
+    for ov in parsed:
+        key = ov.key_or_group
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        if key in GROUPS and isinstance(ov.value(), str) and not ov.is_delete():
+            options = group_options(key)
+            if ov.value() not in options:
+                raise ConfigError(f"{key}={ov.value()} is not a shipped option of the '{key}' group; "
+                                  f"choose one of {options}{suggest(ov.value(), options)}")
+            continue
+        _, err = schema_node(FullyAsyncConfig, key.split("."))
+        if err:
+            raise ConfigError(err)
+
+
+def _register_defaults() -> None:
+    """Store the dataclass defaults as an untyped node, so every key exists for overrides while type and range
+    checks stay ours (they name the key and what is allowed; OmegaConf's do not)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="fully_async_defaults", node=to_dict(FullyAsyncConfig()))
+
+
+def compose(overrides: list[str] | None = None) -> FullyAsyncConfig:
+    """Compose the shipped config with overrides, as the runner does, and validate it (tests, notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    overrides = list(overrides or [])
+    check_overrides(overrides)
+    _register_defaults()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        composed = hydra_compose(config_name=PRIMARY_CONFIG, overrides=overrides)
+    return build_config(composed)
+
+
+def describe(cls: type = FullyAsyncConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, docstring) for every leaf field, for generated docs and `--help`."""
+    rows: list[tuple[str, str, Any, str]] = []
+    default = cls()
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        key = prefix + f.name
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), key + "."))
+        else:
+            rows.append((key, str(f.type), value, docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,195 @@
+"""Typed-config machinery: ConfigError, strict dict -> dataclass conversion, field docstrings, key suggestions.
+
+Imports only the standard library, so every config module loads without torch or ray.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    The message always names the full key, the offending value and what is allowed.
+    """
+
+
+def suggest(name: str, options: typing.Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest option, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstrings written under each dataclass field, read from the source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, nxt in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"list[{_type_name(args[0])}]" if args else "list"
+    if origin is dict:
+        return "dict"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert one YAML/CLI value to the annotated type, or raise ConfigError naming the key."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key} must not be null; expected {_type_name(tp)}")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if value is None:
+        raise ConfigError(f"{key} must not be null; expected {_type_name(tp)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}{suggest(str(value), map(str, allowed))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, key)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item_tp,) = get_args(tp)[:1] or (Any,)
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys (with the nearest valid key) and wrong types."""
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in names:
+            raise ConfigError(f"unknown config key '{key}'{suggest(str(name), names)}; valid keys here: {', '.join(names)}")
+        kwargs[name] = _convert(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def schema_node(cls: type, path: typing.Sequence[str]) -> tuple[type | None, str | None]:
+    """Resolve a dotted key against a dataclass schema.
+
+    Returns (annotated type, None) when the key exists, or (None, error message) when it does not. Keys below a
+    `dict` field are accepted as they are free-form.
+    """
+    node: Any = cls
+    walked: list[str] = []
+    for part in path:
+        if not dataclasses.is_dataclass(node):
+            if get_origin(node) is dict or node is dict or node is Any:
+                return node, None
+            return None, f"'{'.'.join(walked)}' is a value, not a section; '{'.'.join(path)}' does not exist"
+        names = [f.name for f in dataclasses.fields(node) if f.init]
+        if part not in names:
+            where = ".".join(walked) or "the top level"
+            full = ".".join([*walked, part])
+            near = suggest(part, names).replace("'", "'" + ".".join(walked) + ("." if walked else ""), 1)
+            return None, f"unknown config key '{full}'{near}; valid keys in {where}: {', '.join(names)}"
+        node = get_type_hints(node)[part]
+        walked.append(part)
+        # Optional[Dataclass] -> Dataclass, so nested keys of optional sections resolve.
+        if get_origin(node) in (Union, types.UnionType):
+            inner = [a for a in get_args(node) if dataclasses.is_dataclass(a)]
+            if inner:
+                node = inner[0]
+    return node, None
+
+
+def require(cond: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise ConfigError('<key> must be <allowed>, got <value>') unless cond holds."""
+    if not cond:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def validate_tree(cfg: Any, prefix: str = "") -> None:
+    """Call validate(prefix) on every nested dataclass section, children first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, f"{prefix}{f.name}.")
+    own = getattr(cfg, "validate_section", None)
+    if own is not None:
+        own(prefix)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config dataclass (for printing, checkpoints and metrics)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,298 @@
+"""Config sections, one dataclass per role. Each field carries a one-line docstring (read by `field_docs` for error
+messages and the generated reference); each section's `validate_section(prefix)` raises ConfigError.
+
+No torch or ray imports here: the runner validates config before any heavy import.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fully_async.config.base import ConfigError, require
+
+DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def _check_dotted(key: str, value: str | None) -> None:
+    if value is not None and not DOTTED_PATH.match(value):
+        raise ConfigError(f"{key} must be a dotted path 'package.module:attribute', got {value!r}")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    max_staleness: int = 1
+    """Staleness bound eta in versions: no trajectory with trainer_version - min_token_version > eta is trained; 0 = synchronous on-policy."""
+    sync_every: int = 1
+    """Trainer steps per weight sync; every sync bumps the version by one."""
+    partial_rollout: bool = True
+    """At a weight sync keep the tokens generated so far and continue under the new weights (false: restart the sample)."""
+    groups_per_step: int = 8
+    """Prompt groups (rollout.n samples each) consumed by one trainer step."""
+    queue_capacity: int = 0
+    """MessageQueue capacity in groups; 0 = (max_staleness + 1) * groups_per_step * sync_every, what the bound can fill."""
+    get_timeout_s: float = 1800.0
+    """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
+
+    @property
+    def groups_per_version(self) -> int:
+        """Groups consumed between two weight syncs."""
+        return self.groups_per_step * self.sync_every
+
+    def effective_queue_capacity(self) -> int:
+        return self.queue_capacity or (self.max_staleness + 1) * self.groups_per_version
+
+    def validate_section(self, p: str) -> None:
+        require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, ">= 0")
+        require(self.sync_every >= 1, p + "sync_every", self.sync_every, ">= 1")
+        require(self.groups_per_step >= 1, p + "groups_per_step", self.groups_per_step, ">= 1")
+        require(self.queue_capacity >= 0, p + "queue_capacity", self.queue_capacity, ">= 0 (0 = derived from the bound)")
+        require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4
+    """Samples per prompt; the n samples of one prompt form a TrajectoryGroup."""
+    max_concurrent: int = 64
+    """Most samples generating at once across all engines."""
+    response_length: int = 32
+    """Most response tokens per sample, kept across aborts and continuations."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0; the trainer uses the same value for its log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.n >= 1, p + "n", self.n, ">= 1")
+        require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")
+        require(self.response_length >= 1, p + "response_length", self.response_length, ">= 1")
+        require(self.temperature > 0, p + "temperature", self.temperature, "> 0")
+        require(0 < self.top_p <= 1, p + "top_p", self.top_p, "in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, p + "top_k", self.top_k, "-1 (off) or >= 1")
+
+
+@dataclass
+class EngineConfig:
+    kind: Literal["vllm"] = "vllm"
+    """Inference engine adapter."""
+    num_servers: int = 1
+    """Engine server processes (one model replica each)."""
+    python: str | None = None
+    """Interpreter of the engine environment; null = .venv-engine/bin/python at the repository root."""
+    host: str = "127.0.0.1"
+    """Address the engine servers bind to."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine weight dtype; auto = float32 on CPU (bf16 log-probs drift ~1e-2), bfloat16 on GPU."""
+    max_model_len: int = 512
+    """Longest prompt + response the engine accepts."""
+    kv_cache_gib: float = 1.0
+    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory the engine may take (GPU only)."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / torch.compile warm-up (faster start-up, slower decode)."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for a server to become healthy before failing with its log tail."""
+    request_timeout_s: float = 300.0
+    """Per-request HTTP timeout for generation."""
+    control_timeout_s: float = 60.0
+    """Timeout of each control call (pause, resume, reload weights, set version)."""
+    max_retries: int = 2
+    """Times a request is retried on another server after a server failure."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed to every engine server."""
+    env: dict = field(default_factory=dict)
+    """Extra environment variables for the engine processes."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
+        require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
+        require(self.kv_cache_gib > 0, p + "kv_cache_gib", self.kv_cache_gib, "> 0")
+        require(0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s"):
+            require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
+        require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
+
+
+@dataclass
+class TinyModelConfig:
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the locally built model."""
+    hidden_size: int = 128
+    """Hidden size."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """MLP inner size."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the model supports."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+    def validate_section(self, p: str) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            require(getattr(self, name) >= 1, p + name, getattr(self, name), ">= 1")
+        require(self.hidden_size % self.num_heads == 0, p + "hidden_size", self.hidden_size, f"a multiple of num_heads={self.num_heads}")
+        require(self.num_heads % self.num_kv_heads == 0, p + "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Hugging Face model directory; null = build the tiny model (model.tiny) locally and cache it."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Settings of the locally built tiny model (used when path is null)."""
+    cache_dir: str | None = None
+    """Where built tiny models are cached; null = ~/.cache/fully_async/models."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: Literal["verl"] = "verl"
+    """Training backend."""
+    total_steps: int = 100
+    """Trainer steps in the run (each consumes async_training.groups_per_step groups)."""
+    save_every: int = 0
+    """Checkpoint every this many steps; 0 = only at the end."""
+    val_every: int = 0
+    """Validate every this many versions; 0 = never."""
+    resume: str = "none"
+    """'auto' (latest checkpoint in the run dir), 'none', or a checkpoint path."""
+    nnodes: int = 1
+    """Nodes for the trainer."""
+    n_gpus_per_node: int = 1
+    """Trainer ranks per node (processes on CPU)."""
+    strategy: Literal["fsdp2", "megatron"] = "fsdp2"
+    """verl engine strategy (megatron needs GPUs)."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    max_token_len_per_gpu: int = 4096
+    """Micro-batch token budget per rank (dynamic batch size)."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    num_mini_batches: int = 1
+    """Optimizer steps per pass over a batch."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.total_steps >= 1, p + "total_steps", self.total_steps, ">= 1")
+        for name in ("save_every", "val_every", "lr_warmup_steps"):
+            require(getattr(self, name) >= 0, p + name, getattr(self, name), ">= 0")
+        require(self.nnodes >= 1, p + "nnodes", self.nnodes, ">= 1")
+        require(self.n_gpus_per_node >= 1, p + "n_gpus_per_node", self.n_gpus_per_node, ">= 1")
+        require(self.lr > 0, p + "lr", self.lr, "> 0")
+        require(self.weight_decay >= 0, p + "weight_decay", self.weight_decay, ">= 0")
+        require(self.grad_clip > 0, p + "grad_clip", self.grad_clip, "> 0")
+        require(self.max_token_len_per_gpu >= 1, p + "max_token_len_per_gpu", self.max_token_len_per_gpu, ">= 1")
+        require(self.ppo_epochs >= 1, p + "ppo_epochs", self.ppo_epochs, ">= 1")
+        require(self.num_mini_batches >= 1, p + "num_mini_batches", self.num_mini_batches, ">= 1")
+        if self.resume not in ("auto", "none") and not self.resume.strip():
+            raise ConfigError(f"{p}resume must be 'auto', 'none' or a checkpoint path, got {self.resume!r}")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    """Advantage estimator from verl's core_algos."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group std."""
+    clip_ratio_low: float = 0.2
+    """PPO clip below 1 on pi_theta / pi_prox."""
+    clip_ratio_high: float = 0.28
+    """PPO clip above 1 on pi_theta / pi_prox."""
+    recompute_prox: bool = True
+    """Recompute pi_prox with the trainer's weights (decoupled PPO); false = use the behaviour log-probs (bypass)."""
+    rollout_is: Literal["token", "sequence"] = "token"
+    """Level of the importance weight pi_prox / pi_behave."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weight."""
+    use_kl_loss: bool = False
+    """Add a KL(pi_theta || pi_ref) loss term (needs a reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How token losses are aggregated over the global batch."""
+
+    def validate_section(self, p: str) -> None:
+        require(0 <= self.clip_ratio_low < 1, p + "clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
+        require(self.clip_ratio_high >= 0, p + "clip_ratio_high", self.clip_ratio_high, ">= 0")
+        require(self.rollout_is_threshold >= 1, p + "rollout_is_threshold", self.rollout_is_threshold, ">= 1")
+        require(self.kl_loss_coef >= 0, p + "kl_loss_coef", self.kl_loss_coef, ">= 0")
+        require(self.entropy_coeff >= 0, p + "entropy_coeff", self.entropy_coeff, ">= 0")
+
+
+@dataclass
+class RewardConfig:
+    function: str | None = None
+    """Dotted path 'pkg.mod:fn' of compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict; null = chosen by data_source."""
+    timeout_s: float = 10.0
+    """Hard per-sample timeout; the worker running a sync function is killed when it passes."""
+    fallback_score: float = 0.0
+    """Score given (and flagged in reward info) when a reward function fails or times out."""
+    num_workers: int = 2
+    """Processes running synchronous reward functions."""
+
+    def validate_section(self, p: str) -> None:
+        _check_dotted(p + "function", self.function)
+        require(self.timeout_s > 0, p + "timeout_s", self.timeout_s, "> 0")
+        require(self.num_workers >= 1, p + "num_workers", self.num_workers, ">= 1")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training data: verl-layout parquet or jsonl files; empty = the built-in synthetic task."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out data for validation; empty = a held-out split of the synthetic task."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (chat messages or a string)."""
+    max_prompt_length: int = 128
+    """Prompts longer than this many tokens are rejected with their file and row."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by data.seed and the epoch)."""
+    seed: int = 0
+    """Shuffle seed."""
+    synthetic_size: int = 2048
+    """Prompts per epoch of the built-in synthetic task."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")
+        require(self.synthetic_size >= 1, p + "synthetic_size", self.synthetic_size, ">= 1")
+        require(bool(self.prompt_key), p + "prompt_key", self.prompt_key, "a non-empty column name")
+
+
+LOGGER_BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
+
+
+@dataclass
+class LoggerConfig:
+    backends: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks, any of console, jsonl, wandb, tensorboard."""
+    project: str = "fully_async"
+    """Project name (wandb / tensorboard)."""
+    run_name: str | None = None
+    """Run name; null = the run directory's name."""
+
+    def validate_section(self, p: str) -> None:
+        from fully_async.config.base import suggest
+
+        for i, b in enumerate(self.backends):
+            if b not in LOGGER_BACKENDS:
+                raise ConfigError(f"{p}backends[{i}] must be one of {list(LOGGER_BACKENDS)}, got {b!r}{suggest(b, LOGGER_BACKENDS)}")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project environment in .venv/ and, unless FULLY_ASYNC_SKIP_ENGINE=1, the engine
+# environment in .venv-engine/. Idempotent: a second run with unchanged pyproject/constraints takes seconds.
+#
+#   bash scripts/setup.sh            # project venv + engine venv + verl patches
+#   PYTHON=python3.11 bash scripts/setup.sh
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+python="${PYTHON:-python3}"
+venv="$root/.venv"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# On a machine without CUDA, pin torch to the CPU build: an unpinned torch resolves to a multi-GB CUDA wheel.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    constraints="$root/constraints/gpu.txt"
+else
+    constraints="$root/constraints/cpu.txt"
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+    log "creating $venv with $($python --version 2>&1)"
+    "$python" -m venv "$venv"
+fi
+
+stamp="$venv/.fully_async-setup"
+want="$(cat pyproject.toml "$constraints" | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    log "project venv up to date ($venv)"
+else
+    log "installing fully_async[dev] into $venv (constraints: ${constraints#"$root/"})"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[dev]"
+    echo "$want" >"$stamp"
+    log "project venv ready"
+fi
+
+if [ -x "$root/scripts/apply_verl_patches.sh" ]; then
+    "$root/scripts/apply_verl_patches.sh"
+fi
+
+if [ "${FULLY_ASYNC_SKIP_ENGINE:-0}" != "1" ] && [ -x "$root/scripts/setup_engine_env.sh" ]; then
+    "$root/scripts/setup_engine_env.sh"
+fi
