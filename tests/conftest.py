@@ -1,0 +1,23 @@
+"""Shared fixtures. One local Ray instance serves every integration test of a session (ray.init costs ~6 s)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Ray 2.60 turns on token auth for local clusters; tests start a private local cluster, so auth adds nothing here.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray cluster for the whole session. Logical CPUs exceed the 2 real cores on purpose: actors here are
+    mostly idle waiters, and verl workers reserve CPUs for placement only."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    yield ray
+    ray.shutdown()
