@@ -47,7 +47,9 @@ class AsyncTrainingConfig:
         require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, ">= 0")
         require(self.sync_every >= 1, p + "sync_every", self.sync_every, ">= 1")
         require(self.groups_per_step >= 1, p + "groups_per_step", self.groups_per_step, ">= 1")
-        require(self.queue_capacity >= 0, p + "queue_capacity", self.queue_capacity, ">= 0 (0 = derived from the bound)")
+        require(
+            self.queue_capacity >= 0, p + "queue_capacity", self.queue_capacity, ">= 0 (0 = derived from the bound)"
+        )
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
 
 
@@ -112,7 +114,9 @@ class EngineConfig:
         require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
         require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
         require(self.kv_cache_gib > 0, p + "kv_cache_gib", self.kv_cache_gib, "> 0")
-        require(0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        require(
+            0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
+        )
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s"):
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
@@ -136,12 +140,25 @@ class TinyModelConfig:
     """Longest sequence the model supports."""
     seed: int = 0
     """Seed of the random initialisation."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of the weights."""
 
     def validate_section(self, p: str) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             require(getattr(self, name) >= 1, p + name, getattr(self, name), ">= 1")
-        require(self.hidden_size % self.num_heads == 0, p + "hidden_size", self.hidden_size, f"a multiple of num_heads={self.num_heads}")
-        require(self.num_heads % self.num_kv_heads == 0, p + "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
+        require(
+            self.hidden_size % self.num_heads == 0,
+            p + "hidden_size",
+            self.hidden_size,
+            f"a multiple of num_heads={self.num_heads}",
+        )
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            p + "num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads}",
+        )
+        require(self.init_std > 0, p + "init_std", self.init_std, "> 0")
 
 
 @dataclass
@@ -295,4 +312,6 @@ class LoggerConfig:
 
         for i, b in enumerate(self.backends):
             if b not in LOGGER_BACKENDS:
-                raise ConfigError(f"{p}backends[{i}] must be one of {list(LOGGER_BACKENDS)}, got {b!r}{suggest(b, LOGGER_BACKENDS)}")
+                raise ConfigError(
+                    f"{p}backends[{i}] must be one of {list(LOGGER_BACKENDS)}, got {b!r}{suggest(b, LOGGER_BACKENDS)}"
+                )

@@ -1,0 +1,173 @@
+"""A tiny Hugging Face model and tokenizer built locally (no network), cached by a hash of their settings.
+
+The tokenizer is byte-level with no merges: every UTF-8 byte is one token (ids 0-255), so digits, words, spaces and
+newlines of any synthetic task are covered and nothing is ever unknown. Three special tokens follow the bytes:
+`<|endoftext|>` (eos and pad), `<|im_start|>` and `<|im_end|>`, with a Qwen-style chat template. The model's
+`vocab_size` equals the tokenizer's length exactly, so engines and trainers agree on the logits' width.
+
+Contract: `build_tiny_model(cfg)` returns a directory that both transformers (project venv) and vLLM (engine venv) load;
+the same settings give byte-identical weights; concurrent builders never expose a half-written directory (each builds
+in a private temporary directory and renames it into place; the loser of the race discards its copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from fully_async.config import ConfigError, ModelConfig, TinyModelConfig
+
+BUILDER_VERSION = 1
+"""Bumped whenever the files written change, so old cache entries are not reused."""
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+NUM_BYTES = 256
+VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+DEFAULT_CACHE_DIR = Path("~/.cache/fully_async/models")
+# Seeding and initialising use torch's global RNG; threads of one process must not interleave there.
+_RNG_LOCK = threading.Lock()
+
+
+def settings_hash(cfg: TinyModelConfig) -> str:
+    """Short, stable hash of everything that determines the built files."""
+    payload = json.dumps({"builder": BUILDER_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    # id == byte value, in the same byte -> character table the ByteLevel pre-tokenizer applies.
+    vocab = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    # No regex split and no prefix space: the text maps byte for byte, so decode(encode(s)) == s.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    special = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    config = {
+        # The generic class loads tokenizer.json as written; model-specific classes (Qwen2Tokenizer) would rebuild
+        # their own pipeline in transformers 5.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": CHAT_TEMPLATE,
+        **special,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses, indexed by byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(NUM_BYTES):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(NUM_BYTES + extra)
+            extra += 1
+    return [table[b] for b in range(NUM_BYTES)]
+
+
+def _model_config(cfg: TinyModelConfig):
+    from transformers import LlamaConfig, Qwen2Config
+
+    eos, im_end = NUM_BYTES, NUM_BYTES + 2
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    config = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
+    config.dtype = "float32"
+    return config, [eos, im_end]
+
+
+def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config, eos_ids = _model_config(cfg)
+    # fork_rng keeps the caller's global RNG untouched; the seed alone decides the weights.
+    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Engines stop on any of these: a chat turn ends with <|im_end|>, plain text with <|endoftext|>.
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0], bos_token_id=eos_ids[0]).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+
+
+def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) -> Path:
+    """Build (or reuse from the cache) the tiny model described by cfg and return its directory."""
+    cfg.validate_section("model.tiny.")
+    root = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+    final = root / f"tiny-{cfg.arch}-{settings_hash(cfg)}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        _write_model(cfg, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another builder renamed its copy first; identical settings give identical files, so keep theirs.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model_path(model_cfg: ModelConfig) -> Path:
+    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build."""
+    if model_cfg.path:
+        path = Path(model_cfg.path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(
+                f"model.path must be an existing Hugging Face model directory, got {model_cfg.path!r} (not found)"
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.path {model_cfg.path!r} has no config.json; is it a Hugging Face model directory?"
+            )
+        return path.resolve()
+    return build_tiny_model(model_cfg.tiny, model_cfg.cache_dir)
