@@ -102,8 +102,9 @@ class FullyAsyncConfig:
             "groups_per_step": at.groups_per_step,
             "groups_per_version": at.groups_per_version,
             "max_groups_ahead_of_trainer": (at.max_staleness + 1) * at.groups_per_version,
-            "max_inflight_groups": min(math.ceil(self.rollout.max_concurrent / self.rollout.n),
-                                       (at.max_staleness + 1) * at.groups_per_version),
+            "max_inflight_groups": min(
+                math.ceil(self.rollout.max_concurrent / self.rollout.n), (at.max_staleness + 1) * at.groups_per_version
+            ),
             "max_inflight_samples": self.rollout.max_concurrent,
             "queue_capacity_groups": at.effective_queue_capacity(),
         }
@@ -143,15 +144,17 @@ def check_overrides(overrides: list[str]) -> None:
         if key in GROUPS and isinstance(ov.value(), str) and not ov.is_delete():
             options = group_options(key)
             if ov.value() not in options:
-                raise ConfigError(f"{key}={ov.value()} is not a shipped option of the '{key}' group; "
-                                  f"choose one of {options}{suggest(ov.value(), options)}")
+                raise ConfigError(
+                    f"{key}={ov.value()} is not a shipped option of the '{key}' group; "
+                    f"choose one of {options}{suggest(ov.value(), options)}"
+                )
             continue
         _, err = schema_node(FullyAsyncConfig, key.split("."))
         if err:
             raise ConfigError(err)
 
 
-def _register_defaults() -> None:
+def register_defaults() -> None:
     """Store the dataclass defaults as an untyped node, so every key exists for overrides while type and range
     checks stay ours (they name the key and what is allowed; OmegaConf's do not)."""
     from hydra.core.config_store import ConfigStore
@@ -166,7 +169,7 @@ def compose(overrides: list[str] | None = None) -> FullyAsyncConfig:
 
     overrides = list(overrides or [])
     check_overrides(overrides)
-    _register_defaults()
+    register_defaults()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         composed = hydra_compose(config_name=PRIMARY_CONFIG, overrides=overrides)
     return build_config(composed)

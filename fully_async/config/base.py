@@ -97,7 +97,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}{suggest(str(value), map(str, allowed))}")
+            raise ConfigError(
+                f"{key} must be one of {list(allowed)}, got {value!r}{suggest(str(value), map(str, allowed))}"
+            )
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -139,7 +141,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in names:
-            raise ConfigError(f"unknown config key '{key}'{suggest(str(name), names)}; valid keys here: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key '{key}'{suggest(str(name), names)}; valid keys here: {', '.join(names)}"
+            )
         kwargs[name] = _convert(value, hints[name], key)
     return cls(**kwargs)
 

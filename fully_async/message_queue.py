@@ -1,0 +1,171 @@
+"""MessageQueue: the bounded, version-aware buffer of TrajectoryGroups between the rollouter and the trainer.
+
+Runs as an async Ray actor (`create_message_queue`); the class itself is plain asyncio so its logic is tested
+without Ray too. Contracts:
+
+- Bounded with backpressure: `put` waits while the queue is full. Nothing is ever dropped silently.
+- `get(k, trainer_version)` returns the k oldest groups that pass the staleness check at that version. Groups that
+  fail it are removed, counted, and kept for re-issue; the rollouter collects their prompts with `take_reissue()`.
+- `snapshot()` / `restore()` carry the queued groups and pending re-issues through a checkpoint (no pickle).
+- `close(reason)` wakes every blocked caller with QueueClosed(reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from typing import Any
+
+from fully_async.protocol import PromptRef, TrajectoryGroup, decode_groups, encode_groups
+from fully_async.staleness import is_fresh
+
+
+class QueueClosed(RuntimeError):
+    """The queue was closed (shutdown or a failure elsewhere); the message says why."""
+
+
+class QueueTimeout(TimeoutError):
+    """A put or get waited longer than its timeout; the message carries the queue's state."""
+
+
+class MessageQueue:
+    def __init__(self, capacity: int, max_staleness: int) -> None:
+        if capacity < 1 or max_staleness < 0:
+            raise ValueError(f"capacity >= 1 and max_staleness >= 0 required, got {capacity}, {max_staleness}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self._items: deque[TrajectoryGroup] = deque()
+        self._reissue: list[PromptRef] = []
+        self._changed = asyncio.Condition()
+        self._closed: str | None = None
+        self._c = {
+            "put": 0,
+            "got": 0,
+            "dropped_stale": 0,
+            "reissue_taken": 0,
+            "put_waits": 0,
+            "get_waits": 0,
+            "put_wait_s": 0.0,
+            "get_wait_s": 0.0,
+        }
+
+    # -- producer ----------------------------------------------------------------------------------------------
+    async def put(self, groups: list[TrajectoryGroup], timeout: float | None = None) -> int:
+        """Append all `groups` at once, waiting for room; returns the queue size after. A batch larger than the
+        capacity goes in when the queue is empty (so no batch can wait forever)."""
+        if not groups:
+            return len(self._items)
+        async with self._changed:
+            waited = await self._wait(
+                lambda: not self._items or len(self._items) + len(groups) <= self.capacity, timeout, "put", len(groups)
+            )
+            self._items.extend(groups)
+            self._c["put"] += len(groups)
+            self._c["put_waits"] += waited > 0
+            self._c["put_wait_s"] += waited
+            self._changed.notify_all()
+            return len(self._items)
+
+    # -- consumer ----------------------------------------------------------------------------------------------
+    async def get(self, k: int, trainer_version: int, timeout: float | None = None) -> list[TrajectoryGroup]:
+        """The k oldest groups fresh enough to train at `trainer_version`, waiting until there are k.
+
+        Stale groups met on the way are removed and their prompts kept for re-issue."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        async with self._changed:
+            waited = await self._wait(lambda: self._drop_stale(trainer_version) >= k, timeout, "get", k)
+            out = [self._items.popleft() for _ in range(k)]
+            self._c["got"] += k
+            self._c["get_waits"] += waited > 0
+            self._c["get_wait_s"] += waited
+            self._changed.notify_all()
+            return out
+
+    def _drop_stale(self, trainer_version: int) -> int:
+        """Remove groups too stale for `trainer_version`; return how many remain."""
+        if any(not is_fresh(g.min_version, trainer_version, self.max_staleness) for g in self._items):
+            keep: deque[TrajectoryGroup] = deque()
+            for g in self._items:
+                if is_fresh(g.min_version, trainer_version, self.max_staleness):
+                    keep.append(g)
+                else:
+                    self._reissue.append(g.prompt)
+                    self._c["dropped_stale"] += 1
+            self._items = keep
+        return len(self._items)
+
+    async def _wait(self, ready, timeout: float | None, what: str, n: int) -> float:
+        """Wait on the condition until ready() or closed; raise QueueClosed / QueueTimeout.
+
+        Returns the seconds spent blocked (0.0 when ready at once)."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        blocked = False
+        while True:
+            if self._closed is not None:
+                raise QueueClosed(f"message queue closed: {self._closed}")
+            if ready():
+                return time.monotonic() - start if blocked else 0.0
+            blocked = True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise QueueTimeout(f"{what}({n}) waited {timeout:.1f}s; queue state: {self.stats()}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+
+    def take_reissue(self) -> list[PromptRef]:
+        """Prompts of groups dropped as stale since the last call; the caller re-issues them."""
+        out, self._reissue = self._reissue, []
+        self._c["reissue_taken"] += len(out)
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def close(self, reason: str = "shutdown") -> None:
+        async with self._changed:
+            self._closed = reason
+            self._changed.notify_all()
+
+    def size(self) -> int:
+        return len(self._items)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "size": len(self._items),
+            "capacity": self.capacity,
+            "pending_reissue": len(self._reissue),
+            "closed": self._closed is not None,
+            **self._c,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queued groups (encoded bytes), prompts awaiting re-issue and counters, for a lossless checkpoint."""
+        return {
+            "groups": encode_groups(self._items),
+            "meta": json.dumps({"reissue": [p.uid for p in self._reissue], "counters": self._c}),
+        }
+
+    async def restore(self, snap: dict[str, Any]) -> int:
+        """Replace the contents with a snapshot's; returns the number of groups restored."""
+        meta = json.loads(snap["meta"])
+        async with self._changed:
+            self._items = deque(decode_groups(snap["groups"]))
+            self._reissue = [PromptRef.parse(u) for u in meta["reissue"]]
+            self._c.update(meta["counters"])
+            self._closed = None
+            self._changed.notify_all()
+            return len(self._items)
+
+
+def create_message_queue(capacity: int, max_staleness: int, name: str | None = None):
+    """Start the MessageQueue as an async Ray actor (one event loop; waits never block other calls)."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+    if name:
+        options["name"] = name
+    return ray.remote(MessageQueue).options(**options).remote(capacity, max_staleness)

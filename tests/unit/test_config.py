@@ -1,0 +1,126 @@
+"""Config composition and validation: every shipped config validates; bad configs name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fully_async.config import (
+    CONFIG_DIR,
+    GROUPS,
+    ConfigError,
+    FullyAsyncConfig,
+    build_config,
+    compose,
+    describe,
+    field_docs,
+    group_options,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shipped_group_options():
+    return [(g, o) for g in GROUPS for o in group_options(g)]
+
+
+@pytest.mark.parametrize(("group", "option"), shipped_group_options())
+def test_every_shipped_group_option_composes_and_validates(group, option):
+    cfg = compose([f"{group}={option}"])
+    assert isinstance(cfg, FullyAsyncConfig)
+
+
+def test_every_group_has_an_option_and_each_yaml_opens_with_its_command():
+    for group in GROUPS:
+        assert group_options(group), f"config group {group}/ ships no option"
+        for path in (CONFIG_DIR / group).glob("*.yaml"):
+            assert path.read_text().startswith("#"), f"{path} must open with a comment naming the command that uses it"
+
+
+def example_configs():
+    return sorted((REPO / "examples").glob("**/config.yaml"))
+
+
+@pytest.mark.parametrize("path", example_configs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_example_config_validates(path):
+    data = yaml.safe_load(path.read_text())
+    overrides = [f"{k}={v}" for k, v in data.get("overrides", {}).items()]
+    compose(overrides)
+
+
+BAD = [
+    (["async_training.max_staleness=-1"], "async_training.max_staleness", ">= 0"),
+    (["rollout.n=0"], "rollout.n", ">= 1"),
+    (["rollout.n=1"], "rollout.n", "group baseline"),  # grpo needs two samples per group
+    (["rollout.nn=4"], "rollout.nn", "did you mean 'rollout.n'"),
+    (["+trainer.total_stpes=4"], "trainer.total_stpes", "did you mean 'trainer.total_steps'"),
+    (["rollout.n=four"], "rollout.n", "integer"),
+    (["async_training.partial_rollout=maybe"], "async_training.partial_rollout", "true or false"),
+    (["async_training.sync_every=0"], "async_training.sync_every", ">= 1"),
+    (["rollout.temperature=0"], "rollout.temperature", "> 0"),
+    (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
+    (["engine.dtype=fp8"], "engine.dtype", "one of"),
+    (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "did you mean 'grpo'"),
+    (["engine=vlm"], "engine=vlm", "did you mean 'vllm'"),
+    (["logger.backends=[console,wandbb]"], "logger.backends[1]", "did you mean 'wandb'"),
+    (["reward.function=not a path"], "reward.function", "dotted path"),
+    (["rollout.response_length=1000"], "engine.max_model_len", "data.max_prompt_length + rollout.response_length"),
+    (["model.tiny.hidden_size=130"], "model.tiny.hidden_size", "multiple of num_heads"),
+    (["trainer.total_steps=0"], "trainer.total_steps", ">= 1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "hint"), BAD, ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_config_raises_config_error_naming_the_key(overrides, key, hint):
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert key in str(err.value)
+    assert hint in str(err.value)
+
+
+def test_unknown_key_in_a_mapping_is_rejected_with_suggestion():
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'async_training.max_stalenes' \(did you mean 'max_staleness'"
+    ):
+        build_config({"async_training": {"max_stalenes": 2}})
+
+
+def test_limits_follow_the_staleness_rule():
+    cfg = compose(["async_training.max_staleness=2", "async_training.groups_per_step=4", "async_training.sync_every=2"])
+    limits = cfg.limits()
+    assert limits["groups_per_version"] == 8
+    assert limits["max_groups_ahead_of_trainer"] == (2 + 1) * 8
+    assert limits["queue_capacity_groups"] == 24
+    assert limits["max_inflight_groups"] == min(64 // 4, 24)
+
+
+def test_every_field_has_a_docstring():
+    missing = [key for key, _, _, doc in describe() if not doc]
+    assert not missing, f"fields without a one-line docstring: {missing}"
+    assert "staleness" in field_docs(type(FullyAsyncConfig().async_training))["max_staleness"].lower()
+
+
+def test_config_modules_import_without_torch_or_ray():
+    code = "import sys, fully_async.config, fully_async.runner; assert 'torch' not in sys.modules and 'ray' not in sys.modules, sorted(m for m in sys.modules if m in ('torch', 'ray'))"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_runner_prints_composed_config_and_rejects_bad_keys(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_async.runner", "--cfg", "job", "rollout.n=8"],
+        capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    printed = yaml.safe_load(out.stdout)
+    assert printed["rollout"]["n"] == 8 and printed["async_training"]["max_staleness"] == 1
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "fully_async.runner", "rollout.temprature=0.5", f"hydra.run.dir={tmp_path}/run"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "did you mean 'rollout.temperature'" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,93 @@
+"""MessageQueue logic on a plain event loop (the Ray actor wraps this same class: tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fully_async.message_queue import MessageQueue, QueueClosed, QueueTimeout
+from fully_async.protocol import PromptRef
+from tests.helpers import make_group
+
+
+async def test_fifo_and_batched_put_get():
+    q = MessageQueue(capacity=10, max_staleness=1)
+    assert await q.put([make_group(i) for i in range(5)]) == 5
+    got = await q.get(3, trainer_version=0)
+    assert [g.prompt.index for g in got] == [0, 1, 2]
+    assert q.stats()["size"] == 2 and q.stats()["got"] == 3
+
+
+async def test_full_queue_blocks_the_producer_until_a_get():
+    q = MessageQueue(capacity=2, max_staleness=0)
+    await q.put([make_group(0), make_group(1)])
+    producer = asyncio.create_task(q.put([make_group(2)]))
+    await asyncio.sleep(0.05)
+    assert not producer.done() and q.size() == 2
+    await q.get(1, trainer_version=0)
+    assert await asyncio.wait_for(producer, 1) == 2
+    assert q.stats()["put_waits"] == 1 and q.stats()["put_wait_s"] > 0.04
+
+
+async def test_put_timeout_when_full_says_the_state():
+    q = MessageQueue(capacity=1, max_staleness=0)
+    await q.put([make_group(0)])
+    with pytest.raises(QueueTimeout, match="'size': 1"):
+        await q.put([make_group(1)], timeout=0.05)
+    assert q.size() == 1  # nothing half-put
+
+
+async def test_oversized_batch_goes_in_when_empty():
+    q = MessageQueue(capacity=2, max_staleness=0)
+    assert await asyncio.wait_for(q.put([make_group(i) for i in range(5)]), 1) == 5
+
+
+async def test_stale_groups_are_dropped_and_handed_back_for_reissue():
+    q = MessageQueue(capacity=10, max_staleness=1)
+    await q.put(
+        [make_group(0, version=0), make_group(1, version=2), make_group(2, version=1), make_group(3, version=3)]
+    )
+    got = await q.get(2, trainer_version=2)  # version 0 is 2 behind: dropped
+    assert [g.prompt.index for g in got] == [1, 2]
+    assert q.take_reissue() == [PromptRef(0, 0)]
+    assert q.take_reissue() == []
+    assert q.stats()["dropped_stale"] == 1
+
+
+async def test_getter_waits_for_enough_fresh_groups():
+    q = MessageQueue(capacity=10, max_staleness=0)
+    getter = asyncio.create_task(q.get(2, trainer_version=1))
+    await q.put([make_group(0, version=0), make_group(1, version=1)])
+    await asyncio.sleep(0.05)
+    assert not getter.done()  # one stale, one fresh: not enough
+    await q.put([make_group(2, version=1)])
+    got = await asyncio.wait_for(getter, 1)
+    assert [g.prompt.index for g in got] == [1, 2]
+    assert q.take_reissue() == [PromptRef(0, 0)]
+
+
+async def test_close_wakes_blocked_callers_with_the_reason():
+    q = MessageQueue(capacity=1, max_staleness=0)
+    await q.put([make_group(0)])
+    getter = asyncio.create_task(q.get(5, trainer_version=0))
+    putter = asyncio.create_task(q.put([make_group(1)]))
+    await asyncio.sleep(0.02)
+    await q.close("trainer failed")
+    for task in (getter, putter):
+        with pytest.raises(QueueClosed, match="trainer failed"):
+            await asyncio.wait_for(task, 1)
+
+
+async def test_snapshot_restore_round_trip():
+    q = MessageQueue(capacity=10, max_staleness=0)
+    groups = [make_group(i, version=i % 2) for i in range(4)]
+    await q.put(groups)
+    await q.get(1, trainer_version=1)  # drops groups 0 and 2 (version 0), returns group 1
+    snap = q.snapshot()
+    fresh = MessageQueue(capacity=10, max_staleness=0)
+    assert await fresh.restore(snap) == 1
+    assert fresh.take_reissue() == [PromptRef(0, 0), PromptRef(0, 2)]
+    got = await fresh.get(1, trainer_version=1)
+    assert got[0].same_as(groups[3])
+    assert fresh.stats()["dropped_stale"] == 2
