@@ -1,0 +1,82 @@
+"""The training-backend boundary: what the trainer loop asks of whatever does the gradient steps.
+
+A backend owns the policy weights (and an optional frozen reference model). The trainer hands it lists of
+TrajectoryGroups; the backend assembles them into its own batch layout, recomputes the proximal (and reference)
+log-probs, computes advantages, applies the decoupled-PPO update and reports scalar metrics. It exports its current
+weights for the inference engines and saves / restores its full state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fully_async.config import AlgorithmConfig, TrainerConfig
+    from fully_async.protocol import TrajectoryGroup
+
+
+class TrainingBackend(ABC):
+    """Contract shared by all backends. Calls are blocking and must not be made concurrently."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Training ranks (data-parallel size)."""
+
+    @abstractmethod
+    def compute_log_probs(self, groups: Sequence[TrajectoryGroup], *, reference: bool = False) -> list[np.ndarray]:
+        """Log-probs of every response token under the current policy (or the reference model), one float32 array
+        per trajectory in `protocol.flatten(groups)` order, each of the trajectory's response length."""
+
+    @abstractmethod
+    def update(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        """One trainer step on these groups (any number, any sizes): advantages, proximal / reference log-probs,
+        importance weights, `ppo_epochs x num_mini_batches` optimizer steps, one LR-scheduler step. Returns metrics."""
+
+    @abstractmethod
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+        """Write the current weights as Hugging Face safetensors (plus the model's config and tokenizer files) into
+        `out_dir`, cast to `dtype`; returns the weight files written."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str | Path, step: int) -> None:
+        """Persist everything needed to resume identically (weights, optimizer, LR schedule, RNG, step)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore a `save_checkpoint` directory; returns the step it was saved at."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and resources. Idempotent."""
+
+
+def build_backend(
+    trainer: TrainerConfig,
+    algorithm: AlgorithmConfig,
+    model_path: str | Path,
+    *,
+    temperature: float = 1.0,
+    use_reference: bool | None = None,
+    device: str | None = None,
+) -> TrainingBackend:
+    """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
+
+    `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
+    defaults to `algorithm.use_kl_loss`. `device` is "cpu" or "cuda"; None = cuda when available.
+    Ray must already be initialised by the caller.
+    """
+    from fully_async.config import ConfigError
+
+    if trainer.backend == "verl":
+        from fully_async.training.verl_backend import VerlBackend
+
+        return VerlBackend(
+            trainer, algorithm, model_path, temperature=temperature, use_reference=use_reference, device=device
+        )
+    raise ConfigError(f"trainer.backend must be one of ['verl'], got {trainer.backend!r}")

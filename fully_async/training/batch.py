@@ -1,0 +1,219 @@
+"""TrajectoryGroups -> the tensors verl's engine consumes, advantages and off-policy importance weights.
+
+Layout (as verl's PPO trainer builds it): `prompts` left-padded to P, `responses` right-padded to R, `input_ids` =
+prompts ++ responses, `attention_mask`, `position_ids`, and `response_mask` (1 on response tokens that enter the loss:
+padding and tool/environment tokens are 0). `to_engine_td` converts to verl's no-padding (nested) layout.
+
+Rows for data parallelism: verl splits a batch into equal contiguous chunks per rank, and each rank's chunk into equal
+mini-batches, asserting divisibility. `dp_layout` pads with inert rows (one prompt token, one response token, mask 0)
+and spreads the real rows round-robin over (mini-batch, rank) slots, so every global mini-batch holds real tokens and
+the loss — normalised by the global mini-batch's token count — does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from fully_async.protocol import NO_VERSION, TrajectoryGroup, flatten
+
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+
+
+@dataclass
+class PaddedBatch:
+    """Padded tensors of B rows. Rows past `num_real` (after `dp_layout`, rows where `source` is -1) are padding."""
+
+    prompts: torch.Tensor
+    """(B, P) int64, left-padded."""
+    responses: torch.Tensor
+    """(B, R) int64, right-padded."""
+    attention_mask: torch.Tensor
+    """(B, P + R) int64."""
+    response_mask: torch.Tensor
+    """(B, R) int64: 1 where the token enters the loss."""
+    behaviour_logprobs: torch.Tensor
+    """(B, R) float32 log-probs reported by the engine (0 on padding)."""
+    token_versions: torch.Tensor
+    """(B, R) int64 policy version per token (NO_VERSION on padding / tool tokens); for metrics only."""
+    rewards: torch.Tensor
+    """(B,) float32 scalar reward per trajectory."""
+    group_index: np.ndarray
+    """(B,) object array: the group uid of each row (advantage baselines are per group)."""
+    source: np.ndarray
+    """(B,) int64: index of the row in `flatten(groups)`, -1 for padding rows."""
+
+    @property
+    def size(self) -> int:
+        return self.prompts.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.attention_mask[:, self.prompts.shape[1] :].sum(-1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def select(self, rows: np.ndarray) -> PaddedBatch:
+        """Rows by index into this batch; index -1 gives an inert padding row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        pad = rows < 0
+        take = torch.from_numpy(np.where(pad, 0, rows))
+        pad_t = torch.from_numpy(pad)
+        out = {}
+        for name in ("prompts", "responses", "attention_mask", "response_mask", "behaviour_logprobs", "rewards"):
+            out[name] = getattr(self, name)[take].clone()
+        out["token_versions"] = self.token_versions[take].clone()
+        if pad.any():
+            p = self.prompts.shape[1]
+            out["attention_mask"][pad_t] = 0
+            out["attention_mask"][pad_t, p - 1] = 1  # one prompt token: verl requires prompt length >= 1
+            out["attention_mask"][pad_t, p] = 1  # one response token, masked out of the loss
+            for name in ("response_mask", "behaviour_logprobs", "rewards"):
+                out[name][pad_t] = 0
+            out["token_versions"][pad_t] = NO_VERSION
+        group_index = np.where(pad, "", self.group_index[np.where(pad, 0, rows)])
+        source = np.where(pad, -1, self.source[np.where(pad, 0, rows)])
+        return PaddedBatch(group_index=group_index, source=source, **out)
+
+
+def assemble(groups: Sequence[TrajectoryGroup], pad_token_id: int = 0) -> PaddedBatch:
+    """Pad the trajectories of `groups` (in `flatten` order) into one batch. Empty responses keep one padded slot."""
+    trajs = flatten(groups)
+    if not trajs:
+        raise ValueError("cannot assemble a batch from zero trajectories")
+    b = len(trajs)
+    p = max(len(t.prompt_ids) for t in trajs)
+    r = max(1, max(len(t.response_ids) for t in trajs))
+    prompts = torch.full((b, p), pad_token_id, dtype=torch.int64)
+    responses = torch.full((b, r), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((b, p + r), dtype=torch.int64)
+    response_mask = torch.zeros((b, r), dtype=torch.int64)
+    behaviour = torch.zeros((b, r), dtype=torch.float32)
+    versions = torch.full((b, r), NO_VERSION, dtype=torch.int64)
+    for i, t in enumerate(trajs):
+        lp, lr = len(t.prompt_ids), len(t.response_ids)
+        prompts[i, p - lp :] = torch.from_numpy(t.prompt_ids.astype(np.int64))
+        attention_mask[i, p - lp : p + lr] = 1
+        if lr:
+            responses[i, :lr] = torch.from_numpy(t.response_ids.astype(np.int64))
+            response_mask[i, :lr] = torch.from_numpy(t.loss_mask.astype(np.int64))
+            behaviour[i, :lr] = torch.from_numpy(t.behaviour_logprobs.astype(np.float32))
+            versions[i, :lr] = torch.from_numpy(t.token_versions.astype(np.int64))
+    rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)
+    group_index = np.array([t.prompt_uid for t in trajs], dtype=object)
+    return PaddedBatch(
+        prompts=prompts,
+        responses=responses,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour,
+        token_versions=versions,
+        rewards=rewards,
+        group_index=group_index,
+        source=np.arange(b, dtype=np.int64),
+    )
+
+
+def dp_layout(num_real: int, dp_size: int, num_mini_batches: int) -> tuple[np.ndarray, int]:
+    """Row order for `dp_size` ranks x mini-batches: returns (rows, mini-batches actually used), where `rows[k]` is
+    a real row index or -1 (padding). len(rows) is a multiple of dp_size x mini-batches.
+
+    Slot s = (mini-batch s // dp_size, rank s % dp_size); real row j goes to slot j % slots. The number of
+    mini-batches is capped so that each global mini-batch gets at least one real row (an empty one would be 0/0).
+    """
+    if num_real < 1:
+        raise ValueError("dp_layout needs at least one real row")
+    num_mini = max(1, min(num_mini_batches, -(-num_real // dp_size)))
+    slots = dp_size * num_mini
+    per_slot = -(-num_real // slots)
+    table = np.full((slots, per_slot), -1, dtype=np.int64)
+    for j in range(num_real):
+        table[j % slots, j // slots] = j
+    # verl hands rank r the contiguous chunk r, and within it mini-batch m is the contiguous block m.
+    order = [table[m * dp_size + rank] for rank in range(dp_size) for m in range(num_mini)]
+    return np.concatenate(order), num_mini
+
+
+def token_level_rewards(batch: PaddedBatch) -> torch.Tensor:
+    """(B, R) with each trajectory's reward on its last response token (whether or not that token is in the loss)."""
+    out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+    lengths = batch.response_lengths
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = batch.rewards[rows]
+    return out
+
+
+def compute_advantages(batch: PaddedBatch, estimator: str, norm_adv_by_std: bool = True) -> torch.Tensor:
+    """(B, R) advantages from verl's `core_algos` estimator registry (outcome rewards, gamma = 1), 0 off the mask."""
+    from verl.trainer.config.algorithm import AlgoConfig
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {list(ADV_ESTIMATORS)}, got {estimator!r}")
+    fn = get_adv_estimator_fn(estimator)
+    mask = batch.response_mask.float()
+    kwargs = dict(token_level_rewards=token_level_rewards(batch), response_mask=mask, index=batch.group_index)
+    if estimator == "grpo":
+        adv, _ = fn(**kwargs, norm_adv_by_std_in_grpo=norm_adv_by_std)
+    else:
+        adv, _ = fn(**kwargs, config=AlgoConfig(gamma=1.0, lam=1.0))
+    return (adv * mask).float()
+
+
+def importance_weights(
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights min(pi_prox / pi_behave, threshold) at token or sequence level, via verl's
+    rollout-correction helper, and its mismatch metrics. A batch with no loss token gets weights of 1 (nothing to
+    correct; verl raises on it)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    if not response_mask.any():
+        return torch.ones_like(prox_logprobs), {}
+    weights, _, metrics = compute_rollout_correction_and_rejection_mask(
+        prox_logprobs, behaviour_logprobs, response_mask, rollout_is=level, rollout_is_threshold=threshold
+    )
+    return weights.batch["rollout_is_weights"].float(), metrics
+
+
+def to_engine_td(batch: PaddedBatch, temperature: float, **tensors: torch.Tensor):
+    """verl's no-padding TensorDict for `batch`, with extra (B, R) padded `tensors` (old_log_probs, advantages, ...)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    fields = dict(
+        prompts=batch.prompts,
+        responses=batch.responses,
+        input_ids=torch.cat([batch.prompts, batch.responses], dim=1),
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        response_mask=batch.response_mask,
+    )
+    fields.update(tensors)
+    td = tu.get_tensordict(tensor_dict=fields, non_tensor_dict=dict(temperature=float(temperature)))
+    return left_right_2_no_padding(td)
+
+
+def version_metrics(batch: PaddedBatch, trainer_version: int) -> dict[str, float]:
+    """Staleness of the trained tokens: trainer_version minus each token's policy version, over loss tokens."""
+    keep = (batch.response_mask > 0) & (batch.token_versions != NO_VERSION)
+    if not keep.any():
+        return {}
+    lag = (trainer_version - batch.token_versions[keep]).float()
+    return {"staleness/token_mean": lag.mean().item(), "staleness/token_max": lag.max().item()}
+
+
+def with_rows(batch: PaddedBatch, rows: np.ndarray) -> PaddedBatch:
+    """`batch.select(rows)`, or `batch` itself when `rows` is the identity."""
+    if len(rows) == batch.size and np.array_equal(rows, np.arange(batch.size)):
+        return replace(batch)
+    return batch.select(rows)

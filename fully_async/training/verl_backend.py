@@ -1,0 +1,350 @@
+"""The verl backend: our driver over verl 0.9.1 `TrainingWorker` ranks in a `RayWorkerGroup`.
+
+verl does the heavy lifting (FSDP2 sharding, token-budget micro-batches, AdamW, LR schedule, grad clipping,
+checkpoints). This module translates our config into verl's config dataclasses, builds the worker groups (policy and
+optional forward-only reference), turns TrajectoryGroups into engine batches and runs the decoupled-PPO step:
+
+  pi_prox = infer_batch(policy)            (recompute_prox=true; else pi_prox = pi_behave, the bypass)
+  w       = min(pi_prox / pi_behave, T)    (token or sequence level, verl's rollout-correction helper)
+  loss    = verl ppo_loss: clip on pi_theta / pi_prox, weighted by w, + KL to pi_ref, - entropy bonus
+
+Calls go through `execute_all_async` + `ray.get(timeout=...)` rather than the group's bound methods, so a dead or
+stuck rank raises `TrainerTimeout` instead of hanging; the split over data-parallel ranks is done here with the rank
+mapping verl's own dispatch uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+from fully_async.protocol import TrajectoryGroup, flatten
+from fully_async.training import batch as B
+from fully_async.training.base import TrainingBackend
+
+log = logging.getLogger(__name__)
+
+_COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+_STATE_FILE = "fully_async_backend.json"
+
+
+class TrainerTimeout(RuntimeError):
+    """A training rank did not answer within the call timeout."""
+
+
+def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool):
+    """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss)."""
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+
+    if trainer.strategy != "fsdp2":
+        raise ConfigError(f"trainer.strategy={trainer.strategy!r} is not wired yet; use 'fsdp2'")
+    precision = "fp32" if cpu else "bf16"
+    model = HFModelConfig(
+        path=str(model_path),
+        load_tokenizer=False,
+        # eager on CPU: no flash-attn; SDPA's CPU kernels differ from the engine's by more than the 1e-4 we promise.
+        override_config={"attn_implementation": "eager"} if cpu else {},
+        use_remove_padding=True,
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=not cpu,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        infer_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    )
+    optim = FSDPOptimizerConfig(
+        lr=trainer.lr,
+        weight_decay=trainer.weight_decay,
+        clip_grad=trainer.grad_clip,
+        lr_warmup_steps=trainer.lr_warmup_steps,
+        lr_scheduler_type=trainer.lr_schedule,
+        total_training_steps=trainer.total_steps,
+    )
+    actor = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        fsdp_config=engine,
+        optim=optim,
+        clip_ratio_low=algorithm.clip_ratio_low,
+        clip_ratio_high=algorithm.clip_ratio_high,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        entropy_coeff=algorithm.entropy_coeff,
+        use_kl_loss=algorithm.use_kl_loss,
+        kl_loss_coef=algorithm.kl_loss_coef,
+        ppo_epochs=trainer.ppo_epochs,
+    )
+    twc = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model,
+        engine_config=actor.engine,
+        optimizer_config=actor.optim,
+        checkpoint_config=actor.checkpoint,
+    )
+    return twc, actor
+
+
+def _reference_config(twc, cpu: bool):
+    """Forward-only engine config for the reference model (same model and precision, no optimizer)."""
+    import copy
+
+    ref = copy.deepcopy(twc)
+    ref.engine_config.forward_only = True
+    ref.optimizer_config = None
+    return ref
+
+
+class VerlBackend(TrainingBackend):
+    """verl `TrainingWorker` ranks driven through Ray. See the module docstring for the update it performs."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        model_path: str | Path,
+        *,
+        temperature: float = 1.0,
+        use_reference: bool | None = None,
+        device: str | None = None,
+        call_timeout_s: float = 1800.0,
+        pad_token_id: int = 0,
+    ):
+        if not ray.is_initialized():
+            raise RuntimeError("VerlBackend needs a running Ray (call ray.init first)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.cpu = device == "cpu"
+        self.trainer, self.algorithm = trainer, algorithm
+        self.model_path = Path(model_path)
+        self.temperature = float(temperature)
+        self.timeout = call_timeout_s
+        self.pad_token_id = pad_token_id
+        self.step = 0
+        self.version = 0
+        if self.cpu:
+            from fully_async.training import cpu_platform
+
+            cpu_platform.use_in_this_process()
+        twc, self.actor_config = _engine_configs(trainer, algorithm, str(model_path), self.cpu)
+        self._groups = {}
+        self._groups["policy"] = self._make_group("policy", twc)
+        use_reference = algorithm.use_kl_loss if use_reference is None else use_reference
+        if algorithm.use_kl_loss and not use_reference:
+            raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
+        if use_reference:
+            self._groups["reference"] = self._make_group("reference", _reference_config(twc, self.cpu))
+        from verl.workers.utils.losses import ppo_loss
+
+        self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
+
+    # ----------------------------------------------------------------- plumbing
+    def _make_group(self, role: str, twc):
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        from fully_async.training.verl_worker import FullyAsyncTrainingWorker
+
+        n = self.trainer.n_gpus_per_node
+        # One CPU per rank reserved for placement: verl's default (10) cannot be placed on small CPU machines.
+        pool = RayResourcePool(
+            process_on_nodes=[n] * self.trainer.nnodes, use_gpu=not self.cpu, max_colocate_count=1, name_prefix=role
+        )
+        env = {}
+        if self.cpu:
+            from fully_async.training import cpu_platform
+
+            env = cpu_platform.worker_env()
+        cls = RayClassWithInitArgs(ray.remote(FullyAsyncTrainingWorker), config=twc, cpu=self.cpu)
+        wg = RayWorkerGroup(
+            resource_pool=pool,
+            ray_cls_with_init=cls,
+            device_name="cpu" if self.cpu else "cuda",
+            worker_env=env,
+            name_prefix=f"fa_{role}_",
+        )
+        self._wait(wg.execute_all_async("reset"), f"{role}.reset")
+        wg.fa_dp_map = self._wait(wg.execute_all_async("_query_dispatch_info", "train"), f"{role}.dispatch_info")
+        wg.fa_collect = self._wait(wg.execute_all_async("_query_collect_info", "train"), f"{role}.collect_info")
+        return wg
+
+    def _wait(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TrainerTimeout(f"{what}: no answer from the training ranks within {self.timeout:.0f} s") from e
+
+    def _all(self, role: str, method: str, *args, **kwargs):
+        return self._wait(self._groups[role].execute_all_async(method, *args, **kwargs), f"{role}.{method}")
+
+    def _data_call(self, role: str, method: str, td) -> list:
+        """Split `td` evenly over data-parallel ranks (its size must be a multiple of the DP size; `dp_layout`
+        guarantees it) and return the outputs of the collecting ranks in data-parallel order."""
+        from verl.utils import tensordict_utils as tu
+
+        wg = self._groups[role]
+        dp = max(wg.fa_dp_map) + 1
+        chunks = tu.chunk_tensordict(td, dp) if dp > 1 else [td]
+        outs = self._all(role, method, [chunks[r] for r in wg.fa_dp_map])
+        by_dp = {}
+        for rank, out in enumerate(outs):
+            if wg.fa_collect[rank]:
+                by_dp.setdefault(wg.fa_dp_map[rank], out)
+        return [by_dp[d] for d in range(dp)], chunks
+
+    @property
+    def world_size(self) -> int:
+        return self._groups["policy"].world_size
+
+    @property
+    def dp_size(self) -> int:
+        return max(self._groups["policy"].fa_dp_map) + 1
+
+    # ----------------------------------------------------------------- log-probs
+    def _log_probs(self, role: str, batch: B.PaddedBatch) -> torch.Tensor:
+        """(B, R) log-probs of `batch` (already laid out for DP) under `role`'s weights."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = B.to_engine_td(batch, self.temperature)
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        outs, chunks = self._data_call(role, "infer_batch", td)
+        parts = [no_padding_2_padding(tu.get(o, "log_probs"), c) for o, c in zip(outs, chunks, strict=True)]
+        return torch.cat(parts, dim=0).float()
+
+    def compute_log_probs(self, groups: Sequence[TrajectoryGroup], *, reference: bool = False) -> list[np.ndarray]:
+        role = "reference" if reference else "policy"
+        if role not in self._groups:
+            raise RuntimeError("this backend was built without a reference model")
+        full = B.assemble(groups, self.pad_token_id)
+        rows, _ = B.dp_layout(full.size, self.dp_size, 1)
+        laid = full.select(rows)
+        lp = self._log_probs(role, laid)
+        out: list[np.ndarray] = [None] * full.size  # type: ignore[list-item]
+        lengths = laid.response_lengths
+        for k, src in enumerate(laid.source):
+            if src >= 0:
+                out[src] = lp[k, : int(lengths[k])].numpy().copy()
+        return out
+
+    # ----------------------------------------------------------------- update
+    def update(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        from verl.utils import tensordict_utils as tu
+
+        full = B.assemble(groups, self.pad_token_id)
+        algo = self.algorithm
+        metrics: dict[str, float] = {"batch/trajectories": float(full.size), "batch/groups": float(len(groups))}
+        metrics.update(B.version_metrics(full, self.version))
+        tokens = int(full.response_mask.sum())
+        metrics["batch/loss_tokens"] = float(tokens)
+        if tokens == 0:  # nothing to learn from; verl would divide by zero
+            self.step += 1
+            metrics["trainer/skipped"] = 1.0
+            return metrics
+        advantages = B.compute_advantages(full, algo.adv_estimator, algo.norm_adv_by_std)
+        rows, num_mini = B.dp_layout(full.size, self.dp_size, self.trainer.num_mini_batches)
+        laid = full.select(rows)
+        adv = advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
+        extra = {"advantages": adv.float()}
+        mask = laid.response_mask.bool()
+        if algo.recompute_prox:
+            prox = self._log_probs("policy", laid)
+            weights, corr = B.importance_weights(
+                prox, laid.behaviour_logprobs, mask, algo.rollout_is, algo.rollout_is_threshold
+            )
+            extra["rollout_is_weights"] = weights * laid.response_mask
+            metrics.update(corr)
+        else:  # bypass: pi_prox is the behaviour policy, so the importance weight is 1
+            prox = laid.behaviour_logprobs
+        extra["old_log_probs"] = prox
+        if "reference" in self._groups and algo.use_kl_loss:
+            extra["ref_log_prob"] = self._log_probs("reference", laid)
+        td = B.to_engine_td(laid, self.temperature, **extra)
+        tu.assign_non_tensor(
+            td,
+            global_batch_size=full.size,
+            num_mini_batch=num_mini,
+            epochs=self.trainer.ppo_epochs,
+            seed=self.step,
+            compute_loss=True,
+            calculate_entropy=algo.entropy_coeff > 0,
+        )
+        outs, _ = self._data_call("policy", "train_mini_batch", td)
+        for key, value in tu.get(outs[0], "metrics").items():
+            metrics[key if "/" in key else f"actor/{key}"] = _mean(value)
+        self.step += 1
+        metrics["trainer/step"] = float(self.step)
+        return metrics
+
+    # ----------------------------------------------------------------- weights and state
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for old in list(out.glob("model-*.safetensors")) + list(out.glob("model.safetensors*")):
+            old.unlink()
+        files = next(f for f in self._all("policy", "export_weights", str(out), dtype, bucket_bytes) if f is not None)
+        for name in _COPY_FILES:
+            src = self.model_path / name
+            if src.exists() and not (out / name).exists():
+                shutil.copy2(src, out / name)
+        return [out / f for f in files]
+
+    def save_checkpoint(self, path: str | Path, step: int | None = None) -> None:
+        path = Path(path)
+        step = self.step if step is None else step
+        self._all("policy", "save_checkpoint", str(path), None, step, None)
+        state = {"step": step, "version": self.version, "world_size": self.world_size}
+        (path / _STATE_FILE).write_text(json.dumps(state))
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        path = Path(path)
+        state_file = path / _STATE_FILE
+        if not state_file.exists():
+            raise FileNotFoundError(f"{path} is not a training-backend checkpoint (no {_STATE_FILE})")
+        state = json.loads(state_file.read_text())
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {path} was written by {state['world_size']} ranks; this backend has {self.world_size}"
+            )
+        self._all("policy", "load_checkpoint", str(path), None, False)
+        self.step, self.version = int(state["step"]), int(state["version"])
+        return self.step
+
+    def shutdown(self) -> None:
+        for wg in self._groups.values():
+            for worker in wg.workers:
+                ray.kill(worker)
+        self._groups.clear()
+
+
+def _mean(value) -> float:
+    if isinstance(value, list | tuple):
+        vals = [_mean(v) for v in value]
+        return float(sum(vals) / len(vals)) if vals else float("nan")
+    if hasattr(value, "item"):
+        return float(value.item())
+    return float(value)
+
+
+def flat_lengths(groups: Sequence[TrajectoryGroup]) -> list[int]:
+    """Response lengths in `flatten` order (handy for callers splitting per-trajectory outputs)."""
+    return [len(t.response_ids) for t in flatten(groups)]

@@ -1,0 +1,96 @@
+"""One training rank: verl's `TrainingWorker` plus what our driver needs from every rank.
+
+On CPU the process group is created here, over gloo, before `TrainingWorker.__init__`: verl would otherwise ask for
+"cpu:gloo,cpu:<nccl backend>" (see patches/). Weight export drains the engine's per-tensor iterator, which all-gathers
+each parameter, so it must run on every rank at once (ONE_TO_ALL); rank 0 alone writes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import TrainingWorker
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _init_gloo(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend="gloo",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+class FullyAsyncTrainingWorker(TrainingWorker):
+    """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
+
+    def __init__(self, config, cpu: bool = False, dist_timeout_s: float = 600.0):
+        if cpu:
+            _init_gloo(dist_timeout_s)
+        super().__init__(config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_weights(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[str] | None:
+        """Write the full (unsharded) weights as Hugging Face safetensors shards of about `bucket_bytes` each, with
+        a `model.safetensors.index.json`. Floating tensors are cast to `dtype`. Returns the file names on rank 0,
+        None on the other ranks."""
+        from safetensors.torch import save_file
+
+        target = _DTYPES[dtype]
+        rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
+        out = Path(out_dir)
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+        files: list[str] = []
+        weight_map: dict[str, str] = {}
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+
+        def flush() -> None:
+            nonlocal bucket, size
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(bucket, str(out / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update(dict.fromkeys(bucket, name))
+            bucket, size = {}, 0
+
+        params, _ = self.engine.get_per_tensor_param()
+        for name, tensor in params:  # every rank drains the generator: each step is a collective
+            if not rank0:
+                continue
+            t = tensor.detach()
+            if t.is_floating_point():
+                t = t.to(target)
+            bucket[name] = t.to("cpu").contiguous()
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                flush()
+        if not rank0:
+            return None
+        if bucket or not files:
+            flush()
+        total = sum((out / f).stat().st_size for f in files)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        return files
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rank_info(self) -> dict:
+        """Rank, world size and process-group backend, for checks and error messages."""
+        return {
+            "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(),
+            "backend": str(dist.get_backend()),
+            "pid": os.getpid(),
+        }
