@@ -36,7 +36,10 @@ class MessageQueue:
             raise ValueError(f"capacity >= 1 and max_staleness >= 0 required, got {capacity}, {max_staleness}")
         self.capacity = capacity
         self.max_staleness = max_staleness
-        self._items: deque[TrajectoryGroup] = deque()
+        # (min_version, group): the version is computed once at put, not at every staleness check.
+        self._items: deque[tuple[int, TrajectoryGroup]] = deque()
+        # A lower bound of the queued min_versions: while trainer_version - bound <= eta no scan is needed.
+        self._oldest = None
         self._reissue: list[PromptRef] = []
         self._changed = asyncio.Condition()
         self._closed: str | None = None
@@ -61,7 +64,10 @@ class MessageQueue:
             waited = await self._wait(
                 lambda: not self._items or len(self._items) + len(groups) <= self.capacity, timeout, "put", len(groups)
             )
-            self._items.extend(groups)
+            for g in groups:
+                v = g.min_version
+                self._items.append((v, g))
+                self._oldest = v if self._oldest is None else min(self._oldest, v)
             self._c["put"] += len(groups)
             self._c["put_waits"] += waited > 0
             self._c["put_wait_s"] += waited
@@ -77,7 +83,7 @@ class MessageQueue:
             raise ValueError(f"k must be >= 1, got {k}")
         async with self._changed:
             waited = await self._wait(lambda: self._drop_stale(trainer_version) >= k, timeout, "get", k)
-            out = [self._items.popleft() for _ in range(k)]
+            out = [self._items.popleft()[1] for _ in range(k)]
             self._c["got"] += k
             self._c["get_waits"] += waited > 0
             self._c["get_wait_s"] += waited
@@ -86,15 +92,16 @@ class MessageQueue:
 
     def _drop_stale(self, trainer_version: int) -> int:
         """Remove groups too stale for `trainer_version`; return how many remain."""
-        if any(not is_fresh(g.min_version, trainer_version, self.max_staleness) for g in self._items):
-            keep: deque[TrajectoryGroup] = deque()
-            for g in self._items:
-                if is_fresh(g.min_version, trainer_version, self.max_staleness):
-                    keep.append(g)
+        if self._oldest is not None and not is_fresh(self._oldest, trainer_version, self.max_staleness):
+            keep: deque[tuple[int, TrajectoryGroup]] = deque()
+            for v, g in self._items:
+                if is_fresh(v, trainer_version, self.max_staleness):
+                    keep.append((v, g))
                 else:
                     self._reissue.append(g.prompt)
                     self._c["dropped_stale"] += 1
             self._items = keep
+            self._oldest = min((v for v, _ in keep), default=None)
         return len(self._items)
 
     async def _wait(self, ready, timeout: float | None, what: str, n: int) -> float:
@@ -145,7 +152,7 @@ class MessageQueue:
     def snapshot(self) -> dict[str, Any]:
         """Queued groups (encoded bytes), prompts awaiting re-issue and counters, for a lossless checkpoint."""
         return {
-            "groups": encode_groups(self._items),
+            "groups": encode_groups(g for _, g in self._items),
             "meta": json.dumps({"reissue": [p.uid for p in self._reissue], "counters": self._c}),
         }
 
@@ -153,7 +160,8 @@ class MessageQueue:
         """Replace the contents with a snapshot's; returns the number of groups restored."""
         meta = json.loads(snap["meta"])
         async with self._changed:
-            self._items = deque(decode_groups(snap["groups"]))
+            self._items = deque((g.min_version, g) for g in decode_groups(snap["groups"]))
+            self._oldest = min((v for v, _ in self._items), default=None)
             self._reissue = [PromptRef.parse(u) for u in meta["reissue"]]
             self._c.update(meta["counters"])
             self._closed = None
