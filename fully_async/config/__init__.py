@@ -162,16 +162,21 @@ def register_defaults() -> None:
     ConfigStore.instance().store(name="fully_async_defaults", node=to_dict(FullyAsyncConfig()))
 
 
-def compose(overrides: list[str] | None = None) -> FullyAsyncConfig:
-    """Compose the shipped config with overrides, as the runner does, and validate it (tests, notebooks)."""
+def compose(
+    overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = PRIMARY_CONFIG
+) -> FullyAsyncConfig:
+    """Compose a config with overrides, as the runner does, and validate it (tests, notebooks).
+
+    `config_dir`/`config_name` select another primary config (an example's), which lists `fully_async` in its
+    defaults and `pkg://fully_async.config` in hydra.searchpath."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     overrides = list(overrides or [])
     check_overrides(overrides)
     register_defaults()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        composed = hydra_compose(config_name=PRIMARY_CONFIG, overrides=overrides)
+    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base=None):
+        composed = hydra_compose(config_name=config_name, overrides=overrides)
     return build_config(composed)
 
 
