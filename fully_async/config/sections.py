@@ -105,6 +105,10 @@ class EngineConfig:
     """Timeout of each control call (pause, resume, reload weights, set version)."""
     max_retries: int = 2
     """Times a request is retried on another server after a server failure."""
+    resume_timeout_s: float = 600.0
+    """How long a request aborted by a pause waits for the resume before failing."""
+    auto_restart: bool = True
+    """Restart a server whose process died (with the latest weights and version); requests go elsewhere meanwhile."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed to every engine server."""
     env: dict = field(default_factory=dict)
@@ -117,7 +121,7 @@ class EngineConfig:
         require(
             0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
         )
-        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s"):
+        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "resume_timeout_s"):
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
 

@@ -1,0 +1,30 @@
+"""Inference engines behind one interface: `build_engine` gives an `EngineServers` pool, `EngineClient` talks to it.
+
+servers = build_engine(cfg.engine, resolve_model_path(cfg.model), run_dir)
+servers.start()                                   # blocks until every server is healthy
+client = EngineClient(servers)
+out = await client.generate(prompt_ids, cfg.rollout.response_length, Sampling.from_rollout(cfg.rollout))
+await servers.pause("abort"); await servers.load_weights(weights_dir, version); await servers.resume()
+await client.close(); servers.stop()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fully_async.config import ConfigError, EngineConfig
+from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling
+from fully_async.engines.client import EngineClient
+
+__all__ = ["EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine"]
+
+
+def build_engine(
+    cfg: EngineConfig, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
+) -> EngineServers:
+    """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running)."""
+    if cfg.kind == "vllm":
+        from fully_async.engines.vllm import VLLMServers
+
+        return VLLMServers(cfg, model_path, run_dir, addresses=addresses)
+    raise ConfigError(f"engine.kind must be one of ['vllm'], got {cfg.kind!r}")

