@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -165,9 +166,10 @@ class VerlBackend(TrainingBackend):
         from fully_async.training.verl_worker import FullyAsyncTrainingWorker
 
         n = self.trainer.n_gpus_per_node
+        prefix = f"fa_{role}_{uuid.uuid4().hex[:6]}_"  # Ray actor names are global: unique per backend
         # One CPU per rank reserved for placement: verl's default (10) cannot be placed on small CPU machines.
         pool = RayResourcePool(
-            process_on_nodes=[n] * self.trainer.nnodes, use_gpu=not self.cpu, max_colocate_count=1, name_prefix=role
+            process_on_nodes=[n] * self.trainer.nnodes, use_gpu=not self.cpu, max_colocate_count=1, name_prefix=prefix
         )
         env = {}
         if self.cpu:
@@ -180,7 +182,7 @@ class VerlBackend(TrainingBackend):
             ray_cls_with_init=cls,
             device_name="cpu" if self.cpu else "cuda",
             worker_env=env,
-            name_prefix=f"fa_{role}_",
+            name_prefix=prefix,
         )
         self._wait(wg.execute_all_async("reset"), f"{role}.reset")
         wg.fa_dp_map = self._wait(wg.execute_all_async("_query_dispatch_info", "train"), f"{role}.dispatch_info")
@@ -196,9 +198,9 @@ class VerlBackend(TrainingBackend):
     def _all(self, role: str, method: str, *args, **kwargs):
         return self._wait(self._groups[role].execute_all_async(method, *args, **kwargs), f"{role}.{method}")
 
-    def _data_call(self, role: str, method: str, td) -> list:
+    def _data_call(self, role: str, method: str, td) -> tuple[list, list]:
         """Split `td` evenly over data-parallel ranks (its size must be a multiple of the DP size; `dp_layout`
-        guarantees it) and return the outputs of the collecting ranks in data-parallel order."""
+        guarantees it); returns (outputs of the collecting ranks, input chunks), both in data-parallel order."""
         from verl.utils import tensordict_utils as tu
 
         wg = self._groups[role]
@@ -219,13 +221,29 @@ class VerlBackend(TrainingBackend):
     def dp_size(self) -> int:
         return max(self._groups["policy"].fa_dp_map) + 1
 
+    def _engine_td(self, batch: B.PaddedBatch, **extra: torch.Tensor):
+        """Engine batch with the micro-batch token budget read from `self.trainer` at each call (so the budget can
+        be changed between calls without rebuilding the workers)."""
+        from verl.utils import tensordict_utils as tu
+
+        budget = self.trainer.max_token_len_per_gpu
+        longest = int(batch.attention_mask.sum(-1).max())
+        if longest > budget:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds trainer.max_token_len_per_gpu={budget}; raise the budget to "
+                "at least data.max_prompt_length + rollout.response_length"
+            )
+        td = B.to_engine_td(batch, self.temperature, **extra)
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+        return td
+
     # ----------------------------------------------------------------- log-probs
     def _log_probs(self, role: str, batch: B.PaddedBatch) -> torch.Tensor:
         """(B, R) log-probs of `batch` (already laid out for DP) under `role`'s weights."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        td = B.to_engine_td(batch, self.temperature)
+        td = self._engine_td(batch)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
         outs, chunks = self._data_call(role, "infer_batch", td)
         parts = [no_padding_2_padding(tu.get(o, "log_probs"), c) for o, c in zip(outs, chunks, strict=True)]
@@ -278,7 +296,7 @@ class VerlBackend(TrainingBackend):
         extra["old_log_probs"] = prox
         if "reference" in self._groups and algo.use_kl_loss:
             extra["ref_log_prob"] = self._log_probs("reference", laid)
-        td = B.to_engine_td(laid, self.temperature, **extra)
+        td = self._engine_td(laid, **extra)
         tu.assign_non_tensor(
             td,
             global_batch_size=full.size,

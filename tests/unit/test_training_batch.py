@@ -1,0 +1,170 @@
+"""Batch assembly, data-parallel row layout, advantages and importance weights against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fully_async.protocol import NO_VERSION, PromptRef, Trajectory, TrajectoryGroup
+from fully_async.training import batch as B
+from tests.training_data import make_groups
+
+
+def _traj(index: int, sample: int, prompt, response, reward=0.0, loss_mask=None, versions=None):
+    n = len(response)
+    return Trajectory(
+        prompt=PromptRef(0, index),
+        sample_index=sample,
+        prompt_ids=np.array(prompt),
+        response_ids=np.array(response),
+        behaviour_logprobs=-np.arange(1, n + 1, dtype=np.float32),
+        token_versions=np.zeros(n) if versions is None else np.array(versions),
+        loss_mask=loss_mask,
+        reward=reward,
+    )
+
+
+def test_assemble_pads_prompts_left_and_responses_right():
+    g0 = TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [5, 6, 7], [8, 9]), _traj(0, 1, [5, 6, 7], [10])])
+    g1 = TrajectoryGroup(PromptRef(0, 1), [_traj(1, 0, [4], [11, 12, 13], loss_mask=[1, 0, 1], versions=[2, -1, 3])])
+    b = B.assemble([g0, g1], pad_token_id=0)
+    assert b.prompts.tolist() == [[5, 6, 7], [5, 6, 7], [0, 0, 4]]
+    assert b.responses.tolist() == [[8, 9, 0], [10, 0, 0], [11, 12, 13]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert b.response_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 1]]
+    assert b.position_ids[2].tolist() == [0, 0, 0, 1, 2, 3]
+    assert b.token_versions[2].tolist() == [2, NO_VERSION, 3]
+    assert b.behaviour_logprobs[0].tolist() == [-1.0, -2.0, 0.0]
+    assert list(b.group_index) == ["0:0", "0:0", "0:1"]
+    assert b.response_lengths.tolist() == [2, 1, 3]
+
+
+def test_empty_response_keeps_one_masked_slot():
+    b = B.assemble([TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [1, 2], [])])])
+    assert b.responses.shape == (1, 1)
+    assert b.response_mask.sum() == 0
+    assert b.response_lengths.tolist() == [0]
+
+
+def test_padding_rows_are_inert():
+    b = B.assemble(make_groups(2, 2, seed=1))
+    p = b.select(np.array([3, -1, 0]))
+    assert p.source.tolist() == [3, -1, 0]
+    assert p.response_mask[1].sum() == 0 and p.rewards[1] == 0
+    assert p.attention_mask[1].sum() == 2  # one prompt token + one response token
+    assert torch.equal(p.responses[0], b.responses[3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 5))
+def test_dp_layout_places_every_row_once_and_fills_every_mini_batch(num_real, dp, mini):
+    rows, used = B.dp_layout(num_real, dp, mini)
+    assert 1 <= used <= mini
+    assert len(rows) % (dp * used) == 0
+    assert sorted(rows[rows >= 0].tolist()) == list(range(num_real))
+    per_rank = len(rows) // dp
+    per_mini = per_rank // used
+    for m in range(used):  # global mini-batch m = block m of every rank's chunk
+        block = np.concatenate(
+            [rows[r * per_rank + m * per_mini : r * per_rank + (m + 1) * per_mini] for r in range(dp)]
+        )
+        assert (block >= 0).any()
+
+
+def _outcome_batch(rewards_by_group):
+    groups = []
+    for g, rewards in enumerate(rewards_by_group):
+        groups.append(
+            TrajectoryGroup(PromptRef(0, g), [_traj(g, s, [1], [2, 3, 4], reward=r) for s, r in enumerate(rewards)])
+        )
+    return B.assemble(groups)
+
+
+def test_grpo_matches_hand_computation():
+    b = _outcome_batch([[1.0, 0.0, 0.0, 1.0], [2.0, 5.0]])
+    adv = B.compute_advantages(b, "grpo", norm_adv_by_std=True)
+    r0 = np.array([1.0, 0.0, 0.0, 1.0])
+    want0 = (r0 - r0.mean()) / (r0.std(ddof=1) + 1e-6)
+    r1 = np.array([2.0, 5.0])
+    want1 = (r1 - r1.mean()) / (r1.std(ddof=1) + 1e-6)
+    want = np.concatenate([want0, want1])
+    np.testing.assert_allclose(adv[:, 0].numpy(), want, rtol=1e-5)
+    assert torch.equal(adv[:, 0:1].expand(-1, 3), adv)  # the same advantage on every response token
+    adv_nostd = B.compute_advantages(b, "grpo", norm_adv_by_std=False)
+    np.testing.assert_allclose(adv_nostd[:, 0].numpy(), np.concatenate([r0 - r0.mean(), r1 - r1.mean()]), rtol=1e-6)
+
+
+def test_rloo_matches_hand_computation():
+    b = _outcome_batch([[1.0, 0.0, 3.0]])
+    adv = B.compute_advantages(b, "rloo")
+    r = np.array([1.0, 0.0, 3.0])
+    want = [r[i] - np.delete(r, i).mean() for i in range(3)]
+    np.testing.assert_allclose(adv[:, 0].numpy(), want, rtol=1e-5)
+
+
+def test_reinforce_plus_plus_whitens_returns_over_the_batch():
+    b = _outcome_batch([[1.0, 0.0], [3.0]])
+    adv = B.compute_advantages(b, "reinforce_plus_plus")
+    # gamma = 1: every token's return is the trajectory reward; whitening is over all loss tokens of the batch.
+    returns = np.repeat([1.0, 0.0, 3.0], 3)
+    mean, var = returns.mean(), returns.var(ddof=1)
+    want = (returns - mean) / math.sqrt(var + 1e-8)
+    np.testing.assert_allclose(adv.flatten().numpy(), want, rtol=1e-4)
+
+
+def test_advantages_are_zero_off_the_loss_mask():
+    g = TrajectoryGroup(
+        PromptRef(0, 0), [_traj(0, 0, [1], [2, 3], reward=1.0, loss_mask=[0, 1]), _traj(0, 1, [1], [2], reward=0.0)]
+    )
+    adv = B.compute_advantages(B.assemble([g]), "grpo")
+    assert adv[0, 0] == 0 and adv[0, 1] > 0 and adv[1, 1] == 0
+
+
+def test_unknown_estimator_is_rejected():
+    with pytest.raises(ValueError, match="grpo"):
+        B.compute_advantages(_outcome_batch([[1.0, 0.0]]), "gae")
+
+
+def test_token_importance_weights_are_truncated_ratios():
+    prox = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
+    behave = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+    w, metrics = B.importance_weights(prox, behave, mask, "token", 2.0)
+    want = torch.clamp(torch.exp(prox - behave), max=2.0) * mask
+    torch.testing.assert_close(w * mask, want)
+    assert (w <= 2.0).all()
+    assert "rollout_corr/rollout_is_mean" in metrics
+
+
+def test_sequence_importance_weights_use_the_summed_log_ratio():
+    prox = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    behave = torch.tensor([[-1.2, -2.1], [-0.5, -1.0]])
+    mask = torch.ones(2, 2).bool()
+    w, _ = B.importance_weights(prox, behave, mask, "sequence", 5.0)
+    seq = torch.exp((prox - behave).sum(-1)).clamp(max=5.0)
+    torch.testing.assert_close(w, seq[:, None].expand(-1, 2))
+
+
+def test_importance_weights_of_an_all_masked_batch_are_one():
+    z = torch.zeros(2, 3)
+    w, metrics = B.importance_weights(z, z - 1, torch.zeros(2, 3).bool(), "token", 2.0)
+    assert torch.equal(w, torch.ones(2, 3)) and metrics == {}
+
+
+def test_engine_tensordict_keeps_response_mask_as_loss_mask():
+    b = B.assemble(make_groups(2, 2, seed=3))
+    td = B.to_engine_td(b, temperature=0.7, advantages=torch.ones(b.responses.shape))
+    assert td["input_ids"].is_nested
+    assert int(td["loss_mask"].sum()) == int(b.response_mask.sum())
+    assert td["input_ids"].offsets().diff().tolist() == b.attention_mask.sum(-1).tolist()
+
+
+def test_version_metrics_measure_token_lag():
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [1], [2, 3, 4], versions=[1, 2, -1], loss_mask=[1, 1, 1])])
+    m = B.version_metrics(B.assemble([g]), trainer_version=3)
+    assert m == {"staleness/token_mean": 1.5, "staleness/token_max": 2.0}
