@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 from aiohttp import web
 
@@ -145,6 +146,26 @@ def _main() -> None:
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+# -- reward functions that misbehave (verl signature), for the RewardAgent's failure handling -------------------
+def hanging_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Never returns on its own (a verifier stuck in a loop)."""
+    while True:
+        time.sleep(1)
+
+
+def raising_score(data_source, solution_str, ground_truth, extra_info=None):
+    raise RuntimeError("verifier crashed on purpose")
+
+
+def non_numeric_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": "high"}
+
+
+async def slow_async_score(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(float(extra_info.get("sleep", 0)) if extra_info else 0)
+    return 1.0 if solution_str == ground_truth else 0.0
 
 
 if __name__ == "__main__":
