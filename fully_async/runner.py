@@ -1,11 +1,14 @@
 """Entry point: python -m fully_async.runner [group=option ...] [key=value ...]
 
-Validates the config (before any heavy import), prints the effective limits, then runs the job.
-`--cfg job` prints the composed config; `hydra.run.dir=...` chooses the run directory.
+Validates the config (before any heavy import), prints the effective limits, starts Ray, builds the actors, runs
+the trainer loop, and shuts everything down (engines included) on success, error or Ctrl-C. `--cfg job` prints the
+composed config; `hydra.run.dir=DIR` chooses the run directory (and `trainer.resume=auto` resumes from it).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import hydra
@@ -32,13 +35,72 @@ def _overrides(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path="config", config_name="fully_async", version_base=None)
 def main(composed: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
         cfg = build_config(composed)
     except ConfigError as e:  # Hydra would print a traceback; the message alone says what to fix
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
+    run_dir = HydraConfig.get().runtime.output_dir
     print("fully_async: effective limits:", ", ".join(f"{k}={v}" for k, v in cfg.limits().items()), flush=True)
-    print("fully_async: the end-to-end run (rollouter, trainer, param sync) is not implemented yet", flush=True)
+    print(f"fully_async: run dir {run_dir}", flush=True)
+
+    import ray  # heavy imports only after the config is known to be good
+
+    from fully_async.data import DataError
+    from fully_async.engines import EngineError
+    from fully_async.message_queue import create_message_queue
+    from fully_async.models import resolve_model_path
+    from fully_async.param_sync import ParamSync, ParamSyncError, default_weights_root
+    from fully_async.rollouter import create_rollouter
+    from fully_async.trainer import Trainer, TrainerError
+    from fully_async.training import build_backend
+
+    # Expected failures: the message names the cause, so no traceback is printed for them.
+    run_errors = (ConfigError, DataError, EngineError, TrainerError, ParamSyncError, ray.exceptions.RayError)
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    rollouter = backend = sync = None
+    try:
+        model_path = str(resolve_model_path(cfg.model))
+        at = cfg.async_training
+        queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
+        rollouter = create_rollouter(cfg, model_path, run_dir, queue)
+        backend = build_backend(cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature)
+        engine_dtype = "float32" if cfg.engine.dtype == "auto" and not _cuda() else cfg.engine.dtype
+        sync = ParamSync(rollouter, backend, default_weights_root(run_dir), engine_dtype.replace("auto", "bfloat16"),
+                         at.sync_timeout_s)  # fmt: skip
+        trainer = Trainer(cfg, backend, queue, rollouter, sync, run_dir)
+        start_kwargs = {}
+        if (ckpt := trainer.find_checkpoint()) is not None:
+            start_kwargs = trainer.restore(ckpt)
+            start_kwargs["weights"] = (str(sync.export(trainer.version)), trainer.version)
+        print("fully_async: starting engines:", ray.get(rollouter.start.remote(**start_kwargs)), flush=True)
+        final = trainer.run()
+        print(f"fully_async: done, step {trainer.step}, reward/mean {final.get('reward/mean', float('nan')):.3f}")
+    except run_errors as e:
+        print(f"fully_async: FAILED: {type(e).__name__}: {_cause(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if rollouter is not None:
+            ray.get(rollouter.shutdown.remote(), timeout=120)
+        if backend is not None:
+            backend.shutdown()
+        if sync is not None:
+            sync.close()
+        ray.shutdown()
+
+
+def _cause(e: BaseException) -> str:
+    """The remote exception's own message for errors raised inside Ray actors."""
+    return str(getattr(e, "cause", None) or e).strip().splitlines()[-1] if str(e) else repr(e)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cli() -> int:
@@ -49,6 +111,9 @@ def cli() -> int:
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("fully_async: interrupted; engines and Ray were shut down", file=sys.stderr)
+        return 130
     return 0
 
 

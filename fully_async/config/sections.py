@@ -34,6 +34,8 @@ class AsyncTrainingConfig:
     """MessageQueue capacity in groups; 0 = (max_staleness + 1) * groups_per_step * sync_every, what the bound can fill."""
     get_timeout_s: float = 1800.0
     """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
+    sync_timeout_s: float = 300.0
+    """Timeout of each weight-sync phase (pause, export, reload, resume); passing it fails the run naming the phase."""
 
     @property
     def groups_per_version(self) -> int:
@@ -47,10 +49,16 @@ class AsyncTrainingConfig:
         require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, ">= 0")
         require(self.sync_every >= 1, p + "sync_every", self.sync_every, ">= 1")
         require(self.groups_per_step >= 1, p + "groups_per_step", self.groups_per_step, ">= 1")
+        bound = (self.max_staleness + 1) * self.groups_per_version
         require(
-            self.queue_capacity >= 0, p + "queue_capacity", self.queue_capacity, ">= 0 (0 = derived from the bound)"
+            self.queue_capacity == 0 or self.queue_capacity >= bound,
+            p + "queue_capacity",
+            self.queue_capacity,
+            f"0 (derived) or >= (max_staleness + 1) * groups_per_step * sync_every = {bound}, what admission can fill "
+            "(a smaller queue would stall producers that the staleness rule already admitted)",
         )
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
+        require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
 
 
 @dataclass
@@ -67,8 +75,14 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Top-k sampling; -1 = off."""
+    agent_loop: str = "fully_async.agents.single_turn:SingleTurnAgentLoop"
+    """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py)."""
+    val_max_concurrent: int = 16
+    """Most validation samples generating at once (they share the engines with training rollouts)."""
 
     def validate_section(self, p: str) -> None:
+        _check_dotted(p + "agent_loop", self.agent_loop)
+        require(self.val_max_concurrent >= 1, p + "val_max_concurrent", self.val_max_concurrent, ">= 1")
         require(self.n >= 1, p + "n", self.n, ">= 1")
         require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")
         require(self.response_length >= 1, p + "response_length", self.response_length, ">= 1")
@@ -92,7 +106,7 @@ class EngineConfig:
     max_model_len: int = 512
     """Longest prompt + response the engine accepts."""
     kv_cache_gib: float = 1.0
-    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    """KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory the engine may take (GPU only)."""
     enforce_eager: bool = True
@@ -117,7 +131,12 @@ class EngineConfig:
     def validate_section(self, p: str) -> None:
         require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
         require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
-        require(self.kv_cache_gib > 0, p + "kv_cache_gib", self.kv_cache_gib, "> 0")
+        require(
+            self.kv_cache_gib >= 1 and float(self.kv_cache_gib).is_integer(),
+            p + "kv_cache_gib",
+            self.kv_cache_gib,
+            "a whole number >= 1 (vLLM's VLLM_CPU_KVCACHE_SPACE takes integer GiB)",
+        )
         require(
             0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
         )

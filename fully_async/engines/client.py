@@ -97,8 +97,10 @@ class EngineClient:
 
     # ---- generation ------------------------------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling()
+        self, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(), continue_on_abort: bool = True
     ) -> GenerationResult:
+        """`continue_on_abort=False` (partial_rollout off): a request aborted by a pause drops its tokens and starts
+        again from the prompt after the resume, with the full budget, so every token comes from one version."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         state = self.servers.state
@@ -117,7 +119,7 @@ class EngineClient:
                 )
             except _ServerFailure as e:
                 failed = idx
-                self._on_failure(idx)
+                await self._on_failure(idx)
                 result.num_retries += 1
                 self.stats.retries += 1
                 if result.num_retries > self.max_retries:
@@ -143,6 +145,9 @@ class EngineClient:
             if result.num_aborts > MAX_ABORTS:
                 raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
             await self._wait_resumed(idx)
+            if not continue_on_abort:
+                del result.token_ids[:], result.logprobs[:], result.versions[:]
+                result.start_version = state.version
         return result
 
     async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
@@ -191,9 +196,14 @@ class EngineClient:
         raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
 
     # ---- failures --------------------------------------------------------------------------------------------------
-    def _on_failure(self, idx: int) -> None:
-        if self.servers.is_alive(idx):
-            return  # a live server that misbehaved once: just avoid it for this retry
+    async def _on_failure(self, idx: int) -> None:
+        # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
+        for _ in range(6):
+            if not self.servers.is_alive(idx):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            return  # a live server that misbehaved: just avoid it for this retry
         self.down.add(idx)
         logger.error("engine server %s died; log %s", self.servers.addresses[idx], self.servers.log_path(idx))
         if self.auto_restart and idx not in self._restarts:

@@ -1,0 +1,55 @@
+"""The AgentLoop interface, chosen by dotted path (`rollout.agent_loop=pkg.module:Class`).
+
+Contract: `await loop.run(client, sample)` returns one Trajectory for `sample` without its reward (the rollouter
+scores it). Tokens the policy generated carry the weight version the engine client reports; tokens an environment
+or tool inserted carry `protocol.NO_VERSION` and loss_mask 0, so they are neither trained on nor counted for
+staleness. The response never exceeds `response_length` tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fully_async.data import PromptRow
+from fully_async.protocol import PromptRef, Trajectory
+
+if TYPE_CHECKING:
+    from fully_async.engines import EngineClient, Sampling
+
+
+@dataclass
+class Sample:
+    """What an agent loop is asked to produce: sample `sample_index` of prompt `prompt` (dataset row `row`)."""
+
+    prompt: PromptRef
+    sample_index: int
+    row: PromptRow
+
+
+class AgentLoop(ABC):
+    def __init__(self, tokenizer: Any, sampling: Sampling, response_length: int, continue_on_abort: bool = True):
+        """`continue_on_abort`: after a pause, keep the tokens so far and continue under the new weights (partial
+        rollout); false restarts the sample from its prompt."""
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.response_length = response_length
+        self.continue_on_abort = continue_on_abort
+
+    @abstractmethod
+    async def run(self, client: EngineClient, sample: Sample) -> Trajectory: ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Response text as the reward sees it (special tokens removed)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def build_agent_loop(path: str, *args: Any, **kwargs: Any) -> AgentLoop:
+    """Instantiate the AgentLoop subclass at dotted path `path` ('pkg.module:Class')."""
+    from fully_async.reward.pool import resolve
+
+    cls = resolve(path)
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+        raise TypeError(f"{path} is not an AgentLoop subclass")
+    return cls(*args, **kwargs)

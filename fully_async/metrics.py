@@ -1,0 +1,164 @@
+"""Metric names, per-step aggregation, and the sinks (console progress line, metrics.jsonl, trajectories.jsonl).
+
+Names follow verl's where verl has one (timing_s/..., perf/..., fully_async/...). Definitions:
+- staleness of a trajectory = trainer version when it is trained - oldest version among its tokens.
+- fully_async/trainer/idle_ratio = seconds the trainer waited for a batch this step / the step's wall seconds.
+- fully_async/rollouter/idle_ratio = seconds with no sample generating / wall seconds, over the same step.
+- fully_async/partial/ratio = share of trained trajectories whose tokens span more than one version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fully_async.protocol import TrajectoryGroup, flatten
+
+
+def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        f"{prefix}/min": float(min(values)),
+        f"{prefix}/mean": float(np.mean(values)),
+        f"{prefix}/max": float(max(values)),
+    }
+
+
+def batch_metrics(groups: Sequence[TrajectoryGroup], trainer_version: int) -> dict[str, float]:
+    """What the trained batch says about rewards, staleness, lengths and rollout timings."""
+    trajs = flatten(groups)
+    stale = [trainer_version - t.min_version for t in trajs]
+    out = {
+        "reward/mean": float(np.mean([t.reward for t in trajs])),
+        "reward/max": float(max(t.reward for t in trajs)),
+        "staleness/mean": float(np.mean(stale)),
+        "staleness/max": float(max(stale)),
+        "response_length/mean": float(np.mean([t.response_length for t in trajs])),
+        "fully_async/partial/ratio": float(np.mean([t.max_version > t.min_version for t in trajs])),
+        "fully_async/aborted/ratio": float(np.mean([t.num_aborts > 0 for t in trajs])),
+        "reward/failed_ratio": float(np.mean([bool(t.reward_info.get("reward_failed")) for t in trajs])),
+    }
+    out.update(_stats("timing_s/agent_loop/generate", [t.timings.get("generate_s", 0.0) for t in trajs]))
+    out.update(_stats("timing_s/agent_loop/reward", [t.timings.get("reward_s", 0.0) for t in trajs]))
+    return out
+
+
+def trajectory_records(groups: Sequence[TrajectoryGroup], step: int, trainer_version: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt_uid": t.prompt_uid,
+            "epoch": t.epoch,
+            "sample_index": t.sample_index,
+            "min_version": t.min_version,
+            "max_version": t.max_version,
+            "trained_version": trainer_version,
+            "step": step,
+            "reward": t.reward,
+            "response_length": t.response_length,
+            "num_aborts": t.num_aborts,
+            "finish_reason": t.finish_reason,
+            "generate_s": t.timings.get("generate_s", 0.0),
+            "reward_s": t.timings.get("reward_s", 0.0),
+            **({"reward_failed": True} if t.reward_info.get("reward_failed") else {}),
+        }
+        for t in flatten(groups)
+    ]
+
+
+class JsonlWriter:
+    """Append-only JSON lines, flushed per write (a killed run keeps every line written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a")
+
+    def write(self, records: Sequence[dict[str, Any]]) -> None:
+        for r in records:
+            self._f.write(json.dumps(r, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def truncate_jsonl(path: Path, max_step: int) -> int:
+    """Keep only records with step <= max_step (a resumed run re-does later steps); returns lines kept."""
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line cut by a kill mid-write
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class ConsoleProgress:
+    """One line per step: progress, reward, staleness, throughput, idle ratios and ETA."""
+
+    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+        self.total, self.start, self.t0 = total_steps, start_step, time.monotonic()
+
+    def log(self, step: int, m: dict[str, Any]) -> None:
+        done = step - self.start
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / done * (self.total - step) if done else math.nan
+        width = 20
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        print(
+            f"[{bar}] step {step}/{self.total} v{m.get('version', 0)} "
+            f"reward {m.get('reward/mean', math.nan):.3f} stale {m.get('staleness/mean', math.nan):.2f}"
+            f"/{m.get('staleness/max', math.nan):.0f} tok/s {m.get('perf/tokens_per_s', 0):.0f} "
+            f"idle T {m.get('fully_async/trainer/idle_ratio', 0):.2f} R {m.get('fully_async/rollouter/idle_ratio', 0):.2f} "
+            f"q {m.get('fully_async/queue/size', 0)} eta {eta:.0f}s",
+            file=sys.stdout,
+            flush=True,
+        )
+
+
+def plot_run(metrics_path: Path, out_png: Path) -> Path | None:
+    """Reward and staleness per step from metrics.jsonl, as a PNG."""
+    if not metrics_path.exists():
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a.plot(steps, [r.get("reward/mean", math.nan) for r in rows], label="reward/mean")
+    if any("val/reward_mean" in r for r in rows):
+        a.plot([r["step"] for r in rows if "val/reward_mean" in r], [r["val/reward_mean"] for r in rows if "val/reward_mean" in r], "o-", label="val/reward_mean")  # fmt: skip
+    a.set_ylabel("reward")
+    a.legend()
+    a.grid(alpha=0.3)
+    b.plot(steps, [r.get("staleness/mean", math.nan) for r in rows], label="staleness/mean")
+    b.plot(steps, [r.get("staleness/max", math.nan) for r in rows], label="staleness/max")
+    b.set_xlabel("trainer step")
+    b.set_ylabel("versions")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

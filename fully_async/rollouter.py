@@ -1,0 +1,304 @@
+"""Rollouter: admits prompts under the staleness bound, generates rollout.n samples per prompt on the engines, scores
+each sample as soon as it finishes, and pushes whole groups to the MessageQueue.
+
+Runs as an async Ray actor (`create_rollouter`); every method runs on one event loop, so the ledger needs no lock.
+Contracts:
+- A prompt is admitted only through the ledger; a group that fails (engine error after retries) or that the queue
+  drops as stale is re-issued, never lost.
+- `pause()` stops admission and pauses the engines (in-flight requests abort and continue after `resume()`; with
+  partial_rollout=false they restart from their prompt). `load_weights()` sits between them.
+- `snapshot()` is a consistent cut: the ledger, the cursor and the queue's contents are read while no group is
+  moving from "running" to "queued" (`_push_lock`), so on restore every prompt is in exactly one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from fully_async.agents import Sample, build_agent_loop
+from fully_async.config import FullyAsyncConfig, from_dict
+from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
+from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
+from fully_async.reward import RewardAgent
+from fully_async.staleness import StalenessLedger
+
+log = logging.getLogger(__name__)
+
+
+def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
+    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    if files:
+        return load_rows(files, cfg.data.prompt_key)
+    size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
+    return synthetic_rows(size, cfg.data.seed, split)
+
+
+class Rollouter:
+    def __init__(self, cfg: dict[str, Any], model_path: str, run_dir: str, queue: Any) -> None:
+        self.cfg = from_dict(FullyAsyncConfig, cfg).validate()
+        self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
+        at = self.cfg.async_training
+        self.ledger = StalenessLedger(at.max_staleness, at.groups_per_version)
+        self.rows: list[PromptRow] = []
+        self.val_rows: list[PromptRow] = []
+        self.cursor: EpochCursor | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight_samples = 0
+        self._admitting = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._push_lock = asyncio.Lock()
+        self._stopping = False
+        self._error: str | None = None
+        self._main: asyncio.Task | None = None
+        self._validation: asyncio.Task | None = None
+        self._val_results: deque[dict[str, Any]] = deque()
+        # Timing for the idle ratio: engines are idle while no sample is generating.
+        self._t0 = time.monotonic()
+        self._idle_since: float | None = self._t0
+        self._idle_s = 0.0
+        self._c = {"groups_pushed": 0, "groups_failed": 0, "samples": 0, "tokens": 0, "aborted_samples": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(
+        self, cursor_state: dict | None = None, ledger_state: dict | None = None, weights: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
+        """Load data, check reward sources, start the engines (blocks until healthy) and begin generating.
+
+        Resuming: `cursor_state` / `ledger_state` from a checkpoint, and `weights` = (directory, version) the engines
+        load before the first request."""
+        from transformers import AutoTokenizer
+
+        from fully_async.engines import EngineClient, Sampling, build_engine
+
+        self.rows = dataset(self.cfg, "train")
+        self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
+        self.reward = RewardAgent(self.cfg.reward)
+        await self.reward.check_sources(self.rows + self.val_rows)
+        self.cursor = EpochCursor(len(self.rows), self.cfg.data.seed, self.cfg.data.shuffle)
+        if cursor_state:
+            self.cursor.load_state_dict(cursor_state)
+        if ledger_state:
+            at = self.cfg.async_training
+            self.ledger = StalenessLedger.from_state(ledger_state, at.max_staleness, at.groups_per_version)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        sampling = Sampling.from_rollout(self.cfg.rollout, stop_token_ids=_stop_ids(tokenizer))
+        self.agent = build_agent_loop(
+            self.cfg.rollout.agent_loop,
+            tokenizer,
+            sampling,
+            self.cfg.rollout.response_length,
+            continue_on_abort=self.cfg.async_training.partial_rollout,
+        )
+        self.val_agent = build_agent_loop(
+            self.cfg.rollout.agent_loop, tokenizer, sampling, self.cfg.rollout.response_length
+        )
+        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir)
+        await asyncio.to_thread(self.servers.start)
+        if weights is not None:
+            await self.servers.load_weights(weights[0], weights[1])
+        else:
+            await self.servers.set_version(self.ledger.version)
+        self.client = EngineClient(self.servers)
+        self._admitting.set()
+        self._main = asyncio.get_running_loop().create_task(self._admission_loop())
+        return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
+
+    async def shutdown(self) -> None:
+        """Stop generating, stop the engines and reward workers. Safe to call twice or after a failed start."""
+        self._stopping = True
+        self._wake.set()
+        for t in [*self._tasks, *(x for x in (self._main, self._validation) if x)]:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if getattr(self, "client", None) is not None:
+            await self.client.close()
+        if getattr(self, "servers", None) is not None:
+            await asyncio.to_thread(self.servers.stop)
+        if getattr(self, "reward", None) is not None:
+            self.reward.close()
+
+    def error(self) -> str | None:
+        """Why generation stopped, if it failed (the trainer polls this while it waits for batches)."""
+        return self._error
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    async def _admission_loop(self) -> None:
+        n, limit = self.cfg.rollout.n, self.cfg.rollout.max_concurrent
+        try:
+            while not self._stopping:
+                await self._admitting.wait()
+                self._wake.clear()  # before the checks: a wake-up arriving during them is not lost
+                await self._pull_stale_drops()
+                while (
+                    self._admitting.is_set() and self.ledger.can_admit() and self._inflight_samples + n <= max(limit, n)
+                ):
+                    prompt = self.ledger.next_reissue() or self.cursor.next()
+                    self.ledger.admit(prompt)
+                    self._spawn(self._run_group(prompt))
+                # Periodic even without wake-ups: stale drops are collected from the queue by polling.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the trainer sees this through error() and fails the run with it
+            self._error = f"admission loop failed: {type(e).__name__}: {e}"
+            log.exception("admission loop failed")
+
+    async def _pull_stale_drops(self) -> None:
+        async with self._push_lock:
+            dropped = await self.queue.take_reissue.remote()
+            if dropped:
+                self.ledger.drop_stale(dropped)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, prompt: PromptRef) -> None:
+        row = self.rows[prompt.index]
+        try:
+            trajs = await asyncio.gather(*(self._run_sample(Sample(prompt, i, row)) for i in range(self.cfg.rollout.n)))
+            group = TrajectoryGroup(prompt, list(trajs), meta=row.meta())
+        except asyncio.CancelledError:
+            raise
+        except DataError as e:
+            self._error = str(e)
+            return
+        except Exception as e:  # engine failure after retries: re-issue the prompt, keep the run going
+            log.warning("group %s failed, re-issuing it: %s: %s", prompt.uid, type(e).__name__, e)
+            self._c["groups_failed"] += 1
+            self.ledger.finish(prompt, ok=False)
+            self._wake.set()
+            return
+        async with self._push_lock:
+            self.ledger.finish(prompt, ok=True)
+            await self.queue.put.remote([group])
+            self._c["groups_pushed"] += 1
+        self._wake.set()
+
+    async def _run_sample(self, sample: Sample) -> Trajectory:
+        self._sample_started()
+        try:
+            traj = await self.agent.run(self.client, sample)
+        finally:
+            self._sample_finished()
+        if len(traj.prompt_ids) > self.cfg.data.max_prompt_length:
+            raise DataError(
+                f"{sample.row.origin}: prompt has {len(traj.prompt_ids)} tokens, more than "
+                f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
+            )
+        result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), sample.row.meta())
+        traj.reward, traj.reward_info = result.score, result.info
+        traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
+        self._c["samples"] += 1
+        self._c["tokens"] += traj.response_length
+        self._c["aborted_samples"] += traj.num_aborts > 0
+        return traj
+
+    def _sample_started(self) -> None:
+        if self._inflight_samples == 0 and self._idle_since is not None:
+            self._idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        self._inflight_samples += 1
+
+    def _sample_finished(self) -> None:
+        self._inflight_samples -= 1
+        if self._inflight_samples == 0:
+            self._idle_since = time.monotonic()
+
+    # -- weight sync -------------------------------------------------------------------------------------------
+    async def pause(self) -> None:
+        """Stop admitting and pause the engines; validation at the current version finishes first."""
+        self._admitting.clear()
+        if self._validation is not None:
+            await self._validation
+            self._validation = None
+        await self.servers.pause("abort")
+
+    async def load_weights(self, weights_dir: str, version: int) -> None:
+        await self.servers.load_weights(weights_dir, version)
+        self.ledger.on_sync(version)
+
+    async def resume(self) -> None:
+        await self.servers.resume()
+        self._admitting.set()
+        self._wake.set()
+        val_every = self.cfg.trainer.val_every
+        if val_every and self.ledger.version % val_every == 0 and self.val_rows:
+            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
+
+    # -- validation --------------------------------------------------------------------------------------------
+    async def _validate(self, version: int) -> None:
+        """One sample per held-out prompt, all under weights `version` (the next pause waits for this)."""
+        limit = asyncio.Semaphore(self.cfg.rollout.val_max_concurrent)
+        start = time.monotonic()
+
+        async def one(i: int, row: PromptRow) -> float:
+            async with limit:
+                traj = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
+                return (await self.reward.score(self.val_agent.decode(traj.response_ids.tolist()), row.meta())).score
+
+        try:
+            scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.val_rows)))
+            self._val_results.append(
+                {"version": version, "val/reward_mean": sum(scores) / len(scores), "val/n": len(scores),
+                 "timing_s/validation": time.monotonic() - start}
+            )  # fmt: skip
+        except Exception as e:  # validation must not stop training; its failure is logged
+            log.warning("validation at version %d failed: %s", version, e)
+
+    def pop_validation(self) -> list[dict[str, Any]]:
+        out = list(self._val_results)
+        self._val_results.clear()
+        return out
+
+    # -- state and stats ---------------------------------------------------------------------------------------
+    async def snapshot(self) -> dict[str, Any]:
+        """Cursor, ledger and queue contents at one instant (see the module docstring)."""
+        async with self._push_lock:
+            dropped = await self.queue.take_reissue.remote()
+            if dropped:
+                self.ledger.drop_stale(dropped)
+            queue_snap = await self.queue.snapshot.remote()
+            return {"cursor": self.cursor.state_dict(), "ledger": self.ledger.state_dict(), "queue": queue_snap}
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+        return {
+            **self._c,
+            **{f"ledger/{k}": v for k, v in self.ledger.stats().items()},
+            "inflight_samples": self._inflight_samples,
+            "idle_s": idle,
+            "wall_s": now - self._t0,
+            "client": vars(self.client.stats) if getattr(self, "client", None) else {},
+            "reward_timeouts": getattr(getattr(self, "reward", None), "timeouts", 0),
+            "reward_failures": getattr(getattr(self, "reward", None), "failures", 0),
+        }
+
+
+def _stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """End-of-turn tokens: eos and, for chat templates with one, <|im_end|>."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def create_rollouter(cfg: FullyAsyncConfig, model_path: str, run_dir: str, queue: Any, runtime_env: dict | None = None):
+    """Start the Rollouter as an async Ray actor (its engines and reward workers are child processes of it)."""
+    import dataclasses
+
+    import ray
+
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 10000}
+    if runtime_env:
+        opts["runtime_env"] = runtime_env
+    return ray.remote(Rollouter).options(**opts).remote(dataclasses.asdict(cfg), model_path, run_dir, queue)

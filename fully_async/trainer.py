@@ -1,0 +1,187 @@
+"""Trainer loop: pull a batch of groups from the queue, update through the training backend, sync weights every
+sync_every steps, checkpoint, log.
+
+Runs in the driver process; the heavy work happens in the backend's Ray workers. Checkpoints are directories
+`checkpoints/step_N/` written atomically (built under a temporary name, then renamed; `checkpoints/latest` names the
+newest) holding the backend state, the version, and the rollouter's consistent snapshot (dataset cursor, staleness
+ledger with in-flight prompts as re-issues, queued groups). A run resumed from step N trains every prompt that was not
+trained by step N exactly once: logs past step N are cut back to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from fully_async.config import FullyAsyncConfig, to_dict
+from fully_async.message_queue import QueueTimeout
+from fully_async.metrics import (
+    ConsoleProgress,
+    JsonlWriter,
+    batch_metrics,
+    plot_run,
+    trajectory_records,
+    truncate_jsonl,
+)
+from fully_async.param_sync import ParamSync
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0
+"""How often a waiting trainer checks that the rollouter is still healthy."""
+
+
+class TrainerError(RuntimeError):
+    """The run cannot continue (the rollouter failed, no batch arrived in time); the message says why."""
+
+
+class Trainer:
+    def __init__(self, cfg: FullyAsyncConfig, backend: Any, queue: Any, rollouter: Any, sync: ParamSync, run_dir: Path):
+        self.cfg, self.backend, self.queue, self.rollouter, self.sync = cfg, backend, queue, rollouter, sync
+        self.run_dir = Path(run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.step = 0
+        self.version = 0
+
+    # -- resume ------------------------------------------------------------------------------------------------
+    def find_checkpoint(self) -> Path | None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            latest = self.ckpt_root / "latest"
+            if not latest.exists():
+                return None
+            return self.ckpt_root / latest.read_text().strip()
+        path = Path(resume).expanduser()
+        if not (path / "state.json").is_file():
+            raise TrainerError(f"trainer.resume={resume}: no checkpoint there (missing state.json)")
+        return path
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        """Load the backend and queue from a checkpoint; returns what the rollouter needs to start from it."""
+        import ray
+
+        state = json.loads((path / "state.json").read_text())
+        self.step = self.backend.load_checkpoint(path / "backend")
+        self.version = int(state["version"])
+        snap = {"groups": (path / "queue.bin").read_bytes(), "meta": state["queue_meta"]}
+        restored = ray.get(self.queue.restore.remote(snap))
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            truncate_jsonl(self.run_dir / name, self.step)
+        print(f"fully_async: resumed from {path} at step {self.step}, version {self.version}, {restored} queued groups")
+        return {"cursor_state": state["cursor"], "ledger_state": state["ledger"]}
+
+    def save(self) -> Path:
+        import ray
+
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        final = self.ckpt_root / f"step_{self.step}"
+        tmp = self.ckpt_root / f".step_{self.step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.backend.save_checkpoint(tmp / "backend", self.step)
+        snap = ray.get(self.rollouter.snapshot.remote())
+        (tmp / "queue.bin").write_bytes(snap["queue"]["groups"])
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "cursor": snap["cursor"],
+            "ledger": snap["ledger"],
+            "queue_meta": snap["queue"]["meta"],
+            "config": to_dict(self.cfg),
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = self.ckpt_root / ".latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, self.ckpt_root / "latest")
+        return final
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _next_batch(self) -> list:
+        """groups_per_step groups fresh enough for the current version; fails clearly instead of waiting forever."""
+        import ray
+
+        at = self.cfg.async_training
+        deadline = time.monotonic() + at.get_timeout_s
+        while True:
+            try:
+                return ray.get(self.queue.get.remote(at.groups_per_step, self.version, POLL_S))
+            except QueueTimeout:
+                error = ray.get(self.rollouter.error.remote())
+                if error:
+                    raise TrainerError(f"the rollouter stopped: {error}") from None
+                if time.monotonic() > deadline:
+                    stats = ray.get(self.rollouter.stats.remote())
+                    raise TrainerError(
+                        f"no batch within async_training.get_timeout_s={at.get_timeout_s:g}s; rollouter: {stats}"
+                    ) from None
+
+    def run(self) -> dict[str, Any]:
+        import ray
+
+        cfg, at = self.cfg, self.cfg.async_training
+        metrics_out = JsonlWriter(self.run_dir / "metrics.jsonl")
+        trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+        progress = ConsoleProgress(cfg.trainer.total_steps, self.step)
+        last = ray.get(self.rollouter.stats.remote())
+        final: dict[str, Any] = {}
+        try:
+            while self.step < cfg.trainer.total_steps:
+                t0 = time.monotonic()
+                groups = self._next_batch()
+                wait_s = time.monotonic() - t0
+                self.step += 1
+                m: dict[str, Any] = {"step": self.step, "version": self.version}
+                m.update(batch_metrics(groups, self.version))
+                t1 = time.monotonic()
+                m.update({f"actor/{k}" if "/" not in k else k: v for k, v in self.backend.update(groups).items()})
+                m["timing_s/update"] = time.monotonic() - t1
+                trajs_out.write(trajectory_records(groups, self.step, self.version))
+                m["timing_s/param_sync"] = 0.0
+                if self.step % at.sync_every == 0:
+                    self.version += 1
+                    m.update(self.sync.sync(self.version))
+                if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
+                    self.step == cfg.trainer.total_steps
+                ):
+                    t2 = time.monotonic()
+                    self.save()
+                    m["timing_s/save_checkpoint"] = time.monotonic() - t2
+                step_s = time.monotonic() - t0
+                now = ray.get(self.rollouter.stats.remote())
+                q = ray.get(self.queue.stats.remote())
+                wall = max(1e-9, now["wall_s"] - last["wall_s"])
+                tokens = sum(t.response_length for g in groups for t in g.trajectories)
+                m.update(
+                    {
+                        "timing_s/step": step_s,
+                        "timing_s/wait_for_batch": wait_s,
+                        "fully_async/trainer/idle_ratio": min(1.0, wait_s / step_s),
+                        "fully_async/rollouter/idle_ratio": min(1.0, max(0.0, (now["idle_s"] - last["idle_s"]) / wall)),
+                        "fully_async/queue/size": q["size"],
+                        "fully_async/count/dropped_stale": q["dropped_stale"],
+                        "fully_async/count/groups_failed": now["groups_failed"],
+                        "fully_async/count/reward_timeouts": now["reward_timeouts"],
+                        "perf/tokens_per_s": tokens / step_s,
+                        "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / wall,
+                    }
+                )
+                for v in ray.get(self.rollouter.pop_validation.remote()):
+                    m.update({k: x for k, x in v.items() if k != "version"})
+                last = now
+                metrics_out.write([m])
+                progress.log(self.step, m)
+                final = m
+        finally:
+            metrics_out.close()
+            trajs_out.close()
+            plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
+        return final
