@@ -15,6 +15,7 @@ mapping verl's own dispatch uses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -105,14 +106,17 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
     return twc, actor
 
 
-def _reference_config(twc, cpu: bool):
-    """Forward-only engine config for the reference model (same model and precision, no optimizer)."""
-    import copy
+def _reference_config(twc):
+    """Forward-only engine config for the reference model: same model and precision, no optimizer."""
+    from verl.workers.config import TrainingWorkerConfig
 
-    ref = copy.deepcopy(twc)
-    ref.engine_config.forward_only = True
-    ref.optimizer_config = None
-    return ref
+    return TrainingWorkerConfig(
+        model_type=twc.model_type,
+        model_config=twc.model_config,
+        engine_config=dataclasses.replace(twc.engine_config, forward_only=True),
+        optimizer_config=None,
+        checkpoint_config=twc.checkpoint_config,
+    )
 
 
 class VerlBackend(TrainingBackend):
@@ -154,7 +158,11 @@ class VerlBackend(TrainingBackend):
         if algorithm.use_kl_loss and not use_reference:
             raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
         if use_reference:
-            self._groups["reference"] = self._make_group("reference", _reference_config(twc, self.cpu))
+            if self.cpu:
+                _require_patch(
+                    "0002-forward-only-engine-on-cpu", "verl.workers.engine.fsdp.transformer_impl", "offload_wanted"
+                )
+            self._groups["reference"] = self._make_group("reference", _reference_config(twc))
         from verl.workers.utils.losses import ppo_loss
 
         self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
@@ -299,7 +307,9 @@ class VerlBackend(TrainingBackend):
         td = self._engine_td(laid, **extra)
         tu.assign_non_tensor(
             td,
-            global_batch_size=full.size,
+            # Used by the seq-mean loss modes only: sequences per global mini-batch (exact when the batch divides
+            # evenly into mini-batches; dp_layout spreads the rows so they differ by at most the DP size).
+            global_batch_size=full.size / num_mini,
             num_mini_batch=num_mini,
             epochs=self.trainer.ppo_epochs,
             seed=self.step,
@@ -352,6 +362,18 @@ class VerlBackend(TrainingBackend):
             for worker in wg.workers:
                 ray.kill(worker)
         self._groups.clear()
+
+
+def _require_patch(name: str, module: str, marker: str) -> None:
+    """Fail early, with the fix, when a verl patch this configuration depends on is not installed."""
+    import importlib
+    import inspect
+
+    if marker not in inspect.getsource(importlib.import_module(module)):
+        raise RuntimeError(
+            f"verl patch patches/{name}.patch is not applied to the installed verl (needed here); "
+            "run scripts/apply_verl_patches.sh"
+        )
 
 
 def _mean(value) -> float:

@@ -194,3 +194,24 @@ def test_repeated_updates_raise_the_log_prob_of_rewarded_responses(be1):
         be1.update(groups)
     after = rewarded_minus_unrewarded()
     assert after > before + 0.5, (before, after)
+
+
+def test_reference_model_and_kl_loss(ray_local, tiny_model, tmp_path):
+    """Needs patches/0002 on CPU (a forward-only FSDP engine otherwise pins memory and fails)."""
+    from fully_async.training import build_backend
+
+    trainer = TrainerConfig(max_token_len_per_gpu=512, total_steps=20)
+    algo = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coeff=0.01)
+    be = build_backend(trainer, algo, tiny_model, temperature=TEMPERATURE, device="cpu")
+    try:
+        groups = make_groups(2, 2, seed=4)
+        for ref, pol in zip(be.compute_log_probs(groups, reference=True), be.compute_log_probs(groups), strict=True):
+            np.testing.assert_allclose(ref, pol, atol=1e-6)
+        m1 = be.update(groups)
+        assert m1["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+        m2 = be.update(groups)
+        assert m2["actor/kl_loss"] > 0
+        want = m2["actor/pg_loss"] - 0.01 * m2["actor/entropy_loss"] + 0.5 * m2["actor/kl_loss"]
+        assert m2["actor/loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    finally:
+        be.shutdown()

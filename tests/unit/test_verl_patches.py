@@ -1,0 +1,109 @@
+"""The verl patches in patches/: each test exercises the verl code a patch fixes and fails on unpatched verl
+(verified with `scripts/apply_verl_patches.sh --revert`), and the apply script's check / idempotence / version guard."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "apply_verl_patches.sh"
+
+
+def _verl_files() -> dict[str, str]:
+    import verl
+
+    base = Path(verl.__file__).parent
+    names = ["utils/distributed.py", "workers/engine/fsdp/transformer_impl.py", "trainer/ppo/core_algos.py"]
+    return {n: hashlib.sha256((base / n).read_bytes()).hexdigest() for n in names}
+
+
+def test_check_passes_after_setup_and_a_second_apply_is_a_no_op():
+    check = subprocess.run([str(SCRIPT), "--check"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    before = _verl_files()
+    again = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert all(line.startswith("present") for line in again.stdout.splitlines()), again.stdout
+    assert _verl_files() == before
+
+
+def test_script_refuses_another_verl_version(tmp_path):
+    fake = tmp_path / "site" / "verl"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.9.0'\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    r = subprocess.run(
+        [str(SCRIPT), "--check"], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": str(wrapper)}
+    )
+    assert r.returncode == 1
+    assert "verl 0.9.0" in r.stderr and "0.9.1 only" in r.stderr
+
+
+def test_0001_cpu_process_group_backend():
+    # A fresh process: the platform choice and the default process group are process-wide.
+    code = textwrap.dedent(
+        """
+        import os
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+        from fully_async.training import cpu_platform
+        cpu_platform.use_in_this_process()
+        import torch.distributed as dist
+        from verl.utils.distributed import initialize_global_process_group_ray
+        initialize_global_process_group_ray(timeout_second=30)
+        print("BACKEND", dist.get_backend())
+        """
+    )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PORT": str(port)}
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "BACKEND gloo" in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_0003_agg_loss_of_an_all_masked_batch_is_zero(mode):
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    loss_mat = torch.randn(3, 4, requires_grad=True)
+    loss = agg_loss(loss_mat, torch.zeros(3, 4), mode)
+    assert torch.isfinite(loss) and loss.item() == 0.0
+    loss.backward()
+    assert torch.isfinite(loss_mat.grad).all()
+    # The global-count path (what the engine passes) too.
+    assert agg_loss(loss_mat, torch.zeros(3, 4), "token-mean", dp_size=2, batch_num_tokens=0).item() == 0.0
+
+
+def test_0003_does_not_change_a_normal_loss():
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    loss_mat, mask = torch.arange(6.0).reshape(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx((0 + 1 + 3) / 3)
+    assert agg_loss(loss_mat, mask, "token-mean", dp_size=2, batch_num_tokens=8).item() == pytest.approx(4 / 8 * 2)
+
+
+def test_0004_bypass_mode_accepts_an_all_masked_micro_batch():
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import FSDPActorConfig
+
+    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True)
+    lp = -torch.rand(2, 3)
+    loss, _ = get_policy_loss_fn("bypass_mode")(
+        old_log_prob=lp - 0.1, log_prob=lp, advantages=torch.ones(2, 3), response_mask=torch.zeros(2, 3).bool(),
+        loss_agg_mode="token-mean", config=config,
+    )  # fmt: skip
+    assert torch.isfinite(loss) and loss.item() == 0.0
