@@ -1,0 +1,99 @@
+"""Server launching without vLLM: real child processes running a fake engine (tests/fakes.py) that never becomes
+healthy or exits at once, and a client driving a launched fake through a restart. Checks no process outlives stop()."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from fully_async.config import EngineConfig
+from fully_async.engines import EngineClient, EngineError
+from fully_async.engines.vllm import REPO_ROOT, VLLMServers, cpu_binding
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeProcessServers(VLLMServers):
+    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes."""
+
+    mode = "ok"
+
+    def command(self, index: int, port: int) -> list[str]:
+        if self.mode == "exit":
+            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
+        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode]
+
+    def environment(self, index: int) -> dict[str, str]:
+        return {"PYTHONPATH": str(REPO_ROOT)}
+
+
+def _servers(tmp_path, mode: str, **cfg) -> FakeProcessServers:
+    servers = FakeProcessServers(EngineConfig(**{"startup_timeout_s": 5.0, **cfg}), tmp_path, tmp_path)
+    servers.mode = mode
+    return servers
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_never_healthy_server_fails_with_its_log_and_is_cleaned_up(tmp_path):
+    servers = _servers(tmp_path, "never_healthy", startup_timeout_s=3.0)
+    with pytest.raises(EngineError) as err:
+        servers.start()
+    msg = str(err.value)
+    assert "not healthy after 3 s" in msg and servers.addresses[0] in msg
+    assert str(servers.log_path(0)) in msg and "fake engine (never_healthy)" in msg  # the log tail
+    pid = servers.procs[0].popen.pid
+    servers.stop()
+    assert _gone(pid)
+
+
+def test_server_that_exits_reports_exit_code_and_log(tmp_path):
+    servers = _servers(tmp_path, "exit")
+    with pytest.raises(EngineError, match=r"exited with code 3 before becoming healthy(.|\n)*bad flag --nope"):
+        servers.start()
+    servers.stop()
+
+
+async def test_launched_server_restart_keeps_address_weights_and_version(tmp_path):
+    servers = _servers(tmp_path, "ok", num_servers=2)
+    await asyncio.to_thread(servers.start)
+    try:
+        client = EngineClient(servers, auto_restart=True, max_retries=2)
+        await servers.pause("abort")
+        await servers.load_weights(tmp_path, 5)
+        await servers.resume()
+        url0, pid0 = servers.addresses[0], servers.procs[0].popen.pid
+        os.killpg(pid0, 9)
+        # Both servers are idle so the first pick is server 0, the dead one: a retry goes to server 1 and a
+        # restart of server 0 begins in the background.
+        out = await client.generate([1, 2], 4)
+        assert out.num_retries == 1 and out.servers == [servers.addresses[1]] and out.versions == [5] * 4
+        for _ in range(200):
+            if not client.down:
+                break
+            await asyncio.sleep(0.05)
+        assert client.down == set() and client.stats.restarts == 1
+        assert servers.addresses[0] == url0 and servers.procs[0].popen.pid != pid0 and _gone(pid0)
+        client.outstanding[:] = [0, 1]  # steer the next request to the restarted server
+        again = await client.generate([1, 2], 4)
+        assert again.servers == [url0] and again.versions == [5] * 4  # the version was re-applied on restart
+        await client.close()
+    finally:
+        pids = [p.popen.pid for p in servers.procs if p.popen]
+        servers.stop()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_cpu_binding_gives_disjoint_cores():
+    assert cpu_binding(0, 1, [0, 1]) == "0"
+    assert [cpu_binding(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
+    assert [cpu_binding(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]
