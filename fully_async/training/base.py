@@ -34,9 +34,10 @@ class TrainingBackend(ABC):
         per trajectory in `protocol.flatten(groups)` order, each of the trajectory's response length."""
 
     @abstractmethod
-    def update(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    def update(self, groups: Sequence[TrajectoryGroup], *, version: int | None = None) -> dict[str, float]:
         """One trainer step on these groups (any number, any sizes): advantages, proximal / reference log-probs,
-        importance weights, `ppo_epochs x num_mini_batches` optimizer steps, one LR-scheduler step. Returns metrics."""
+        importance weights, `ppo_epochs x num_mini_batches` optimizer steps, one LR-scheduler step. Returns metrics.
+        `version` (the current weight version) adds token-staleness metrics."""
 
     @abstractmethod
     def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:

@@ -146,7 +146,6 @@ class VerlBackend(TrainingBackend):
         self.timeout = call_timeout_s
         self.pad_token_id = pad_token_id
         self.step = 0
-        self.version = 0
         if self.cpu:
             from fully_async.training import cpu_platform
 
@@ -273,13 +272,14 @@ class VerlBackend(TrainingBackend):
         return out
 
     # ----------------------------------------------------------------- update
-    def update(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    def update(self, groups: Sequence[TrajectoryGroup], *, version: int | None = None) -> dict[str, float]:
         from verl.utils import tensordict_utils as tu
 
         full = B.assemble(groups, self.pad_token_id)
         algo = self.algorithm
         metrics: dict[str, float] = {"batch/trajectories": float(full.size), "batch/groups": float(len(groups))}
-        metrics.update(B.version_metrics(full, self.version))
+        if version is not None:
+            metrics.update(B.version_metrics(full, version))
         tokens = int(full.response_mask.sum())
         metrics["batch/loss_tokens"] = float(tokens)
         if tokens == 0:  # nothing to learn from; verl would divide by zero
@@ -340,7 +340,7 @@ class VerlBackend(TrainingBackend):
         path = Path(path)
         step = self.step if step is None else step
         self._all("policy", "save_checkpoint", str(path), None, step, None)
-        state = {"step": step, "version": self.version, "world_size": self.world_size}
+        state = {"step": step, "world_size": self.world_size}
         (path / _STATE_FILE).write_text(json.dumps(state))
 
     def load_checkpoint(self, path: str | Path) -> int:
@@ -354,7 +354,7 @@ class VerlBackend(TrainingBackend):
                 f"checkpoint {path} was written by {state['world_size']} ranks; this backend has {self.world_size}"
             )
         self._all("policy", "load_checkpoint", str(path), None, False)
-        self.step, self.version = int(state["step"]), int(state["version"])
+        self.step = int(state["step"])
         return self.step
 
     def shutdown(self) -> None:
