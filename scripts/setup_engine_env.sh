@@ -8,6 +8,8 @@
 #
 #   bash scripts/setup_engine_env.sh
 #   ENGINE_VENV=/path/to/venv bash scripts/setup_engine_env.sh
+#   ENGINE_PYTHON=/opt/vllm/bin/python bash scripts/setup_engine_env.sh   # only check an existing interpreter
+#                                                                          # (then pass engine.python=... to the run)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,11 +30,31 @@ else
 fi
 
 check() {
-    "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1
+    "${1:-$venv/bin/python}" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1
+}
+
+if [ -n "${ENGINE_PYTHON:-}" ]; then
+    # An engine environment managed elsewhere (a cluster image, a shared vllm install): check it, install nothing.
+    if check "$ENGINE_PYTHON"; then
+        log "using existing engine interpreter $ENGINE_PYTHON (pass engine.python=$ENGINE_PYTHON)"
+        exit 0
+    fi
+    log "ERROR: 'import vllm.entrypoints.openai.api_server' fails with ENGINE_PYTHON=$ENGINE_PYTHON:"
+    "$ENGINE_PYTHON" -c "import vllm.entrypoints.openai.api_server" 2>&1 | tail -n 20 >&2
+    exit 1
+fi
+
+# The full import check takes ~10-40 s (vLLM imports torch and more); once the stamp says it passed, finding the
+# modules (and not finding the removed add-ons) is enough to tell that nothing changed underneath.
+quick_check() {
+    "$venv/bin/python" - "${remove[@]}" <<'PY' >/dev/null 2>&1
+import importlib.util as u, sys
+sys.exit(0 if u.find_spec("vllm") and u.find_spec("torch") and not any(u.find_spec(m) for m in sys.argv[1:]) else 1)
+PY
 }
 
 stamp="$venv/.fully_async-engine"
-if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ] && check; then
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ] && quick_check; then
     log "engine venv up to date ($venv, $spec)"
     exit 0
 fi
