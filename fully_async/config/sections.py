@@ -228,6 +228,12 @@ class TrainerConfig:
     """Passes over each batch."""
     num_mini_batches: int = 1
     """Optimizer steps per pass over a batch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer ranks run; auto = cuda when available (float32 + gloo on CPU, bf16 + NCCL on GPU)."""
+    call_timeout_s: float = 1800.0
+    """Longest wait for the trainer ranks on one call (update, log-probs, export, checkpoint) before failing the run."""
+    weight_bucket_mb: int = 512
+    """Size of each safetensors file written by a weight export."""
 
     def validate_section(self, p: str) -> None:
         require(self.total_steps >= 1, p + "total_steps", self.total_steps, ">= 1")
@@ -241,6 +247,10 @@ class TrainerConfig:
         require(self.max_token_len_per_gpu >= 1, p + "max_token_len_per_gpu", self.max_token_len_per_gpu, ">= 1")
         require(self.ppo_epochs >= 1, p + "ppo_epochs", self.ppo_epochs, ">= 1")
         require(self.num_mini_batches >= 1, p + "num_mini_batches", self.num_mini_batches, ">= 1")
+        require(self.call_timeout_s > 0, p + "call_timeout_s", self.call_timeout_s, "> 0")
+        require(self.weight_bucket_mb >= 1, p + "weight_bucket_mb", self.weight_bucket_mb, ">= 1")
+        if self.strategy == "megatron":
+            raise ConfigError(f"{p}strategy='megatron' is not wired into the verl backend yet; use 'fsdp2'")
         if self.resume not in ("auto", "none") and not self.resume.strip():
             raise ConfigError(f"{p}resume must be 'auto', 'none' or a checkpoint path, got {self.resume!r}")
 

@@ -69,7 +69,7 @@ def build_backend(
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
     `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
-    defaults to `algorithm.use_kl_loss`. `device` is "cpu" or "cuda"; None = cuda when available.
+    defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`.
     Ray must already be initialised by the caller.
     """
     from fully_async.config import ConfigError

@@ -131,11 +131,11 @@ class VerlBackend(TrainingBackend):
         temperature: float = 1.0,
         use_reference: bool | None = None,
         device: str | None = None,
-        call_timeout_s: float = 1800.0,
         pad_token_id: int = 0,
     ):
         if not ray.is_initialized():
             raise RuntimeError("VerlBackend needs a running Ray (call ray.init first)")
+        device = device or (trainer.device if trainer.device != "auto" else None)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -143,7 +143,7 @@ class VerlBackend(TrainingBackend):
         self.trainer, self.algorithm = trainer, algorithm
         self.model_path = Path(model_path)
         self.temperature = float(temperature)
-        self.timeout = call_timeout_s
+        self.timeout = trainer.call_timeout_s
         self.pad_token_id = pad_token_id
         self.step = 0
         if self.cpu:
@@ -324,12 +324,13 @@ class VerlBackend(TrainingBackend):
         return metrics
 
     # ----------------------------------------------------------------- weights and state
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         for old in list(out.glob("model-*.safetensors")) + list(out.glob("model.safetensors*")):
             old.unlink()
-        files = next(f for f in self._all("policy", "export_weights", str(out), dtype, bucket_bytes) if f is not None)
+        bucket = self.trainer.weight_bucket_mb << 20
+        files = next(f for f in self._all("policy", "export_weights", str(out), dtype, bucket) if f is not None)
         for name in _COPY_FILES:
             src = self.model_path / name
             if src.exists() and not (out / name).exists():
