@@ -75,11 +75,8 @@ class Rollouter:
 
         from fully_async.engines import EngineClient, Sampling, build_engine
 
-        self.rows = dataset(self.cfg, "train")
-        self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
-        self.reward = RewardAgent(self.cfg.reward)
-        await self.reward.check_sources(self.rows + self.val_rows)
-        self.cursor = EpochCursor(len(self.rows), self.cfg.data.seed, self.cfg.data.shuffle)
+        if self.cursor is None:
+            await self.prepare()
         if cursor_state:
             self.cursor.load_state_dict(cursor_state)
         if ledger_state:
@@ -107,6 +104,15 @@ class Rollouter:
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self._admission_loop())
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
+
+    async def prepare(self) -> dict[str, int]:
+        """Load and check the datasets and their reward sources: bad input fails here, before anything heavy starts."""
+        self.rows = dataset(self.cfg, "train")
+        self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
+        self.reward = RewardAgent(self.cfg.reward)
+        await self.reward.check_sources(self.rows + self.val_rows)
+        self.cursor = EpochCursor(len(self.rows), self.cfg.data.seed, self.cfg.data.shuffle)
+        return {"train_rows": len(self.rows), "val_rows": len(self.val_rows)}
 
     async def shutdown(self) -> None:
         """Stop generating, stop the engines and reward workers. Safe to call twice or after a failed start."""

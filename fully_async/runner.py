@@ -60,13 +60,18 @@ def main(composed: DictConfig) -> None:
     # Expected failures: the message names the cause, so no traceback is printed for them.
     run_errors = (ConfigError, DataError, EngineError, TrainerError, ParamSyncError, ray.exceptions.RayError)
 
+    try:
+        model_path = str(resolve_model_path(cfg.model))
+    except ConfigError as e:
+        print(f"ConfigError: {e}", file=sys.stderr)
+        sys.exit(2)
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     rollouter = backend = sync = None
     try:
-        model_path = str(resolve_model_path(cfg.model))
         at = cfg.async_training
         queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
         rollouter = create_rollouter(cfg, model_path, run_dir, queue)
+        print("fully_async: data:", ray.get(rollouter.prepare.remote()), flush=True)
         backend = build_backend(cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature)
         engine_dtype = "float32" if cfg.engine.dtype == "auto" and not _cuda() else cfg.engine.dtype
         sync = ParamSync(rollouter, backend, default_weights_root(run_dir), engine_dtype.replace("auto", "bfloat16"),

@@ -168,5 +168,14 @@ async def slow_async_score(data_source, solution_str, ground_truth, extra_info=N
     return 1.0 if solution_str == ground_truth else 0.0
 
 
+def sometimes_hanging_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Hangs on prompts whose answer is 5, scores the rest like the built-in task (a flaky remote verifier)."""
+    from fully_async.reward.rule import synthetic_score
+
+    if str(ground_truth) == "5":
+        hanging_score(data_source, solution_str, ground_truth, extra_info)
+    return synthetic_score(data_source, solution_str, ground_truth, extra_info)
+
+
 if __name__ == "__main__":
     _main()

@@ -1,0 +1,176 @@
+"""The real job end to end: `python -m fully_async.runner` in a subprocess with local Ray, a vLLM-CPU engine, verl's
+FSDP2 engine at world size 1, the tiny model and the synthetic task. Short runs; every check reads the run's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SMALL = [
+    "rollout.n=2",
+    "async_training.groups_per_step=2",
+    "rollout.max_concurrent=8",
+    "data.synthetic_size=64",
+]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "fully_async.runner", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+
+
+def run(run_dir: Path, *overrides: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        command(run_dir, *overrides), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+    (run_dir / "stdout.log").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "stdout.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def engine_pids(run_dir: Path) -> set[int]:
+    """PIDs the run's engine servers logged (API server and engine core)."""
+    pids: set[int] = set()
+    for log in run_dir.glob("**/engines/*.log"):
+        pids.update(int(p) for p in re.findall(r"\((?:APIServer|EngineCore\w*) pid=(\d+)\)", log.read_text()))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_engines(tmp_path):
+    yield
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in engine_pids(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in engine_pids(tmp_path) if alive(p)], "engine servers outlived the run"
+
+
+METRIC_KEYS = [
+    "step", "version", "reward/mean", "staleness/mean", "staleness/max", "timing_s/step", "timing_s/param_sync",
+    "timing_s/agent_loop/generate/min", "timing_s/agent_loop/generate/mean", "timing_s/agent_loop/generate/max",
+    "timing_s/agent_loop/reward/min", "timing_s/agent_loop/reward/mean", "timing_s/agent_loop/reward/max",
+    "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio", "fully_async/queue/size",
+    "fully_async/count/dropped_stale", "fully_async/partial/ratio", "perf/tokens_per_s",
+]  # fmt: skip
+TRAJ_KEYS = [
+    "prompt_uid", "epoch", "sample_index", "min_version", "max_version", "trained_version", "step", "reward",
+    "response_length", "num_aborts", "generate_s", "reward_s",
+]  # fmt: skip
+
+
+def test_fully_async_run_writes_its_files_and_respects_the_bound(tmp_path):
+    # Long responses and a sync after every step: requests are in flight at every sync, so partial rollout shows.
+    proc = run(tmp_path, "trainer.total_steps=6", "async_training.max_staleness=2", "rollout.response_length=48")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    for m in metrics:
+        missing = [k for k in METRIC_KEYS if k not in m]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert 0.0 <= m["fully_async/trainer/idle_ratio"] <= 1.0 and 0.0 <= m["fully_async/rollouter/idle_ratio"] <= 1.0
+    trajs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert len(trajs) == 6 * 2 * 2 and all(k in t for t in trajs for k in TRAJ_KEYS)
+    assert all(t["trained_version"] - t["min_version"] <= 2 for t in trajs)
+    assert all(t["response_length"] <= 48 for t in trajs)
+    assert any(t["max_version"] > t["min_version"] for t in trajs), "no trajectory spanned a weight update"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_6"
+    assert (tmp_path / "reward_staleness.png").stat().st_size > 1000
+    assert list((tmp_path / "engines").glob("*.log"))
+
+
+def test_synchronous_bound_and_a_hanging_reward_do_not_stall_training(tmp_path):
+    proc = run(
+        tmp_path,
+        "trainer.total_steps=4",
+        "async_training.max_staleness=0",
+        "reward.function=tests.fakes:sometimes_hanging_score",
+        "reward.timeout_s=2",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trajs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert len(trajs) == 4 * 2 * 2
+    assert all(t["min_version"] == t["trained_version"] == t["max_version"] for t in trajs)
+    assert [t for t in trajs if t.get("reward_failed")], "no sample met the hanging verifier"
+
+
+def test_sigkill_then_resume_trains_every_prompt_exactly_once(tmp_path):
+    prompts, n = 12, 2
+    args = [f"data.synthetic_size={prompts}", "trainer.total_steps=9", "trainer.save_every=2", "trainer.resume=auto"]
+    proc = subprocess.Popen(
+        command(tmp_path, *args), cwd=REPO, env=env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(read_jsonl(metrics)) >= 5:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "checkpoints" / "latest").read_text() in ("step_4", "step_6")
+
+    resumed = run(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    trajs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, 10))
+    keys = Counter((t["epoch"], t["prompt_uid"], t["sample_index"]) for t in trajs)
+    assert max(keys.values()) == 1, "a sample was trained twice"
+    per_prompt = Counter(t["prompt_uid"] for t in trajs if t["epoch"] == 0)
+    assert sorted(per_prompt) == sorted(f"0:{i}" for i in range(prompts)), "a prompt of the epoch was lost"
+    assert set(per_prompt.values()) == {n}
+
+
+@pytest.mark.parametrize(
+    ("setup", "expect"),
+    [
+        ("missing_field", "bad.jsonl:line 2: missing field 'reward_model.ground_truth'"),
+        ("unknown_source", "unknown data_source 'my/secret_task'"),
+        ("no_model", "model.path"),
+    ],
+)
+def test_bad_input_fails_fast_with_a_clear_error(tmp_path, setup, expect):
+    good = {"data_source": "openai/gsm8k", "prompt": "1+1?", "reward_model": {"ground_truth": "2"}}
+    data = tmp_path / "bad.jsonl"
+    if setup == "missing_field":
+        data.write_text(json.dumps(good) + "\n" + json.dumps({"data_source": "x", "prompt": "q", "reward_model": {}}))
+        args = [f"data.train_files=[{data}]"]
+    elif setup == "unknown_source":
+        data.write_text(json.dumps({**good, "data_source": "my/secret_task"}) + "\n")
+        args = [f"data.train_files=[{data}]"]
+    else:
+        args = [f"model.path={tmp_path / 'no_such_model'}"]
+    start = time.monotonic()
+    proc = run(tmp_path / "run", *args, timeout=240)
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 180
