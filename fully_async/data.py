@@ -114,22 +114,28 @@ def load_rows(files: Sequence[str], prompt_key: str = "prompt") -> list[PromptRo
     return rows
 
 
-def synthetic_rows(size: int, seed: int, split: str = "train") -> list[PromptRow]:
-    """The built-in task: single-digit addition with a one-digit answer, e.g. '3+4=' -> '7'.
+def synthetic_rows(size: int, seed: int, split: str = "train", task: str = "copy") -> list[PromptRow]:
+    """The built-in tasks, answered by one digit: `copy` ('echo 7' -> '7') and `add` ('3+4=' -> '7', sums < 10).
 
-    A 2-layer model learns it from random init by RL in minutes: the answer is a lookup over the two digits the
-    prompt ends with. Train and validation draw from disjoint seeds."""
-    rng = random.Random(f"{seed}:{split}")
+    A 2-layer model learns `copy` from random init by RL in minutes (the answer is a lookup of one prompt position);
+    `add` needs both digits and learns more slowly. Train and validation draw from disjoint seeds."""
+    if task not in ("copy", "add"):
+        raise DataError(f"unknown synthetic task {task!r}; choose copy or add")
+    rng = random.Random(f"{seed}:{split}:{task}")
     rows = []
     for i in range(size):
         a = rng.randint(0, 9)
-        b = rng.randint(0, 9 - a)
+        if task == "copy":
+            content, answer = f"echo {a}", a
+        else:
+            b = rng.randint(0, 9 - a)
+            content, answer = f"{a}+{b}=", a + b
         rows.append(
             PromptRow(
                 data_source=SYNTHETIC_SOURCE,
-                messages=[{"role": "user", "content": f"{a}+{b}="}],
-                ground_truth=str(a + b),
-                extra_info={"split": split, "index": i},
+                messages=[{"role": "user", "content": content}],
+                ground_truth=str(answer),
+                extra_info={"split": split, "index": i, "task": task},
                 origin=f"synthetic:{split}:{i}",
             )
         )

@@ -35,7 +35,7 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
     if files:
         return load_rows(files, cfg.data.prompt_key)
     size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
-    return synthetic_rows(size, cfg.data.seed, split)
+    return synthetic_rows(size, cfg.data.seed, split, cfg.data.synthetic_task)
 
 
 class Rollouter:

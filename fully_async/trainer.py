@@ -142,7 +142,12 @@ class Trainer:
                 m: dict[str, Any] = {"step": self.step, "version": self.version}
                 m.update(batch_metrics(groups, self.version))
                 t1 = time.monotonic()
-                m.update({f"actor/{k}" if "/" not in k else k: v for k, v in self.backend.update(groups).items()})
+                m.update(
+                    {
+                        f"actor/{k}" if "/" not in k else k: v
+                        for k, v in self.backend.update(groups, version=self.version).items()
+                    }
+                )
                 m["timing_s/update"] = time.monotonic() - t1
                 trajs_out.write(trajectory_records(groups, self.step, self.version))
                 m["timing_s/param_sync"] = 0.0

@@ -321,6 +321,8 @@ class DataConfig:
     """Shuffle seed."""
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
+    synthetic_task: Literal["copy", "add"] = "copy"
+    """Built-in task: copy ('echo 7' -> '7') or add ('3+4=' -> '7', sums below 10)."""
 
     def validate_section(self, p: str) -> None:
         require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")

@@ -1,9 +1,10 @@
 """One engine server process: launch on a free port, wait for health, stop with its whole process group.
 
-Hygiene contract: a launched server never outlives the process that launched it. It runs in its own session (so
-stop() can signal the server and every child it spawned, e.g. vLLM's engine core), it gets SIGTERM when its parent
-dies (PR_SET_PDEATHSIG; only when launched from the main thread, because the signal fires when the launching
-*thread* exits), and an atexit hook stops whatever is still running when the interpreter exits.
+Hygiene contract: a launched server never outlives the process that launched it, even when that process is
+SIGKILLed. The server runs under `fully_async.engines.watchdog` in its own session: stop() signals the group; the
+watchdog polls the launcher and, when it is gone, takes the server and every child it spawned (vLLM's engine core)
+down. PR_SET_PDEATHSIG is set too where it works (launched from the main thread), and an atexit hook stops whatever
+is still running when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -108,8 +110,9 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(cmd)}\n".encode())
             log.flush()
+            # The watchdog leads the new session and takes the server's whole process tree down with the launcher.
             self.popen = subprocess.Popen(
-                cmd,
+                [sys.executable, "-m", "fully_async.engines.watchdog", str(os.getpid()), "--", *cmd],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

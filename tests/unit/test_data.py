@@ -67,10 +67,18 @@ def test_missing_file_and_bad_format_are_named(tmp_path):
         load_rows([str(tmp_path / "broken.jsonl")])
 
 
-def test_synthetic_task_is_deterministic_and_scored_by_its_rule():
-    a, b = synthetic_rows(50, seed=3), synthetic_rows(50, seed=3)
+def test_copy_task_answers_with_the_echoed_digit():
+    rows = synthetic_rows(30, seed=0)
+    assert all(r.messages[0]["content"] == f"echo {r.ground_truth}" for r in rows)
+    assert len({r.ground_truth for r in rows}) > 5
+    with pytest.raises(DataError, match="unknown synthetic task 'mul'"):
+        synthetic_rows(3, 0, task="mul")
+
+
+def test_add_task_is_deterministic_and_scored_by_its_rule():
+    a, b = synthetic_rows(50, seed=3, task="add"), synthetic_rows(50, seed=3, task="add")
     assert [r.messages for r in a] == [r.messages for r in b]
-    assert [r.messages for r in a] != [r.messages for r in synthetic_rows(50, seed=3, split="val")]
+    assert [r.messages for r in a] != [r.messages for r in synthetic_rows(50, seed=3, split="val", task="add")]
     for r in a:
         x, y = r.messages[0]["content"].rstrip("=").split("+")
         assert r.ground_truth == str(int(x) + int(y)) and r.data_source == SYNTHETIC_SOURCE

@@ -1,0 +1,66 @@
+"""The engine watchdog takes a whole process tree down when its launcher is SIGKILLed, and on a normal stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# A "server" that spawns a grandchild in its own process group member list (like vLLM's engine core) and sleeps.
+SERVER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
+# A launcher that starts the server under the watchdog, prints the watchdog's pid, then waits to be killed.
+LAUNCHER = f"""
+import subprocess, sys, time
+p = subprocess.Popen([sys.executable, "-m", "fully_async.engines.watchdog", str(__import__("os").getpid()), "--",
+                      sys.executable, "-c", {SERVER!r}], start_new_session=True)
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def group_of(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid and "zombie" not in Path(f"/proc/{entry}/status").read_text().lower():
+                    out.append(int(entry))
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+    return out
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def start_launcher():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    watchdog = int(launcher.stdout.readline())
+    assert wait_for(lambda: len(group_of(watchdog)) >= 3, 20), "server and grandchild did not start"
+    return launcher, watchdog
+
+
+def test_sigkilled_launcher_takes_the_whole_server_tree_down():
+    launcher, watchdog = start_launcher()
+    launcher.kill()
+    launcher.wait()
+    assert wait_for(lambda: not group_of(watchdog), 20), f"left running: {group_of(watchdog)}"
+
+
+def test_sigterm_to_the_group_stops_server_and_grandchildren():
+    launcher, watchdog = start_launcher()
+    try:
+        os.killpg(watchdog, signal.SIGTERM)
+        assert wait_for(lambda: not group_of(watchdog), 20), f"left running: {group_of(watchdog)}"
+    finally:
+        launcher.kill()
+        launcher.wait()
