@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import hydra
@@ -108,7 +109,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _terminate(signum, frame):
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so engines and Ray are shut down by main()'s finally.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cli() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         check_overrides(_overrides(sys.argv[1:]))
         register_defaults()
