@@ -3,7 +3,8 @@
 Contract of `generate(prompt_ids, max_tokens)`: the result never holds more than max_tokens tokens, whatever happens
 in between. A pause that aborts the request returns its tokens so far; the client waits for the resume and sends
 prompt + tokens so far with the remaining budget, so each token keeps the version of the weights that produced it
-(the engine's own label where it reports one, else the control plane's version when the segment was sent). A server
+(the engine's own label where it reports one, else the control plane's version when the segment was sent; a segment
+that outlived a version change without being aborted, as under pause(keep), is labelled with the older version). A server
 failure (connection lost, 5xx, malformed response, timeout) re-sends the same continuation to another server, up to
 engine.max_retries times; then EngineError names the server and its log. A 4xx is the request's fault: not retried.
 """
@@ -133,6 +134,11 @@ class EngineClient:
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
             versions = seg.versions or [None] * len(seg.token_ids)
+            if state.version != sent_version and seg.finish_reason != "abort":
+                # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
+                # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
+                # with the older version, which can only overstate staleness, never hide it.
+                versions = [sent_version] * len(seg.token_ids)
             result.token_ids += seg.token_ids[:take]
             result.logprobs += seg.logprobs[:take]
             result.versions += [sent_version if v is None else v for v in versions[:take]]

@@ -125,6 +125,19 @@ async def test_abort_from_a_control_plane_elsewhere_waits_for_the_server_to_resu
     assert client.stats.aborts == 1
 
 
+async def test_segment_outliving_a_version_change_gets_the_older_version(fakes):
+    fake = await fakes(token_delay_s=0.01)
+    client = make([fake.url])
+    await client.servers.set_version(2)
+    task = asyncio.create_task(client.generate([9], 20))
+    await asyncio.sleep(0.05)
+    await client.servers.set_version(3)  # not paused: the in-flight request is not aborted, the fake relabels nothing
+    fake.version = "3"  # ... but claims the new label for all of it, as vLLM does after pause(keep)
+    out = await task
+    await client.close()
+    assert out.versions == [2] * 20 and out.num_aborts == 0
+
+
 async def test_pause_longer_than_resume_timeout_fails_clearly(fakes):
     fake = await fakes(token_delay_s=0.01)
     client = make([fake.url], resume_timeout_s=0.3)
