@@ -201,11 +201,15 @@ class EngineServers(abc.ABC):
 
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
-        for p in self.procs:
-            p.launch()
-        for p in self.procs:
-            p.wait_healthy(self.cfg.startup_timeout_s)
-        self._run_sync(self._after_start(range(len(self.procs))))
+        try:
+            for p in self.procs:
+                p.launch()
+            for p in self.procs:
+                p.wait_healthy(self.cfg.startup_timeout_s)
+            self._run_sync(self._after_start(range(len(self.procs))))
+        except BaseException:
+            self.stop()  # a half-started pool would hold memory and cores until interpreter exit
+            raise
 
     def stop(self) -> None:
         """Stop every launched server (and its children); safe to call twice."""

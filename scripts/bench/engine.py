@@ -23,7 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# Replace (not prepend to) the script directory on the path: its queue.py would shadow the standard library module.
+sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from fully_async.config import EngineConfig, TinyModelConfig  # noqa: E402
 from fully_async.engines import EngineClient, Sampling, build_engine  # noqa: E402
