@@ -111,11 +111,13 @@ async def test_abort_reload_continue(engine, models):
     base, new = models
     await _use_weights(engine, base, 0)
     client = EngineClient(engine)
-    prompt, budget = PROMPTS[0], 300
+    prompt, budget = PROMPTS[0], CFG.max_model_len - len(PROMPTS[0])  # as long as the server allows: ~1 s here
     (before,) = await _greedy(client, [prompt], budget)
 
     task = asyncio.create_task(client.generate(prompt, budget, GREEDY))
-    await asyncio.sleep(0.3)
+    while client.outstanding[0] == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)
     await engine.pause("abort")
     await engine.load_weights(new, 1)
     await engine.resume()
