@@ -37,6 +37,10 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     def __init__(self, config, cpu: bool = False, dist_timeout_s: float = 600.0):
         if cpu:
+            # Ray starts actors with OMP_NUM_THREADS=1; CPU ranks on one host share its cores instead.
+            local = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", "1"))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // max(1, local)))
             _init_gloo(dist_timeout_s)
         super().__init__(config)
 
@@ -93,4 +97,6 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             "world_size": dist.get_world_size(),
             "backend": str(dist.get_backend()),
             "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
