@@ -83,7 +83,10 @@ class Rollouter:
             at = self.cfg.async_training
             self.ledger = StalenessLedger.from_state(ledger_state, at.max_staleness, at.groups_per_version)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        sampling = Sampling.from_rollout(self.cfg.rollout, stop_token_ids=_stop_ids(tokenizer))
+        ignore_eos = self.cfg.rollout.ignore_eos
+        sampling = Sampling.from_rollout(
+            self.cfg.rollout, stop_token_ids=() if ignore_eos else _stop_ids(tokenizer), ignore_eos=ignore_eos
+        )
         self.agent = build_agent_loop(
             self.cfg.rollout.agent_loop,
             tokenizer,

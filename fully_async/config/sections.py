@@ -79,6 +79,8 @@ class RolloutConfig:
     """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py)."""
     val_max_concurrent: int = 16
     """Most validation samples generating at once (they share the engines with training rollouts)."""
+    ignore_eos: bool = False
+    """Generate exactly response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
 
     def validate_section(self, p: str) -> None:
         _check_dotted(p + "agent_loop", self.agent_loop)

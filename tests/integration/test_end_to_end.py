@@ -85,8 +85,7 @@ TRAJ_KEYS = [
 
 
 def test_fully_async_run_writes_its_files_and_respects_the_bound(tmp_path):
-    # Long responses and a sync after every step: requests are in flight at every sync, so partial rollout shows.
-    proc = run(tmp_path, "trainer.total_steps=6", "async_training.max_staleness=2", "rollout.response_length=48")
+    proc = run(tmp_path, "trainer.total_steps=6", "async_training.max_staleness=2", "trainer.val_every=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 7))
@@ -94,11 +93,13 @@ def test_fully_async_run_writes_its_files_and_respects_the_bound(tmp_path):
         missing = [k for k in METRIC_KEYS if k not in m]
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert 0.0 <= m["fully_async/trainer/idle_ratio"] <= 1.0 and 0.0 <= m["fully_async/rollouter/idle_ratio"] <= 1.0
+    val = [m for m in metrics if "val/reward_mean" in m]
+    assert val and all(0.0 <= m["val/reward_mean"] <= 1.0 and m["val/n"] == 32 for m in val)
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")
     assert len(trajs) == 6 * 2 * 2 and all(k in t for t in trajs for k in TRAJ_KEYS)
     assert all(t["trained_version"] - t["min_version"] <= 2 for t in trajs)
-    assert all(t["response_length"] <= 48 for t in trajs)
-    assert any(t["max_version"] > t["min_version"] for t in trajs), "no trajectory spanned a weight update"
+    assert all(t["response_length"] <= 32 for t in trajs)
+    # Partial rollout across syncs is checked deterministically in test_rollouter.py (syncs placed mid-generation).
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_6"
     assert (tmp_path / "reward_staleness.png").stat().st_size > 1000
     assert list((tmp_path / "engines").glob("*.log"))
