@@ -236,6 +236,8 @@ class TrainerConfig:
     """Longest wait for the trainer ranks on one call (update, log-probs, export, checkpoint) before failing the run."""
     weight_bucket_mb: int = 512
     """Size of each safetensors file written by a weight export."""
+    cpu_threads_per_rank: int = 0
+    """Torch threads per trainer rank on CPU; 0 = the host's cores divided by its ranks."""
 
     def validate_section(self, p: str) -> None:
         require(self.total_steps >= 1, p + "total_steps", self.total_steps, ">= 1")
@@ -251,6 +253,9 @@ class TrainerConfig:
         require(self.num_mini_batches >= 1, p + "num_mini_batches", self.num_mini_batches, ">= 1")
         require(self.call_timeout_s > 0, p + "call_timeout_s", self.call_timeout_s, "> 0")
         require(self.weight_bucket_mb >= 1, p + "weight_bucket_mb", self.weight_bucket_mb, ">= 1")
+        require(
+            self.cpu_threads_per_rank >= 0, p + "cpu_threads_per_rank", self.cpu_threads_per_rank, ">= 0 (0 = auto)"
+        )
         if self.strategy == "megatron":
             raise ConfigError(f"{p}strategy='megatron' is not wired into the verl backend yet; use 'fsdp2'")
         if self.resume not in ("auto", "none") and not self.resume.strip():

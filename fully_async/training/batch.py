@@ -13,7 +13,7 @@ the loss — normalised by the global mini-batch's token count — does not depe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -210,10 +210,3 @@ def version_metrics(batch: PaddedBatch, trainer_version: int) -> dict[str, float
         return {}
     lag = (trainer_version - batch.token_versions[keep]).float()
     return {"staleness/token_mean": lag.mean().item(), "staleness/token_max": lag.max().item()}
-
-
-def with_rows(batch: PaddedBatch, rows: np.ndarray) -> PaddedBatch:
-    """`batch.select(rows)`, or `batch` itself when `rows` is the identity."""
-    if len(rows) == batch.size and np.array_equal(rows, np.arange(batch.size)):
-        return replace(batch)
-    return batch.select(rows)

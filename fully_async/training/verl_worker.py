@@ -35,12 +35,12 @@ def _init_gloo(timeout_s: float) -> None:
 class FullyAsyncTrainingWorker(TrainingWorker):
     """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
 
-    def __init__(self, config, cpu: bool = False, dist_timeout_s: float = 600.0):
+    def __init__(self, config, cpu: bool = False, cpu_threads: int = 0, dist_timeout_s: float = 600.0):
         if cpu:
-            # Ray starts actors with OMP_NUM_THREADS=1; CPU ranks on one host share its cores instead.
+            # Ray starts actors with OMP_NUM_THREADS=1; by default CPU ranks on one host share its cores instead.
             local = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", "1"))
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // max(1, local)))
+            torch.set_num_threads(cpu_threads or max(1, cores // max(1, local)))
             _init_gloo(dist_timeout_s)
         super().__init__(config)
 
