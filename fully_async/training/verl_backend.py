@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from functools import partial
@@ -288,6 +289,7 @@ class VerlBackend(TrainingBackend):
     def update(self, groups: Sequence[TrajectoryGroup], *, version: int | None = None) -> dict[str, float]:
         from verl.utils import tensordict_utils as tu
 
+        t0 = time.perf_counter()
         full = B.assemble(groups, self.pad_token_id)
         algo = self.algorithm
         metrics: dict[str, float] = {"batch/trajectories": float(full.size), "batch/groups": float(len(groups))}
@@ -305,6 +307,7 @@ class VerlBackend(TrainingBackend):
         adv = advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
         extra = {"advantages": adv.float()}
         mask = laid.response_mask.bool()
+        t1 = time.perf_counter()
         if algo.recompute_prox:
             prox = self._log_probs("policy", laid)
             weights, corr = B.importance_weights(
@@ -317,6 +320,7 @@ class VerlBackend(TrainingBackend):
         extra["old_log_probs"] = prox
         if "reference" in self._groups and algo.use_kl_loss:
             extra["ref_log_prob"] = self._log_probs("reference", laid)
+        t2 = time.perf_counter()
         td = self._engine_td(laid, **extra)
         tu.assign_non_tensor(
             td,
@@ -330,6 +334,8 @@ class VerlBackend(TrainingBackend):
             calculate_entropy=algo.entropy_coeff > 0,
         )
         outs, _ = self._data_call("policy", "train_mini_batch", td)
+        t3 = time.perf_counter()
+        metrics.update({"timing_s/prepare": t1 - t0, "timing_s/log_probs": t2 - t1, "timing_s/train": t3 - t2})
         for key, value in tu.get(outs[0], "metrics").items():
             metrics[key if "/" in key else f"actor/{key}"] = _mean(value)
         self.step += 1
