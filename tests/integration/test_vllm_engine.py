@@ -74,6 +74,18 @@ async def _greedy(client, prompts, n):
     return [(await client.generate(p, n, GREEDY)).token_ids for p in prompts]
 
 
+async def _until_running(client, tasks, n):
+    """Wait until n requests are outstanding on server 0; a task that ends first (an error) fails the test at once."""
+    for _ in range(2000):
+        if client.outstanding[0] >= n:
+            return
+        for t in tasks:
+            if t.done():
+                pytest.fail(f"request ended before the test could act on it: {t.result()}")
+        await asyncio.sleep(0.005)
+    pytest.fail(f"{n} requests never became outstanding: {client.outstanding}")
+
+
 async def _use_weights(servers, model_dir, version):
     await servers.pause("abort")
     await servers.load_weights(model_dir, version)
@@ -115,8 +127,7 @@ async def test_abort_reload_continue(engine, models):
     (before,) = await _greedy(client, [prompt], budget)
 
     task = asyncio.create_task(client.generate(prompt, budget, GREEDY))
-    while client.outstanding[0] == 0:
-        await asyncio.sleep(0.005)
+    await _until_running(client, [task], 1)
     await asyncio.sleep(0.1)
     await engine.pause("abort")
     await engine.load_weights(new, 1)
@@ -153,20 +164,22 @@ async def test_reload_equals_fresh_server_on_new_weights(engine, fresh, models):
 async def test_pause_keep_freezes_and_resume_finishes_with_conservative_versions(engine):
     client = EngineClient(engine)
     await engine.set_version(10)
-    task = asyncio.create_task(client.generate(PROMPTS[1], 400, GREEDY))
-    while client.outstanding[0] == 0:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.1)
+    budget = CFG.max_model_len - len(PROMPTS[1])
+    # 32 long requests take seconds together, so the pause surely lands while they run.
+    tasks = [asyncio.create_task(client.generate(PROMPTS[1] + [i], budget - 1, GREEDY)) for i in range(32)]
+    await _until_running(client, tasks, 32)
+    await asyncio.sleep(0.05)
     await engine.pause("keep")
     assert await engine.is_paused(engine.addresses[0])
     await engine.set_version(11)
     await asyncio.sleep(0.5)
-    assert not task.done()
+    assert not any(t.done() for t in tasks)
     await engine.resume()
-    out = await asyncio.wait_for(task, 60)
-    assert len(out.token_ids) == 400 and out.num_aborts == 0
-    # The split inside one kept request is unknown: every token carries the older version (see EngineClient).
-    assert out.versions == [10] * 400
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    for out in outs:
+        assert len(out.token_ids) == budget - 1 and out.num_aborts == 0
+        # The split inside one kept request is unknown: every token carries the older version (see EngineClient).
+        assert out.versions == [10] * (budget - 1)
     await client.close()
 
 
@@ -183,8 +196,7 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(eng
     await direct.close()
 
     task = asyncio.create_task(client.generate(PROMPTS[2], 480, GREEDY))
-    while client.outstanding[0] == 0:  # wait until the request is on the server about to die
-        await asyncio.sleep(0.005)
+    await _until_running(client, [task], 1)  # the request is on the server about to die
     await asyncio.sleep(0.05)
     assert not task.done()
     os.killpg(fresh.procs[0].popen.pid, signal.SIGKILL)
