@@ -169,10 +169,10 @@ async def slow_async_score(data_source, solution_str, ground_truth, extra_info=N
 
 
 def sometimes_hanging_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Hangs on prompts whose answer is 5, scores the rest like the built-in task (a flaky remote verifier)."""
+    """Hangs on prompts whose answer is odd, scores the rest like the built-in task (a flaky remote verifier)."""
     from fully_async.reward.rule import synthetic_score
 
-    if str(ground_truth) == "5":
+    if int(ground_truth) % 2:
         hanging_score(data_source, solution_str, ground_truth, extra_info)
     return synthetic_score(data_source, solution_str, ground_truth, extra_info)
 

@@ -2,8 +2,8 @@
 
 Hygiene contract: a launched server never outlives the process that launched it, even when that process is
 SIGKILLed. The server runs under `fully_async.engines.watchdog` in its own session: stop() signals the group; the
-watchdog polls the launcher and, when it is gone, takes the server and every child it spawned (vLLM's engine core)
-down. PR_SET_PDEATHSIG is set too where it works (launched from the main thread), and an atexit hook stops whatever
+watchdog holds the read end of a lifeline pipe whose write end only this process holds and, when it closes, takes
+the server and every child it spawned (vLLM's engine core) down. PR_SET_PDEATHSIG is set too where it works (launched from the main thread), and an atexit hook stops whatever
 is still running when the interpreter exits.
 """
 
@@ -84,6 +84,7 @@ class ServerProcess:
         self.health_path = health_path
         self.port = port or free_port(host)
         self.popen: subprocess.Popen | None = None
+        self._lifeline: int | None = None
         self._url: str | None = None
 
     @classmethod
@@ -110,9 +111,12 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(cmd)}\n".encode())
             log.flush()
-            # The watchdog leads the new session and takes the server's whole process tree down with the launcher.
+            # The watchdog leads the new session and takes the server's whole process tree down when the write end
+            # of this lifeline pipe closes, i.e. when this process is gone however it died.
+            lifeline_r, self._lifeline = os.pipe()
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "fully_async.engines.watchdog", str(os.getpid()), "--", *cmd],
+                [sys.executable, "-m", "fully_async.engines.watchdog", str(lifeline_r), "--", *cmd],
+                pass_fds=(lifeline_r,),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -120,6 +124,7 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
+        os.close(lifeline_r)
         _LIVE.add(self)
         logger.info("launched %s (pid %d) at %s, log %s", self.name, self.popen.pid, self.url, self.log_path)
 
@@ -161,6 +166,9 @@ class ServerProcess:
             return
         popen, self.popen = self.popen, None
         _LIVE.discard(self)
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(popen.pid, sig)

@@ -1,17 +1,21 @@
-"""Runs a server as its child and makes sure the server and everything it spawned die with the launcher.
+"""Runs a server so that it, and everything it spawns, dies with the process that launched it.
 
-    python -m fully_async.engines.watchdog LAUNCHER_PID -- COMMAND...
+    python -m fully_async.engines.watchdog LIFELINE_FD -- COMMAND...
 
-Why: PR_SET_PDEATHSIG only covers the direct child and fires when the launching *thread* exits, and vLLM's engine
-core is a grandchild that outlives a killed API server. The watchdog leads the server's process group; when the
-launcher dies (polled), or when it receives SIGTERM/SIGINT (a normal stop), it SIGTERMs every other member of its
-group, waits, then SIGKILLs what is left. When the server exits on its own, the watchdog reaps the group and exits
-with the server's code. Standard library only.
+Why: PR_SET_PDEATHSIG covers only the direct child and fires when the launching *thread* exits; vLLM's engine core
+is a grandchild that outlives a killed API server; and Ray SIGKILLs the direct children of a worker that exits, so
+a watchdog that is a direct child dies before it can act. Here the direct child is a relay: it forks the real
+watchdog and only waits for it (its exit code is the server's). The watchdog leads the server's process group and
+watches LIFELINE_FD, the read end of a pipe whose write end only the launcher holds: EOF means the launcher is gone,
+however it died. Then, or on SIGTERM/SIGINT (a normal stop), it SIGTERMs every other member of its group, waits,
+and SIGKILLs what is left. When the server exits on its own, the group is reaped and its exit code passed on.
+Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -45,17 +49,19 @@ def _signal_group(sig: int) -> None:
 def _reap_group(child: subprocess.Popen) -> None:
     _signal_group(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and (child.poll() is None or _group_members()):
+    while time.monotonic() < deadline and (child.poll() is None or _others_alive()):
         time.sleep(0.1)
     _signal_group(signal.SIGKILL)
     child.wait()
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m fully_async.engines.watchdog LAUNCHER_PID -- COMMAND...", file=sys.stderr)
-        return 2
-    launcher, command = int(argv[0]), argv[2:]
+def _others_alive() -> bool:
+    """Group members other than the relay (our parent, which only waits for us)."""
+    parent = os.getppid()
+    return any(pid != parent for pid in _group_members())
+
+
+def _watch(lifeline: int, command: list[str]) -> int:
     stop = {"requested": False}
 
     def on_signal(signum, frame):
@@ -65,13 +71,29 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     child = subprocess.Popen(command)
     while child.poll() is None:
-        # Our parent is the launcher; when it dies we are re-parented (a PID check could be fooled by PID reuse).
-        if stop["requested"] or os.getppid() != launcher:
+        readable, _, _ = select.select([lifeline], [], [], POLL_S)
+        launcher_gone = bool(readable) and os.read(lifeline, 1) == b""
+        if stop["requested"] or launcher_gone:
             _reap_group(child)
             return 0 if stop["requested"] else 1
-        time.sleep(POLL_S)
     _reap_group(child)  # the server exited: its children go too
     return child.returncode
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m fully_async.engines.watchdog LIFELINE_FD -- COMMAND...", file=sys.stderr)
+        return 2
+    lifeline, command = int(argv[0]), argv[2:]
+    pid = os.fork()
+    if pid == 0:
+        os._exit(_watch(lifeline, command))
+    # The relay: nothing to do but wait. A normal stop signals the whole group; the watchdog does the work.
+    os.close(lifeline)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 if __name__ == "__main__":

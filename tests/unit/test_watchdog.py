@@ -11,11 +11,13 @@ from pathlib import Path
 
 # A "server" that spawns a grandchild in its own process group member list (like vLLM's engine core) and sleeps.
 SERVER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
-# A launcher that starts the server under the watchdog, prints the watchdog's pid, then waits to be killed.
+# A launcher that starts the server under the watchdog with a lifeline pipe, prints the relay's pid, then waits.
 LAUNCHER = f"""
-import subprocess, sys, time
-p = subprocess.Popen([sys.executable, "-m", "fully_async.engines.watchdog", str(__import__("os").getpid()), "--",
-                      sys.executable, "-c", {SERVER!r}], start_new_session=True)
+import os, subprocess, sys, time
+r, w = os.pipe()
+p = subprocess.Popen([sys.executable, "-m", "fully_async.engines.watchdog", str(r), "--",
+                      sys.executable, "-c", {SERVER!r}], start_new_session=True, pass_fds=(r,))
+os.close(r)
 print(p.pid, flush=True)
 time.sleep(600)
 """
@@ -45,7 +47,8 @@ def wait_for(predicate, timeout: float) -> bool:
 def start_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
     watchdog = int(launcher.stdout.readline())
-    assert wait_for(lambda: len(group_of(watchdog)) >= 3, 20), "server and grandchild did not start"
+    # relay + watchdog + server + grandchild
+    assert wait_for(lambda: len(group_of(watchdog)) >= 4, 20), "server and grandchild did not start"
     return launcher, watchdog
 
 
@@ -54,6 +57,17 @@ def test_sigkilled_launcher_takes_the_whole_server_tree_down():
     launcher.kill()
     launcher.wait()
     assert wait_for(lambda: not group_of(watchdog), 20), f"left running: {group_of(watchdog)}"
+
+
+def test_ray_style_kill_of_the_direct_child_then_the_launcher():
+    # Ray SIGKILLs a dead worker's direct children: the relay goes first, the watchdog must still clean up.
+    launcher, relay = start_launcher()
+    os.kill(relay, signal.SIGKILL)
+    time.sleep(1.0)
+    assert len(group_of(relay)) >= 3, "losing the relay must not stop the server while the launcher lives"
+    launcher.kill()
+    launcher.wait()
+    assert wait_for(lambda: not group_of(relay), 20), f"left running: {group_of(relay)}"
 
 
 def test_sigterm_to_the_group_stops_server_and_grandchildren():
