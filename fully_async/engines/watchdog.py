@@ -26,10 +26,11 @@ GRACE_S = 10.0
 
 
 def _group_members() -> list[int]:
-    me, group = os.getpid(), os.getpgid(0)
+    """Our process group without us and without the relay (our parent), which exits when we do."""
+    skip, group = {os.getpid(), os.getppid()}, os.getpgid(0)
     out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
+        if entry.isdigit() and int(entry) not in skip:
             try:
                 if os.getpgid(int(entry)) == group:
                     out.append(int(entry))
@@ -49,16 +50,10 @@ def _signal_group(sig: int) -> None:
 def _reap_group(child: subprocess.Popen) -> None:
     _signal_group(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and (child.poll() is None or _others_alive()):
+    while time.monotonic() < deadline and (child.poll() is None or _group_members()):
         time.sleep(0.1)
     _signal_group(signal.SIGKILL)
     child.wait()
-
-
-def _others_alive() -> bool:
-    """Group members other than the relay (our parent, which only waits for us)."""
-    parent = os.getppid()
-    return any(pid != parent for pid in _group_members())
 
 
 def _watch(lifeline: int, command: list[str]) -> int:
