@@ -163,9 +163,9 @@ class VerlBackend(TrainingBackend):
         twc, self.actor_config = _engine_configs(trainer, algorithm, str(model_path), self.cpu)
         self._groups = {}
         try:
-            self._groups["policy"] = self._make_group("policy", twc)
+            self._make_group("policy", twc)
             if use_reference:
-                self._groups["reference"] = self._make_group("reference", _reference_config(twc))
+                self._make_group("reference", _reference_config(twc))
             from verl.workers.utils.losses import ppo_loss
 
             self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
@@ -205,6 +205,8 @@ class VerlBackend(TrainingBackend):
             worker_env=env,
             name_prefix=prefix,
         )
+        wg.fa_pool = pool
+        self._groups[role] = wg  # registered before the first call, so shutdown() can release it if that call fails
         self._wait(wg.execute_all_async("reset"), f"{role}.reset")
         wg.fa_dp_map = self._wait(wg.execute_all_async("_query_dispatch_info", "train"), f"{role}.dispatch_info")
         wg.fa_collect = self._wait(wg.execute_all_async("_query_collect_info", "train"), f"{role}.collect_info")
@@ -378,9 +380,15 @@ class VerlBackend(TrainingBackend):
         return self.step
 
     def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for wg in self._groups.values():
             for worker in wg.workers:
                 ray.kill(worker)
+            # The pool's placement groups outlive the actors: without this every backend built in a process keeps
+            # its CPUs/GPUs reserved and the next one waits for placement forever.
+            for pg in wg.fa_pool.pgs or []:
+                remove_placement_group(pg)
         self._groups.clear()
 
 

@@ -2,7 +2,7 @@
 single-process torch loop doing the same math, and weight-export time against model size.
 
     .venv/bin/python scripts/bench/trainer.py                       # defaults used for docs/benchmarks.md
-    .venv/bin/python scripts/bench/trainer.py --hidden 256 --layers 4 --steps 5 --export-hidden 128 256 512
+    .venv/bin/python scripts/bench/trainer.py --hidden 256 --layers 4 --steps 5 --threads 2 --export-hidden 128 256
 
 "Same math" per step: a no-grad forward for the proximal log-probs, truncated token importance weights, one
 forward/backward of the clipped PPO loss (token-mean), grad clipping and an AdamW step, all in float32. The
@@ -117,7 +117,12 @@ def bench_update(args, model_dir: Path) -> list[tuple[str, float, float]]:
     backends = []
     try:
         for ws in args.world_sizes:
-            trainer = TrainerConfig(n_gpus_per_node=ws, max_token_len_per_gpu=args.token_budget, total_steps=1000)
+            trainer = TrainerConfig(
+                n_gpus_per_node=ws,
+                max_token_len_per_gpu=args.token_budget,
+                total_steps=1000,
+                cpu_threads_per_rank=args.threads,
+            )
             backends.append(build_backend(trainer, AlgorithmConfig(), model_dir, device="cpu"))
             steps[f"verl backend, world size {ws}"] = lambda be=backends[-1]: be.update(groups)
         times: dict[str, list[float]] = {name: [] for name in steps}
@@ -180,6 +185,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the plain loop and of each rank (1: robust to load)"
+    )
     ap.add_argument("--export-hidden", type=int, nargs="*", default=[128, 256, 512, 1024])
     args = ap.parse_args()
 
@@ -187,12 +195,12 @@ def main() -> None:
 
     from fully_async.models import build_tiny_model
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     cache = Path(tempfile.mkdtemp(prefix="fa-bench-"))
     cfg = TinyModelConfig(hidden_size=args.hidden, num_layers=args.layers, intermediate_size=4 * args.hidden)
     model_dir = build_tiny_model(cfg, cache)
     try:
-        print(f"model: hidden {args.hidden}, {args.layers} layers; torch threads {torch.get_num_threads()}")
+        print(f"model: hidden {args.hidden}, {args.layers} layers; torch threads per process {args.threads}")
         bench_update(args, model_dir)
         if args.export_hidden:
             bench_export(args, cache)

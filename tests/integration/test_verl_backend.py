@@ -5,6 +5,7 @@ the initial checkpoint so tests are independent."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,7 @@ def test_reference_model_and_kl_loss(ray_local, tiny_model, tmp_path):
 
     trainer = TrainerConfig(max_token_len_per_gpu=512, total_steps=20)
     algo = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coeff=0.01)
+    cpus_before = ray_local.available_resources()["CPU"]
     be = build_backend(trainer, algo, tiny_model, temperature=TEMPERATURE, device="cpu")
     try:
         groups = make_groups(2, 2, seed=4)
@@ -215,3 +217,8 @@ def test_reference_model_and_kl_loss(ray_local, tiny_model, tmp_path):
         assert m2["actor/loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
     finally:
         be.shutdown()
+    # shutdown() gives back the placement groups (one CPU per rank), not only the actors.
+    deadline = time.monotonic() + 20
+    while ray_local.available_resources().get("CPU", 0) < cpus_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) >= cpus_before
