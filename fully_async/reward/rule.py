@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
-_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
-
 
 def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
-    """The built-in task: 1.0 when the response opens with the right number, 0.1 when it opens with a wrong number
-    (the format is right), 0.0 otherwise. What follows the number is ignored."""
-    match = _LEADING_NUMBER.match(solution_str)
-    correct = bool(match) and match.group(1) == str(ground_truth).strip()
-    return {"score": 1.0 if correct else (0.1 if match else 0.0), "acc": float(correct)}
+    """The built-in tasks: 1.0 when the response opens with the answer, 0.1 when it opens with another digit (the
+    format is right), 0.0 otherwise. What follows the answer is ignored, so a policy that has not yet learned to
+    stop still gets credit for the right digit (a stricter rule left every sample at 0.1 and GRPO without signal)."""
+    text, answer = solution_str.lstrip(), str(ground_truth).strip()
+    correct = bool(answer) and text.startswith(answer)
+    return {"score": 1.0 if correct else (0.1 if text[:1].isdigit() else 0.0), "acc": float(correct)}

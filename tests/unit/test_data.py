@@ -85,6 +85,8 @@ def test_add_task_is_deterministic_and_scored_by_its_rule():
         assert synthetic_score(r.data_source, r.ground_truth + "<junk", r.ground_truth)["score"] == 1.0
     assert synthetic_score(SYNTHETIC_SOURCE, " 12", "3")["score"] == 0.1
     assert synthetic_score(SYNTHETIC_SOURCE, "abc", "3")["score"] == 0.0
+    # A policy that has not learned to stop still earns the answer: "3333" opens with "3".
+    assert synthetic_score(SYNTHETIC_SOURCE, "3333", "3") == {"score": 1.0, "acc": 1.0}
 
 
 def test_cursor_covers_each_epoch_once_and_resumes_exactly():
