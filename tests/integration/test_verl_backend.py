@@ -222,3 +222,17 @@ def test_reference_model_and_kl_loss(ray_local, tiny_model, tmp_path):
     while ray_local.available_resources().get("CPU", 0) < cpus_before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_local.available_resources().get("CPU", 0) >= cpus_before
+
+
+def test_a_rank_that_does_not_answer_in_time_raises_instead_of_hanging(be1):
+    from fully_async.training.verl_backend import TrainerTimeout
+
+    _reset(be1)
+    timeout = be1.timeout
+    be1.timeout = 0.001
+    try:
+        with pytest.raises(TrainerTimeout, match="policy.infer_batch"):
+            be1.compute_log_probs(make_groups(2, 2))
+    finally:
+        be1.timeout = timeout
+    assert len(be1.compute_log_probs(make_groups(1, 1))) == 1  # the late answer does not wedge later calls
