@@ -28,8 +28,12 @@ pytestmark = [
 ]
 
 # A wider initialisation than the default gives peaked next-token distributions, so greedy paths are not decided by
-# near-ties and two different weight sets visibly disagree.
-TINY = TinyModelConfig(init_std=0.1)
+# near-ties and two different weight sets visibly disagree. 25 M parameters, not the 0.4 M default: one request then
+# takes seconds, so a pause or a kill reliably lands mid-generation even when this test process is scheduled late
+# (on 2 busy cores its event loop was seen to stall ~1 s while the engine generated).
+TINY = TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, init_std=0.1)
+LONG = 256
+"""Response tokens of the requests that get paused or killed mid-flight (~4 s each here)."""
 CFG = EngineConfig(num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=240, control_timeout_s=30)
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 PROMPTS = [list(b"12+34="), list(b"hello world"), list(b"7*8 is"), list(b"<a>")]
@@ -123,7 +127,7 @@ async def test_abort_reload_continue(engine, models):
     base, new = models
     await _use_weights(engine, base, 0)
     client = EngineClient(engine)
-    prompt, budget = PROMPTS[0], CFG.max_model_len - len(PROMPTS[0])  # as long as the server allows: ~1 s here
+    prompt, budget = PROMPTS[0], LONG
     (before,) = await _greedy(client, [prompt], budget)
 
     task = asyncio.create_task(client.generate(prompt, budget, GREEDY))
@@ -164,10 +168,9 @@ async def test_reload_equals_fresh_server_on_new_weights(engine, fresh, models):
 async def test_pause_keep_freezes_and_resume_finishes_with_conservative_versions(engine):
     client = EngineClient(engine)
     await engine.set_version(10)
-    budget = CFG.max_model_len - len(PROMPTS[1])
-    # 32 long requests take seconds together, so the pause surely lands while they run.
-    tasks = [asyncio.create_task(client.generate(PROMPTS[1] + [i], budget - 1, GREEDY)) for i in range(32)]
-    await _until_running(client, tasks, 32)
+    budget = LONG + 1
+    tasks = [asyncio.create_task(client.generate(PROMPTS[1] + [i], budget - 1, GREEDY)) for i in range(8)]
+    await _until_running(client, tasks, 8)
     await asyncio.sleep(0.05)
     await engine.pause("keep")
     assert await engine.is_paused(engine.addresses[0])
@@ -192,17 +195,17 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(eng
     pool.procs[0] = fresh.procs[0]  # so the client can see that process die
     client = EngineClient(pool, auto_restart=False)
     direct = EngineClient(engine)
-    (expected,) = await _greedy(direct, [PROMPTS[2]], 480)
+    (expected,) = await _greedy(direct, [PROMPTS[2]], LONG)
     await direct.close()
 
-    task = asyncio.create_task(client.generate(PROMPTS[2], 480, GREEDY))
+    task = asyncio.create_task(client.generate(PROMPTS[2], LONG, GREEDY))
     await _until_running(client, [task], 1)  # the request is on the server about to die
     await asyncio.sleep(0.05)
     assert not task.done()
     os.killpg(fresh.procs[0].popen.pid, signal.SIGKILL)
     out = await asyncio.wait_for(task, 60)
     assert out.num_retries == 1 and out.servers == [engine.addresses[0]]
-    assert out.token_ids == expected and out.versions == [3] * 480
+    assert out.token_ids == expected and out.versions == [3] * LONG
     assert client.down == {0} and client.stats.retries == 1
 
     dead_only = build_engine(CFG, new, fresh.run_dir, addresses=[fresh.addresses[0]])
@@ -217,8 +220,8 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(eng
     await asyncio.to_thread(fresh.restart, 0)
     assert fresh.is_alive(0)
     again = EngineClient(fresh)
-    out = await again.generate(PROMPTS[2], 480, GREEDY)
-    assert out.token_ids == expected and out.versions == [3] * 480
+    out = await again.generate(PROMPTS[2], LONG, GREEDY)
+    assert out.token_ids == expected and out.versions == [3] * LONG
     await again.close()
 
 
