@@ -236,3 +236,19 @@ def test_a_rank_that_does_not_answer_in_time_raises_instead_of_hanging(be1):
     finally:
         be1.timeout = timeout
     assert len(be1.compute_log_probs(make_groups(1, 1))) == 1  # the late answer does not wedge later calls
+
+
+def test_learning_rate_warms_up_then_decays(ray_local, tiny_model):
+    from fully_async.training import build_backend
+
+    trainer = TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_schedule="cosine", total_steps=6, max_token_len_per_gpu=512)
+    be = build_backend(trainer, AlgorithmConfig(), tiny_model, device="cpu")
+    try:
+        groups = make_groups(1, 2)
+        lrs = [be.update(groups)["actor/lr"] for _ in range(6)]
+    finally:
+        be.shutdown()
+    peak = lrs.index(max(lrs))
+    assert max(lrs) == pytest.approx(1e-3, rel=1e-6)
+    assert all(a < b for a, b in zip(lrs[:peak], lrs[1 : peak + 1])), lrs
+    assert all(a > b for a, b in zip(lrs[peak:], lrs[peak + 1 :])), lrs
