@@ -100,7 +100,7 @@ def test_limits_follow_the_staleness_rule():
     assert limits["groups_per_version"] == 8
     assert limits["max_groups_ahead_of_trainer"] == (2 + 1) * 8
     assert limits["queue_capacity_groups"] == 24
-    assert limits["max_inflight_groups"] == min(64 // 4, 24)
+    assert limits["max_inflight_groups"] == min(cfg.rollout.max_concurrent // cfg.rollout.n, 24)
 
 
 def test_every_field_has_a_docstring():
