@@ -160,9 +160,13 @@ class Rollouter:
 
     async def _pull_stale_drops(self) -> None:
         async with self._push_lock:
-            dropped = await self.queue.take_reissue.remote()
-            if dropped:
-                self.ledger.drop_stale(dropped)
+            await self._take_stale_drops()
+
+    async def _take_stale_drops(self) -> None:
+        """Move the prompts the queue dropped as stale into the ledger's re-issue list (caller holds _push_lock)."""
+        dropped = await self.queue.take_reissue.remote()
+        if dropped:
+            self.ledger.drop_stale(dropped)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -271,9 +275,7 @@ class Rollouter:
     async def snapshot(self) -> dict[str, Any]:
         """Cursor, ledger and queue contents at one instant (see the module docstring)."""
         async with self._push_lock:
-            dropped = await self.queue.take_reissue.remote()
-            if dropped:
-                self.ledger.drop_stale(dropped)
+            await self._take_stale_drops()
             queue_snap = await self.queue.snapshot.remote()
             return {"cursor": self.cursor.state_dict(), "ledger": self.ledger.state_dict(), "queue": queue_snap}
 

@@ -68,6 +68,15 @@ class Sim:
     def done(self) -> bool:
         return len(self.trained) == len(self.dataset)
 
+    def round(self) -> None:
+        """Admit what the bound allows, finish it all in admission order, train what can be trained."""
+        while self.admit():
+            pass
+        while self.running:
+            self.finish(0, ok=True)
+        while self.train():
+            pass
+
 
 @st.composite
 def scenario(draw):
@@ -100,12 +109,7 @@ def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(para
     for _ in range(10 * n_prompts + 10):
         if sim.done():
             break
-        while sim.admit():
-            pass
-        while sim.running:
-            sim.finish(0, ok=True)
-        while sim.train():
-            pass
+        sim.round()
     assert sim.done(), f"stalled: {sim.ledger.stats()}, queue={len(sim.queue)}, trained={len(sim.trained)}"
 
     prompts = [p for p, _, _ in sim.trained]
@@ -122,12 +126,7 @@ def test_in_order_completion_never_drops_anything():
     for eta in range(3):
         sim = Sim(eta, per_step=2, sync_every=2, n_prompts=40)
         while not sim.done():
-            while sim.admit():
-                pass
-            while sim.running:
-                sim.finish(0, ok=True)
-            while sim.train():
-                pass
+            sim.round()
         assert sim.ledger.dropped_stale == 0
 
 
