@@ -37,6 +37,8 @@ class ClientStats:
     requests: int = 0
     segments: int = 0
     aborts: int = 0
+    carried_tokens: int = 0
+    """Tokens of aborted segments kept and continued under newer weights (partial rollout)."""
     retries: int = 0
     restarts: int = 0
 
@@ -154,6 +156,8 @@ class EngineClient:
             if not continue_on_abort:
                 del result.token_ids[:], result.logprobs[:], result.versions[:]
                 result.start_version = state.version
+            else:
+                self.stats.carried_tokens += take
         return result
 
     async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:

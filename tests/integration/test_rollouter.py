@@ -26,7 +26,10 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def run_with_syncs(ray, tmp_path, partial: bool, syncs: int = 3):
+def run_with_syncs(ray, tmp_path, partial: bool, min_syncs: int = 3, max_syncs: int = 10):
+    """Sync at least `min_syncs` times with samples mid-generation, and more (up to `max_syncs`) until an abort hit a
+    sample that had tokens (a slow machine can abort a first request before its first token). Returns the groups up to
+    the first one showing what the mode is about (a spanning sample, or a restarted one), and the Rollouter's stats."""
     cfg = compose(
         [
             "rollout.n=2",
@@ -34,7 +37,7 @@ def run_with_syncs(ray, tmp_path, partial: bool, syncs: int = 3):
             f"rollout.response_length={LENGTH}",
             "rollout.ignore_eos=true",
             "async_training.groups_per_step=1",
-            "async_training.max_staleness=8",
+            f"async_training.max_staleness={max_syncs}",
             f"async_training.partial_rollout={str(partial).lower()}",
             "data.synthetic_size=16",
         ]
@@ -42,16 +45,29 @@ def run_with_syncs(ray, tmp_path, partial: bool, syncs: int = 3):
     model = str(resolve_model_path(cfg.model))
     queue = create_message_queue(cfg.async_training.effective_queue_capacity(), cfg.async_training.max_staleness)
     rollouter = create_rollouter(cfg, model, str(tmp_path), queue)
+
+    def client_stats() -> dict:
+        return ray.get(rollouter.stats.remote())["client"]
+
+    def shows_the_mode(t) -> bool:
+        return t.max_version > t.min_version if partial else t.num_aborts >= 1
+
     try:
         ray.get(rollouter.start.remote(), timeout=300)
-        for version in range(1, syncs + 1):
+        version = 0
+        while version < min_syncs or (
+            client_stats()["carried_tokens" if partial else "aborts"] == 0 and version < max_syncs
+        ):
             # Mid-generation: samples are running and have produced some tokens.
             wait_until(lambda: ray.get(rollouter.stats.remote())["inflight_samples"] > 0, 60, "a running sample")
             time.sleep(0.3)
+            version += 1
             ray.get(rollouter.pause.remote(), timeout=60)
             ray.get(rollouter.load_weights.remote(model, version), timeout=60)
             ray.get(rollouter.resume.remote(), timeout=60)
-        groups = ray.get(queue.get.remote(syncs + 1, syncs, 120), timeout=150)  # eta 8: nothing is stale
+        groups = []
+        while len(groups) < 4 * max_syncs and not any(shows_the_mode(t) for g in groups for t in g.trajectories):
+            groups += ray.get(queue.get.remote(1, version, 120), timeout=150)  # nothing is stale within max_syncs
         stats = ray.get(rollouter.stats.remote())
     finally:
         ray.get(rollouter.shutdown.remote(), timeout=120)
@@ -62,7 +78,7 @@ def run_with_syncs(ray, tmp_path, partial: bool, syncs: int = 3):
 
 def test_partial_rollout_continues_samples_across_versions(ray_local, tmp_path):
     trajs, stats = run_with_syncs(ray_local, tmp_path, partial=True)
-    assert stats["aborted_samples"] >= 1
+    assert stats["aborted_samples"] >= 1 and stats["client"]["carried_tokens"] > 0
     spanning = [t for t in trajs if t.max_version > t.min_version]
     assert spanning, [(t.min_version, t.max_version, t.num_aborts) for t in trajs]
     for t in trajs:
@@ -75,6 +91,7 @@ def test_restart_mode_regenerates_aborted_samples_under_one_version(ray_local, t
     trajs, stats = run_with_syncs(ray_local, tmp_path, partial=False)
     aborted = [t for t in trajs if t.num_aborts >= 1]
     assert aborted, "no sample was in flight at a sync"
+    assert stats["client"]["carried_tokens"] == 0
     for t in trajs:
         assert t.response_length == LENGTH
         assert t.min_version == t.max_version == t.start_version

@@ -102,6 +102,7 @@ async def test_abort_continue_keeps_budget_and_splits_versions(fakes, tmp_path, 
     assert out.num_aborts == 1 and out.finish_reason == "length"
     k = out.versions.count(0)
     assert out.versions == [0] * k + [1] * (budget - k)
+    assert client.stats.carried_tokens == k
     # The continuation was sent as prompt + tokens so far with the remaining budget.
     assert fake.prompts[-1] == prompt + out.token_ids[:k]
     assert fake.reloads == [str(tmp_path.resolve())]
