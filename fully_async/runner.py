@@ -73,7 +73,9 @@ def main(composed: DictConfig) -> None:
         queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
         rollouter = create_rollouter(cfg, model_path, run_dir, queue)
         print("fully_async: data:", ray.get(rollouter.prepare.remote()), flush=True)
-        backend = build_backend(cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature)
+        backend = build_backend(
+            cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature, cpu_set=_trainer_cpus(cfg)
+        )
         engine_dtype = "float32" if cfg.engine.dtype == "auto" and not _cuda() else cfg.engine.dtype
         sync = ParamSync(rollouter, backend, default_weights_root(run_dir), engine_dtype.replace("auto", "bfloat16"),
                          at.sync_timeout_s)  # fmt: skip
@@ -101,6 +103,19 @@ def main(composed: DictConfig) -> None:
 def _cause(e: BaseException) -> str:
     """The remote exception's own message for errors raised inside Ray actors."""
     return str(getattr(e, "cause", None) or e).strip().splitlines()[-1] if str(e) else repr(e)
+
+
+def _trainer_cpus(cfg) -> list[int] | None:
+    """On a CPU host shared with the engines, the cores the engines' compute threads are not bound to (None: all).
+
+    Measured on 2 cores: a trainer whose OpenMP threads share a core with a generating engine took 1.1 s for a
+    log-prob pass that takes 0.05 s alone; on its own core the update no longer stalls when generation resumes."""
+    if _cuda() or cfg.engine.kind != "vllm":
+        return None
+    from fully_async.engines.vllm import engine_cpus, host_cpus
+
+    rest = sorted(set(host_cpus()) - engine_cpus(cfg.engine.num_servers))
+    return rest or None
 
 
 def _cuda() -> bool:

@@ -43,6 +43,17 @@ def cpu_binding(index: int, num_servers: int, cpus: list[int]) -> str:
     return str(cpus[index % len(cpus)])
 
 
+def host_cpus() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def engine_cpus(num_servers: int) -> set[int]:
+    """Cores the CPU engine servers' compute threads are bound to (see `cpu_binding`)."""
+    cpus = host_cpus()
+    return {int(c) for i in range(num_servers) for c in cpu_binding(i, num_servers, cpus).split(",")}
+
+
 def _parse_version(label: Any) -> int | None:
     try:
         return int(label)
@@ -86,8 +97,7 @@ class VLLMServers(EngineServers):
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
         if not has_cuda():
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
-            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, cpus)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
         env["PYTHONPATH"] = ""
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)

@@ -65,11 +65,13 @@ def build_backend(
     temperature: float = 1.0,
     use_reference: bool | None = None,
     device: str | None = None,
+    cpu_set: Sequence[int] | None = None,
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
     `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
-    defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`.
+    defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
+    the cores the ranks are pinned to (the ones the engines do not use), None for all.
     Ray must already be initialised by the caller.
     """
     from fully_async.config import ConfigError
@@ -78,6 +80,12 @@ def build_backend(
         from fully_async.training.verl_backend import VerlBackend
 
         return VerlBackend(
-            trainer, algorithm, model_path, temperature=temperature, use_reference=use_reference, device=device
+            trainer,
+            algorithm,
+            model_path,
+            temperature=temperature,
+            use_reference=use_reference,
+            device=device,
+            cpu_set=cpu_set,
         )
     raise ConfigError(f"trainer.backend must be one of ['verl'], got {trainer.backend!r}")

@@ -135,6 +135,7 @@ class VerlBackend(TrainingBackend):
         use_reference: bool | None = None,
         device: str | None = None,
         pad_token_id: int = 0,
+        cpu_set: Sequence[int] | None = None,
     ):
         if not ray.is_initialized():
             raise RuntimeError("VerlBackend needs a running Ray (call ray.init first)")
@@ -148,6 +149,7 @@ class VerlBackend(TrainingBackend):
         self.temperature = float(temperature)
         self.timeout = trainer.call_timeout_s
         self.pad_token_id = pad_token_id
+        self.cpu_set = sorted(int(c) for c in cpu_set) if cpu_set else None
         self.step = 0
         if self.cpu:
             from fully_async.training import cpu_platform
@@ -197,6 +199,7 @@ class VerlBackend(TrainingBackend):
             config=twc,
             cpu=self.cpu,
             cpu_threads=self.trainer.cpu_threads_per_rank,
+            cpu_set=self.cpu_set if self.cpu else None,
         )
         wg = RayWorkerGroup(
             resource_pool=pool,

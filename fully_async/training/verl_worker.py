@@ -35,8 +35,18 @@ def _init_gloo(timeout_s: float) -> None:
 class FullyAsyncTrainingWorker(TrainingWorker):
     """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
 
-    def __init__(self, config, cpu: bool = False, cpu_threads: int = 0, dist_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        config,
+        cpu: bool = False,
+        cpu_threads: int = 0,
+        dist_timeout_s: float = 600.0,
+        cpu_set: list[int] | None = None,
+    ):
         if cpu:
+            if cpu_set and hasattr(os, "sched_setaffinity"):
+                # Cores of their own: OpenMP threads sharing a core with the engine's spin at every barrier.
+                os.sched_setaffinity(0, cpu_set)
             # Ray starts actors with OMP_NUM_THREADS=1; by default CPU ranks on one host share its cores instead.
             local = int(os.environ.get("RAY_LOCAL_WORLD_SIZE", "1"))
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -99,4 +109,5 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }
