@@ -48,9 +48,9 @@ def host_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def engine_cpus(num_servers: int) -> set[int]:
-    """Cores the CPU engine servers' compute threads are bound to (see `cpu_binding`)."""
-    cpus = host_cpus()
+def engine_cpus(num_servers: int, cpus: list[int] | None = None) -> set[int]:
+    """Cores the CPU engine servers' compute threads are bound to (see `cpu_binding`), out of `cpus` (the host's)."""
+    cpus = host_cpus() if cpus is None else cpus
     return {int(c) for i in range(num_servers) for c in cpu_binding(i, num_servers, cpus).split(",")}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, EngineError
-from fully_async.engines.vllm import REPO_ROOT, VLLMServers, cpu_binding
+from fully_async.engines.vllm import REPO_ROOT, VLLMServers, cpu_binding, engine_cpus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,3 +109,7 @@ def test_cpu_binding_gives_disjoint_cores():
     assert cpu_binding(0, 1, [0, 1]) == "0"
     assert [cpu_binding(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
     assert [cpu_binding(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]
+    # What the trainer is pinned to is the complement: one core of two, none when the engines cover every core.
+    assert engine_cpus(1, [0, 1]) == {0}
+    assert engine_cpus(2, [0, 1, 2, 3, 4]) == {0, 1, 2, 3}
+    assert engine_cpus(3, [0, 1]) == {0, 1}

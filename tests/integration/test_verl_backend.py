@@ -252,3 +252,20 @@ def test_learning_rate_warms_up_then_decays(ray_local, tiny_model):
     assert max(lrs) == pytest.approx(1e-3, rel=1e-6)
     assert all(a < b for a, b in zip(lrs[:peak], lrs[1 : peak + 1])), lrs
     assert all(a > b for a, b in zip(lrs[peak:], lrs[peak + 1 :])), lrs
+
+
+def test_cpu_set_pins_each_rank_and_sizes_its_threads(ray_local, tiny_model):
+    import os
+
+    from fully_async.training import build_backend
+
+    core = max(os.sched_getaffinity(0))
+    be = build_backend(TrainerConfig(max_token_len_per_gpu=512), AlgorithmConfig(), tiny_model, device="cpu",
+                       cpu_set=[core])  # fmt: skip
+    try:
+        (info,) = be._all("policy", "rank_info")
+        metrics = be.update(make_groups(1, 2))
+    finally:
+        be.shutdown()
+    assert info["cpus"] == [core] and info["torch_threads"] == 1
+    assert np.isfinite(metrics["actor/pg_loss"])
