@@ -9,6 +9,7 @@ import pytest
 # Ray 2.60 turns on token auth for local clusters; tests start a private local cluster, so auth adds nothing here.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_worker_niceness", "0")  # as the runner does: actors at the driver's priority
 
 
 @pytest.fixture(scope="session")

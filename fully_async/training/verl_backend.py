@@ -66,6 +66,9 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         # Packing sequences (remove-padding) pays off with flash-attn's varlen kernels; on CPU attention runs over the
         # whole packed length (quadratic in the micro-batch, not in each sequence): 3-4x slower on the benchmark.
         use_remove_padding=not cpu,
+        enable_gradient_checkpointing=not cpu
+        if trainer.gradient_checkpointing is None
+        else trainer.gradient_checkpointing,
     )
     engine = FSDPEngineConfig(
         strategy="fsdp2",

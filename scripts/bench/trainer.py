@@ -113,6 +113,7 @@ def bench_update(args, model_dir: Path) -> list[tuple[str, float, float]]:
     groups = make_batch(args.groups, args.n, args.prompt_len, args.response_len)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in flatten(groups))
     steps = {"plain torch, 1 process": plain_torch_step_fn(model_dir, groups, 1.0)}
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as the runner: Ray workers compete at the driver's priority
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     backends = []
     try:
