@@ -213,7 +213,13 @@ class TrainerConfig:
     n_gpus_per_node: int = 1
     """Trainer ranks per node (processes on CPU)."""
     strategy: Literal["fsdp2", "megatron"] = "fsdp2"
-    """verl engine strategy (megatron needs GPUs)."""
+    """verl engine strategy (megatron needs GPUs and megatron-core)."""
+    tensor_parallel_size: int = 1
+    """Megatron tensor-parallel size (strategy=megatron only)."""
+    pipeline_parallel_size: int = 1
+    """Megatron pipeline-parallel size (strategy=megatron only)."""
+    context_parallel_size: int = 1
+    """Megatron context-parallel size (strategy=megatron only)."""
     lr: float = 1e-3
     """Peak learning rate (AdamW)."""
     lr_warmup_steps: int = 0
@@ -259,8 +265,19 @@ class TrainerConfig:
         require(
             self.cpu_threads_per_rank >= 0, p + "cpu_threads_per_rank", self.cpu_threads_per_rank, ">= 0 (0 = auto)"
         )
-        if self.strategy == "megatron":
-            raise ConfigError(f"{p}strategy='megatron' is not wired into the verl backend yet; use 'fsdp2'")
+        world = self.nnodes * self.n_gpus_per_node
+        model_parallel = 1
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+            size = getattr(self, name)
+            require(size >= 1, p + name, size, ">= 1")
+            if size > 1 and self.strategy != "megatron":
+                raise ConfigError(f"{p}{name}={size} needs {p}strategy=megatron (fsdp2 shards data-parallel only)")
+            model_parallel *= size
+        if world % model_parallel:
+            raise ConfigError(
+                f"{p}tensor_parallel_size x pipeline_parallel_size x context_parallel_size = {model_parallel} must "
+                f"divide the trainer's ranks (nnodes x n_gpus_per_node = {world})"
+            )
         if self.resume not in ("auto", "none") and not self.resume.strip():
             raise ConfigError(f"{p}resume must be 'auto', 'none' or a checkpoint path, got {self.resume!r}")
 

@@ -55,8 +55,10 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         TrainingWorkerConfig,
     )
 
-    if trainer.strategy != "fsdp2":
-        raise ConfigError(f"trainer.strategy={trainer.strategy!r} is not wired yet; use 'fsdp2'")
+    if trainer.strategy == "megatron":
+        if cpu:
+            raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
+        return _megatron_configs(trainer, algorithm, model_path)
     precision = "fp32" if cpu else "bf16"
     model = HFModelConfig(
         path=str(model_path),
@@ -93,6 +95,64 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
         fsdp_config=engine,
+        optim=optim,
+        clip_ratio_low=algorithm.clip_ratio_low,
+        clip_ratio_high=algorithm.clip_ratio_high,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        entropy_coeff=algorithm.entropy_coeff,
+        use_kl_loss=algorithm.use_kl_loss,
+        kl_loss_coef=algorithm.kl_loss_coef,
+        ppo_epochs=trainer.ppo_epochs,
+    )
+    twc = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model,
+        engine_config=actor.engine,
+        optimizer_config=actor.optim,
+        checkpoint_config=actor.checkpoint,
+    )
+    return twc, actor
+
+
+def _megatron_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str):
+    """verl's Megatron engine (GPU only): bf16, packed sequences, token-budget micro-batches, TP/PP/CP from the
+    trainer config; the rest of the update (loss, dispatch, export through the per-tensor iterator) is shared."""
+    from verl.workers.config import (
+        HFModelConfig,
+        McoreActorConfig,
+        McoreEngineConfig,
+        McoreOptimizerConfig,
+        TrainingWorkerConfig,
+    )
+
+    model = HFModelConfig(
+        path=str(model_path),
+        load_tokenizer=False,
+        use_remove_padding=True,
+        enable_gradient_checkpointing=trainer.gradient_checkpointing is not False,
+    )
+    engine = McoreEngineConfig(
+        tensor_model_parallel_size=trainer.tensor_parallel_size,
+        pipeline_model_parallel_size=trainer.pipeline_parallel_size,
+        context_parallel_size=trainer.context_parallel_size,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        infer_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        dtype="bfloat16",
+    )
+    optim = McoreOptimizerConfig(
+        lr=trainer.lr,
+        weight_decay=trainer.weight_decay,
+        clip_grad=trainer.grad_clip,
+        lr_warmup_steps=trainer.lr_warmup_steps,
+        lr_decay_style=trainer.lr_schedule,
+        total_training_steps=trainer.total_steps,
+    )
+    actor = McoreActorConfig(
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        megatron=engine,
         optim=optim,
         clip_ratio_low=algorithm.clip_ratio_low,
         clip_ratio_high=algorithm.clip_ratio_high,

@@ -12,7 +12,8 @@ from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
     [
         ("call_timeout_s", 0, "trainer.call_timeout_s"),
         ("weight_bucket_mb", 0, "trainer.weight_bucket_mb"),
-        ("strategy", "megatron", "megatron"),
+        ("tensor_parallel_size", 2, "trainer.tensor_parallel_size=2 needs trainer.strategy=megatron"),
+        ("pipeline_parallel_size", 0, "trainer.pipeline_parallel_size"),
     ],
 )
 def test_invalid_trainer_fields_name_the_key(field, value, needle):
@@ -28,3 +29,36 @@ def test_unknown_backend_is_a_config_error(tmp_path):
     object.__setattr__(cfg, "backend", "torchtitan")
     with pytest.raises(ConfigError, match="trainer.backend"):
         build_backend(cfg, AlgorithmConfig(), tmp_path)
+
+
+def test_model_parallel_sizes_must_divide_the_ranks():
+    cfg = TrainerConfig(strategy="megatron", n_gpus_per_node=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="= 4 must divide the trainer's ranks"):
+        cfg.validate_section("trainer.")
+    TrainerConfig(strategy="megatron", nnodes=2, n_gpus_per_node=2, tensor_parallel_size=2).validate_section("t.")
+
+
+def test_megatron_builds_verls_mcore_configs_and_refuses_cpu(tmp_path):
+    from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+
+    from fully_async.config import TinyModelConfig
+    from fully_async.models.tiny import build_tiny_model
+    from fully_async.training.verl_backend import _engine_configs
+
+    model = str(build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), cache_dir=tmp_path))
+    trainer = TrainerConfig(
+        strategy="megatron", n_gpus_per_node=8, tensor_parallel_size=4, pipeline_parallel_size=2, lr=2e-6,
+        lr_schedule="cosine", lr_warmup_steps=5, total_steps=50, max_token_len_per_gpu=8192,
+    )  # fmt: skip
+    twc, actor = _engine_configs(trainer, AlgorithmConfig(entropy_coeff=0.01), model, cpu=False)
+    engine, optim = twc.engine_config, twc.optimizer_config
+    assert isinstance(engine, McoreEngineConfig) and isinstance(optim, McoreOptimizerConfig)
+    assert (engine.tensor_model_parallel_size, engine.pipeline_model_parallel_size) == (4, 2)
+    assert engine.dtype == "bfloat16" and engine.sequence_parallel  # TP > 1 keeps sequence parallelism
+    assert engine.max_token_len_per_gpu == 8192 and engine.use_dynamic_bsz
+    assert (optim.lr, optim.lr_decay_style, optim.lr_warmup_steps, optim.total_training_steps) == (
+        2e-6, "cosine", 5, 50
+    )  # fmt: skip
+    assert actor.entropy_coeff == 0.01 and actor.engine is engine and twc.model_config.use_remove_padding
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        _engine_configs(trainer, AlgorithmConfig(), model, cpu=True)
