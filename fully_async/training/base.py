@@ -80,4 +80,8 @@ def build_backend(
         return VerlBackend(
             trainer, algorithm, model_path, temperature=temperature, use_reference=use_reference, device=device
         )
-    raise ConfigError(f"trainer.backend must be one of ['verl'], got {trainer.backend!r}")
+    if trainer.backend == "sim":
+        from fully_async.training.sim_backend import SimBackend
+
+        return SimBackend(trainer, algorithm, use_reference=use_reference)
+    raise ConfigError(f"trainer.backend must be one of ['verl', 'sim'], got {trainer.backend!r}")
