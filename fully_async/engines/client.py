@@ -143,7 +143,11 @@ class EngineClient:
                 versions = [sent_version] * len(seg.token_ids)
             result.token_ids += seg.token_ids[:take]
             result.logprobs += seg.logprobs[:take]
-            result.versions += [sent_version if v is None else v for v in versions[:take]]
+            versions = versions[:take]
+            # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
+            result.versions += (
+                versions if None not in versions else [sent_version if v is None else v for v in versions]
+            )
             result.servers.append(url)
             if seg.finish_reason != "abort":
                 result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
