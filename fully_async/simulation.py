@@ -38,11 +38,14 @@ def mean_response_length(cfg: FullyAsyncConfig, points: int = 20000) -> float:
     return total / points
 
 
-def capacity(cfg: FullyAsyncConfig, prompt_tokens: float, colocated: bool = False) -> dict[str, float]:
-    """Generation and training capacity and the bound, in samples per simulated second."""
+def capacity(
+    cfg: FullyAsyncConfig, prompt_tokens: float, colocated: bool = False, mean_len: float | None = None
+) -> dict[str, float]:
+    """Generation and training capacity and the bound, in samples per simulated second. `mean_len`: the mean
+    response length of the samples in question (default: the profile's E[min(L, budget)])."""
     sim, tr, at = cfg.engine.sim, cfg.trainer, cfg.async_training
     engines = cfg.engine.num_servers
-    mean_len = mean_response_length(cfg)
+    mean_len = mean_len or mean_response_length(cfg)
     c = max(1.0, min(sim.max_seqs, cfg.rollout.max_concurrent / engines))
     gen = engines * c / (sim.decode_step_s + sim.decode_step_per_seq_s * c) / mean_len
     samples = at.groups_per_step * cfg.rollout.n
@@ -99,7 +102,9 @@ def summarize(run_dir: str | Path, cfg: FullyAsyncConfig) -> dict[str, Any]:
     """Throughput, idle ratios and staleness of a finished run, from metrics.jsonl and trajectories.jsonl.
 
     `*_steady` figures leave out the first version's steps (the pipeline filling up), which every schedule pays
-    once whatever the run's length. Checkpoint writes are left out of every time."""
+    once whatever the run's length. Checkpoint writes are left out of every time. `trained_length*` are the mean
+    response lengths of the samples trained (in a short run a schedule may train a length-biased subset: groups
+    finish shortest first, so a run's first version is short and its later ones long)."""
     run_dir = Path(run_dir)
     scale = cfg.engine.sim.time_scale
     steps = _jsonl(run_dir / "metrics.jsonl")
@@ -113,14 +118,16 @@ def summarize(run_dir: str | Path, cfg: FullyAsyncConfig) -> dict[str, Any]:
         per_step.setdefault(t["step"], []).append(t["response_length"])
     skip = cfg.async_training.sync_every
     steady_s = sum(step_s[skip:])
-    steady_samples = sum(len(per_step.get(m["step"], [])) for m in steps[skip:])
+    steady_lengths = [n for m in steps[skip:] for n in per_step.get(m["step"], [])]
     return {
         "steps": len(steps),
         "samples": len(trajs),
         "sim_wall_s": wall,
         "samples_per_s": len(trajs) / wall,
         "tokens_per_s": sum(t["response_length"] for t in trajs) / wall,
-        "samples_per_s_steady": steady_samples / steady_s if steady_s else float("nan"),
+        "samples_per_s_steady": len(steady_lengths) / steady_s if steady_s else float("nan"),
+        "trained_length": sum(t["response_length"] for t in trajs) / len(trajs),
+        "trained_length_steady": sum(steady_lengths) / len(steady_lengths) if steady_lengths else float("nan"),
         "trainer_idle": sum(m["timing_s/wait_for_batch"] * scale for m in steps) / wall,
         "rollouter_idle": sum(m["fully_async/rollouter/idle_ratio"] * s for m, s in zip(steps, step_s)) / wall,
         "staleness_mean": sum(stale) / len(stale),

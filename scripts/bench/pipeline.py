@@ -20,10 +20,10 @@ colocated_sync and separate_eta0, and the CPU seconds all processes of the run s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # scripts/bench/queue.py shadows the stdlib's `queue` when this folder is on the path: replace it by the repository.
@@ -101,8 +101,14 @@ def main() -> int:
     ap.add_argument("--scale-engines", type=int, default=0, help="engines (trainer GPUs scale along); 0 = profile")
     ap.add_argument("--schedules", default="all", help="comma-separated names, or all")
     ap.add_argument("--out", default="", help="run directories go here (default: a temporary folder)")
+    ap.add_argument("--report", default="", help="only print the table of the runs already in this folder")
     ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every schedule")
     args = ap.parse_args()
+    if args.report:
+        runs = sorted(Path(args.report).glob("*/bench.json"), key=lambda p: p.stat().st_mtime)
+        results = {r.parent.name: evaluate(r.parent) for r in runs}
+        report(results, next(iter(results.values()))["time_scale"] if results else 1.0)
+        return 0
 
     scale = [f"engine.sim.time_scale={args.time_scale}", f"trainer.sim.time_scale={args.time_scale}"]
     base = compose(list(args.overrides), config_dir=args.profile, config_name="config")
@@ -147,15 +153,14 @@ def main() -> int:
     results = {}
     try:
         for name in names:
-            cfg = compose([*args.overrides, *scale, *plan[name]], config_dir=args.profile, config_name="config")
-            steps_per_version = cfg.async_training.sync_every
+            overrides = [*args.overrides, *scale, *plan[name]]
+            cfg = compose(overrides, config_dir=args.profile, config_name="config")
             groups = versions * per_version // cfg.rollout.n
-            steps = max(1, groups // cfg.async_training.groups_per_step)
-            cfg.trainer.total_steps = max(steps, steps_per_version)
-            colocated = name == "colocated_sync"
-            t0, before = time.monotonic(), cpu_by_process()
+            steps = max(1, groups // cfg.async_training.groups_per_step, cfg.async_training.sync_every)
+            overrides.append(f"trainer.total_steps={steps}")
+            cfg.trainer.total_steps = steps
+            before = cpu_by_process()
             ran = run_schedule(cfg, out_root / name, model_path, cpu_clock=cpu_seconds)
-            wall, cpu, generated = ran["wall_s"], ran["cpu_s"], ran["rollouter"]["samples"]
             after = cpu_by_process()
             split = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0.5}
             print(
@@ -163,28 +168,51 @@ def main() -> int:
                 + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])),
                 flush=True,
             )
-            s = summarize(out_root / name, cfg)
-            cap = capacity(cfg, prompt_tokens, colocated=colocated)
-            s.update(cap, cpu_ms_per_sample=1000 * cpu / s["samples"], wall_real_s=time.monotonic() - t0)
-            s.update(generated=generated, cpu_ms_per_generated=1000 * cpu / generated)
-            s["efficiency"] = s["samples_per_s"] / cap["bound"]
-            s["efficiency_steady"] = s["samples_per_s_steady"] / cap["bound"]
-            results[name] = s
-            print(f"{name}: {s['samples']} samples in {wall:.0f} wall s, {s['samples_per_s']:.1f} samples/s, "
-                  f"efficiency {s['efficiency']:.3f} (steady {s['efficiency_steady']:.3f}), "
+            record = {"profile": args.profile, "overrides": overrides, "cpu_s": ran["cpu_s"], "wall_s": ran["wall_s"],
+                      "generated": ran["rollouter"]["samples"], "prompt_tokens": prompt_tokens,
+                      "colocated": name == "colocated_sync", "cpu_by_process": split}  # fmt: skip
+            (out_root / name / "bench.json").write_text(json.dumps(record, indent=1))
+            s = results[name] = evaluate(out_root / name)
+            print(f"{name}: {s['samples']} samples in {ran['wall_s']:.0f} wall s, {s['samples_per_s']:.1f} "
+                  f"samples/s, efficiency {s['efficiency']:.3f} (steady {s['efficiency_steady']:.3f}), "
                   f"{s['cpu_ms_per_sample']:.2f} ms CPU per trained sample, {s['cpu_ms_per_generated']:.2f} per "
-                  f"generated ({generated} generated)", flush=True)  # fmt: skip
+                  f"generated ({s['generated']} generated)", flush=True)  # fmt: skip
     finally:
         ray.shutdown()
     report(results, args.time_scale)
     return 0
 
 
+def evaluate(run_dir: Path) -> dict:
+    """Summary and efficiencies of one finished schedule, from its files and bench.json.
+
+    efficiency: samples/s over the whole trainer loop / the bound at the profile's mean response length;
+    eff. len: the same throughput / the bound at the mean length of the samples actually trained;
+    eff. steady: throughput after the first version / the bound at those samples' mean length."""
+    rec = json.loads((run_dir / "bench.json").read_text())
+    cfg = compose(rec["overrides"], config_dir=rec["profile"], config_name="config")
+    s = summarize(run_dir, cfg)
+    p, colocated = rec["prompt_tokens"], rec["colocated"]
+    s.update(capacity(cfg, p, colocated=colocated))
+    s["efficiency"] = s["samples_per_s"] / s["bound"]
+    s["efficiency_len"] = s["samples_per_s"] / capacity(cfg, p, colocated, s["trained_length"])["bound"]
+    s["efficiency_steady"] = (
+        s["samples_per_s_steady"] / capacity(cfg, p, colocated, s["trained_length_steady"])["bound"]
+    )
+    s.update(generated=rec["generated"], time_scale=cfg.engine.sim.time_scale)
+    s.update(
+        cpu_ms_per_sample=1000 * rec["cpu_s"] / s["samples"],
+        cpu_ms_per_generated=1000 * rec["cpu_s"] / rec["generated"],
+    )
+    return s
+
+
 def report(results: dict, time_scale: float) -> None:
     ref1, ref2 = results.get("colocated_sync"), results.get("separate_eta0")
     print(f"\nAll times simulated (wall x {time_scale:g}); bound = analytic min(generation, training) capacity.")
     head = ("schedule", "samples", "wall s", "samples/s", "tokens/s", "idle T", "idle R", "stale mean", "stale max",
-            "partial", "dropped", "efficiency", "eff. steady", "x sync", "x eta0", "CPU ms/sample", "CPU ms/generated")  # fmt: skip
+            "partial", "dropped", "sync %", "efficiency", "eff. len", "eff. steady", "x sync", "x eta0", "CPU ms/sample",
+            "CPU ms/generated")  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, s in results.items():
@@ -192,8 +220,8 @@ def report(results: dict, time_scale: float) -> None:
         x2 = f"{s['samples_per_s'] / ref2['samples_per_s']:.2f}" if ref2 else "-"
         cells = (name, s["samples"], f"{s['sim_wall_s']:.0f}", f"{s['samples_per_s']:.1f}", f"{s['tokens_per_s']:,.0f}",
                  f"{s['trainer_idle']:.2f}", f"{s['rollouter_idle']:.2f}", f"{s['staleness_mean']:.2f}",
-                 s["staleness_max"], f"{s['partial_ratio']:.3f}", s["dropped_stale"], f"{s['efficiency']:.3f}",
-                 f"{s['efficiency_steady']:.3f}", x1, x2, f"{s['cpu_ms_per_sample']:.2f}",
+                 s["staleness_max"], f"{s['partial_ratio']:.3f}", s["dropped_stale"], f"{100 * s['sync_s'] / s['sim_wall_s']:.1f}", f"{s['efficiency']:.3f}",
+                 f"{s['efficiency_len']:.3f}", f"{s['efficiency_steady']:.3f}", x1, x2, f"{s['cpu_ms_per_sample']:.2f}",
                  f"{s['cpu_ms_per_generated']:.2f}")  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |")
     any_s = next(iter(results.values()), None)
