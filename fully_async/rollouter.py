@@ -227,11 +227,14 @@ class Rollouter:
 
     # -- weight sync -------------------------------------------------------------------------------------------
     async def pause(self) -> None:
-        """Stop admitting and pause the engines; validation at the current version finishes first."""
+        """Stop admitting and pause the engines; validation at the current version finishes first. With
+        async_training.drain_on_sync the groups already generating finish first too (nothing is aborted)."""
         self._admitting.clear()
         if self._validation is not None:
             await self._validation
             self._validation = None
+        while self.cfg.async_training.drain_on_sync and self.ledger.running and self._error is None:
+            await asyncio.sleep(0.005)
         await self.servers.pause("abort")
 
     async def load_weights(self, weights_dir: str, version: int) -> None:

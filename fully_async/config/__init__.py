@@ -23,6 +23,8 @@ from fully_async.config.sections import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    SimEngineConfig,
+    SimTrainerConfig,
     TinyModelConfig,
     TrainerConfig,
 )
@@ -44,6 +46,8 @@ __all__ = [
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SimEngineConfig",
+    "SimTrainerConfig",
     "TinyModelConfig",
     "TrainerConfig",
     "build_config",
@@ -85,6 +89,12 @@ class FullyAsyncConfig:
             raise ConfigError(
                 f"rollout.n must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} "
                 f"(a group baseline needs two samples), got {self.rollout.n}"
+            )
+        both_sim = self.engine.kind == "sim" and self.trainer.backend == "sim"
+        if both_sim and self.engine.sim.time_scale != self.trainer.sim.time_scale:
+            raise ConfigError(
+                f"trainer.sim.time_scale must equal engine.sim.time_scale={self.engine.sim.time_scale:g} "
+                f"(both clocks run at one speed), got {self.trainer.sim.time_scale:g}"
             )
         longest = self.data.max_prompt_length + self.rollout.response_length
         if longest > self.engine.max_model_len:

@@ -36,6 +36,8 @@ class AsyncTrainingConfig:
     """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
     sync_timeout_s: float = 300.0
     """Timeout of each weight-sync phase (pause, export, reload, resume); passing it fails the run naming the phase."""
+    drain_on_sync: bool = False
+    """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
 
     @property
     def groups_per_version(self) -> int:
@@ -94,9 +96,45 @@ class RolloutConfig:
 
 
 @dataclass
+class SimEngineConfig:
+    time_scale: float = 1.0
+    """Simulated seconds per wall second (all sim latencies are divided by it); must equal trainer.sim.time_scale."""
+    length_median: float = 64.0
+    """Median response length in tokens (log-normal; rollout.response_length caps it)."""
+    length_sigma: float = 0.5
+    """Log-normal sigma of the response length; 0 = every response is length_median tokens."""
+    decode_step_s: float = 0.01
+    """Seconds of one decode step of an engine with one sequence."""
+    decode_step_per_seq_s: float = 0.0001
+    """Extra seconds per decode step for each sequence in the engine's batch."""
+    max_seqs: int = 256
+    """Sequences one engine decodes at once; further requests wait for a slot."""
+    prefill_tokens_per_s: float = 50000.0
+    """Prompt tokens one engine prefills per second (a request's prefill delays its first token)."""
+    pause_s: float = 0.01
+    """Latency of a pause (abort or keep) on all engines."""
+    resume_s: float = 0.01
+    """Latency of a resume on all engines."""
+    reload_s: float = 0.1
+    """Latency of a weight reload on all engines."""
+    token_id: int = 3
+    """Token id of every simulated response token; must not occur in prompts (continuations are found by it)."""
+    seed: int = 0
+    """Seed of the response-length draws."""
+
+    def validate_section(self, p: str) -> None:
+        for name in ("time_scale", "length_median", "decode_step_s", "prefill_tokens_per_s"):
+            require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
+        for name in ("length_sigma", "decode_step_per_seq_s", "pause_s", "resume_s", "reload_s"):
+            require(getattr(self, name) >= 0, p + name, getattr(self, name), ">= 0")
+        require(self.max_seqs >= 1, p + "max_seqs", self.max_seqs, ">= 1")
+        require(self.token_id >= 0, p + "token_id", self.token_id, ">= 0")
+
+
+@dataclass
 class EngineConfig:
-    kind: Literal["vllm"] = "vllm"
-    """Inference engine adapter."""
+    kind: Literal["vllm", "sim"] = "vllm"
+    """Inference engine adapter; sim = emulated engines in the rollouter's process (engine.sim)."""
     num_servers: int = 1
     """Engine server processes (one model replica each)."""
     python: str | None = None
@@ -129,6 +167,8 @@ class EngineConfig:
     """Extra command-line arguments passed to every engine server."""
     env: dict = field(default_factory=dict)
     """Extra environment variables for the engine processes."""
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    """Latency model of the emulated engines (kind=sim)."""
 
     def validate_section(self, p: str) -> None:
         require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
@@ -197,9 +237,34 @@ class ModelConfig:
 
 
 @dataclass
+class SimTrainerConfig:
+    time_scale: float = 1.0
+    """Simulated seconds per wall second; must equal engine.sim.time_scale."""
+    gpus: int = 1
+    """GPUs the simulated trainer holds (its throughputs scale with it)."""
+    train_tokens_per_s_per_gpu: float = 100000.0
+    """Tokens (prompt + response) per second per GPU of a forward + backward pass."""
+    logprob_tokens_per_s_per_gpu: float = 300000.0
+    """Tokens per second per GPU of a forward-only log-prob pass (proximal, reference)."""
+    optimizer_step_s: float = 0.01
+    """Fixed seconds per optimizer step (trainer.num_mini_batches x ppo_epochs per update)."""
+    model_gb: float = 0.1
+    """Size of the weights one export writes, in GB."""
+    export_gb_per_s: float = 10.0
+    """Weight export throughput (gather + write), GB per second."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.gpus >= 1, p + "gpus", self.gpus, ">= 1")
+        for name in ("time_scale", "train_tokens_per_s_per_gpu", "logprob_tokens_per_s_per_gpu", "export_gb_per_s"):
+            require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
+        for name in ("optimizer_step_s", "model_gb"):
+            require(getattr(self, name) >= 0, p + name, getattr(self, name), ">= 0")
+
+
+@dataclass
 class TrainerConfig:
-    backend: Literal["verl"] = "verl"
-    """Training backend."""
+    backend: Literal["verl", "sim"] = "verl"
+    """Training backend; sim = update and export times from a latency model, no gradients (trainer.sim)."""
     total_steps: int = 100
     """Trainer steps in the run (each consumes async_training.groups_per_step groups)."""
     save_every: int = 0
@@ -247,6 +312,8 @@ class TrainerConfig:
     recomputation only costs time (~20% of a tiny model's update)."""
     cpu_threads_per_rank: int = 0
     """Torch threads per trainer rank on CPU; 0 = the host's cores divided by its ranks."""
+    sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
+    """Latency model of the simulated trainer (backend=sim)."""
 
     def validate_section(self, p: str) -> None:
         require(self.total_steps >= 1, p + "total_steps", self.total_steps, ">= 1")

@@ -27,4 +27,8 @@ def build_engine(
         from fully_async.engines.vllm import VLLMServers
 
         return VLLMServers(cfg, model_path, run_dir, addresses=addresses)
-    raise ConfigError(f"engine.kind must be one of ['vllm'], got {cfg.kind!r}")
+    if cfg.kind == "sim":
+        from fully_async.engines.sim import SimServers
+
+        return SimServers(cfg, model_path, run_dir, addresses=addresses)
+    raise ConfigError(f"engine.kind must be one of ['vllm', 'sim'], got {cfg.kind!r}")

@@ -129,6 +129,8 @@ class EngineServers(abc.ABC):
     """A pool of engine servers of one kind: lifecycle (start, stop, restart one) and the control plane for all."""
 
     kind: str = "?"
+    in_process = False
+    """True for emulated engines that answer generate requests through `send_direct` instead of HTTP."""
 
     def __init__(
         self, cfg: EngineConfig, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
@@ -163,6 +165,10 @@ class EngineServers(abc.ABC):
     @abc.abstractmethod
     def parse_generate(self, body: Any) -> Segment:
         """Parse a generate response; raise ValueError when it is malformed."""
+
+    async def send_direct(self, idx: int, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> Segment:
+        """Generate on server `idx` without HTTP (only where `in_process`)."""
+        raise NotImplementedError(f"{self.kind} servers are reached over HTTP")
 
     @abc.abstractmethod
     def pause_call(self, mode: PauseMode) -> HttpCall: ...

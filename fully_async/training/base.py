@@ -88,4 +88,8 @@ def build_backend(
             device=device,
             cpu_set=cpu_set,
         )
-    raise ConfigError(f"trainer.backend must be one of ['verl'], got {trainer.backend!r}")
+    if trainer.backend == "sim":
+        from fully_async.training.sim_backend import SimBackend
+
+        return SimBackend(trainer, algorithm, use_reference=use_reference)
+    raise ConfigError(f"trainer.backend must be one of ['verl', 'sim'], got {trainer.backend!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +50,17 @@ def example_configs():
 def test_every_example_config_validates(path):
     cfg = compose(config_dir=path.parent, config_name=path.stem)
     data = yaml.safe_load(path.read_text())
-    # The example's own values win over the shipped defaults.
-    for section, values in data.items():
-        if section in ("defaults", "hydra"):
-            continue
+
+    # The example's own values win over the shipped defaults (nested sections such as engine.sim key by key).
+    def check(node, values: dict, where: str) -> None:
         for key, value in values.items():
-            assert getattr(getattr(cfg, section), key) == value, f"{path}: {section}.{key}"
+            actual = getattr(node, key)
+            if isinstance(value, dict) and dataclasses.is_dataclass(actual):
+                check(actual, value, f"{where}{key}.")
+            else:
+                assert actual == value, f"{path}: {where}{key}"
+
+    check(cfg, {k: v for k, v in data.items() if k not in ("defaults", "hydra")}, "")
 
 
 BAD = [
