@@ -110,8 +110,7 @@ def test_synchronous_bound_and_a_hanging_reward_do_not_stall_training(tmp_path):
         tmp_path,
         "trainer.total_steps=4",
         "async_training.max_staleness=0",
-        "reward.function=tests.fakes:sometimes_hanging_score",
-        "reward.timeout_s=2",
+        "reward.sources=[{kind: 'tests.fakes:sometimes_hanging_score', timeout_s: 2}]",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fully_async.config import RewardConfig
+from fully_async.config import RewardConfig, RewardSourceConfig
 from fully_async.data import PromptRow, synthetic_rows
 from fully_async.reward import RewardAgent
 
@@ -20,7 +20,7 @@ def agent_factory():
     made = []
 
     def make(**kw):
-        a = RewardAgent(RewardConfig(**{"timeout_s": 5.0, "num_workers": 2, **kw}))
+        a = RewardAgent(RewardConfig([RewardSourceConfig(**{"timeout_s": 5.0, **kw})], num_workers=2))
         made.append(a)
         return a
 
@@ -38,7 +38,7 @@ async def test_synthetic_and_verl_default_scorers(agent_factory):
 
 
 async def test_a_hanging_function_is_killed_and_the_pool_keeps_working(agent_factory):
-    agent = agent_factory(function="tests.fakes:hanging_score", timeout_s=1.0, fallback_score=-1.0)
+    agent = agent_factory(kind="tests.fakes:hanging_score", timeout_s=1.0, fallback_score=-1.0)
     await agent.score("warm", SYN)  # first call also pays the import; not what is timed below
     pids = {w.proc.pid for w in agent.pool._workers}
     start = time.monotonic()
@@ -50,22 +50,22 @@ async def test_a_hanging_function_is_killed_and_the_pool_keeps_working(agent_fac
     for pid in pids:  # the hung workers are gone, not left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    agent.cfg.function = "fully_async.reward.rule:synthetic_score"
+    agent.sources[0].source.cfg.kind = "fully_async.reward.rule:synthetic_score"
     assert (await agent.score("7", SYN)).score == 1.0  # replacements serve new calls
 
 
 async def test_raising_and_malformed_functions_fall_back_with_a_flag(agent_factory):
-    agent = agent_factory(function="tests.fakes:raising_score")
+    agent = agent_factory(kind="tests.fakes:raising_score")
     r = await agent.score("x", SYN)
     assert r.score == 0.0 and r.info["reward_failed"] and "verifier crashed on purpose" in r.info["reward_error"]
-    agent.cfg.function = "tests.fakes:non_numeric_score"
+    agent.sources[0].source.cfg.kind = "tests.fakes:non_numeric_score"
     r = await agent.score("x", SYN)
     assert r.info["reward_failed"] and "finite number" in r.info["reward_error"]
     assert agent.failures == 2 and agent.pool.killed == 0  # a raise does not cost the worker
 
 
 async def test_async_functions_run_on_the_loop_under_a_timeout(agent_factory):
-    agent = agent_factory(function="tests.fakes:slow_async_score", timeout_s=0.3)
+    agent = agent_factory(kind="tests.fakes:slow_async_score", timeout_s=0.3)
     assert (await agent.score("7", SYN)).score == 1.0
     slow = await agent.score("7", {**SYN, "extra_info": {"sleep": 5}})
     assert slow.info["reward_failed"] and "timeout" in slow.info["reward_error"]
@@ -82,4 +82,4 @@ async def test_unknown_data_source_is_a_clear_error_naming_the_row(agent_factory
         await agent.check_sources(rows)
     await agent.check_sources(synthetic_rows(3, 0))  # known sources pass
     with pytest.raises(DataError, match="cannot be loaded"):
-        await agent_factory(function="no_such_module:fn").check_sources(rows)
+        await agent_factory(kind="no_such_module:fn").check_sources(rows)
