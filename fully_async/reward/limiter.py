@@ -92,12 +92,13 @@ class LimiterServer:
     def __init__(self, limits: RewardLimitsConfig) -> None:
         self.limits = limits
         self.buckets = Buckets(limits.max_concurrent, limits.rpm, limits.tpm, limits.burst_s, time.monotonic())
-        self._head = asyncio.Lock()
+        # Two queues, each first come first served: a wait for a slot never holds up a rate grant, or the reverse.
+        self._heads = {True: asyncio.Lock(), False: asyncio.Lock()}
         self._released = asyncio.Event()
         self.granted = {"leases": 0, "requests": 0.0, "tokens": 0.0}
 
     async def acquire(self, slots: int, requests: float, tokens: float) -> None:
-        async with self._head:
+        async with self._heads[slots > 0]:
             while True:
                 self._released.clear()
                 wait = self.buckets.try_take(slots, requests, tokens, time.monotonic())
@@ -168,7 +169,7 @@ def limiter_actor(source: str, limits: RewardLimitsConfig, namespace: str):
 
 @dataclass
 class Permit:
-    """One admitted call: its reserved tokens, the slot lease it holds (expiry time), and how long it waited."""
+    """One admitted call: its reserved tokens, the expiry of the slot lease it holds, and how long it waited."""
 
     tokens: float
     slot_expiry: float | None
@@ -186,10 +187,11 @@ class RateLimiter:
         self._local = LimiterServer(limits) if actor is None else None
         self.batch_requests = max(1, math.ceil(limits.rpm / 60.0 * limits.lease_s)) if limits.rpm else 0
         self.batch_tokens = limits.tpm / 60.0 * limits.lease_s if limits.tpm else 0.0
-        self._slots: list[float] = []  # expiry times of slot leases held and not in use
         self._requests = 0.0
         self._tokens = 0.0  # may go negative: usage above the estimates, owed to the bucket
         self._negotiate = asyncio.Lock()
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._slot_task: asyncio.Task | None = None
         self.waiting = 0
         self.in_flight = 0
         self.wait_s = 0.0
@@ -223,6 +225,36 @@ class RateLimiter:
         else:  # fire and forget: the actor applies it in order with this process's other calls
             self.actor.give_back.remote(slots, requests, tokens)
 
+    # -- concurrency slots: leased one at a time, handed between this process's calls until the lease expires --
+    async def _take_slot(self) -> float:
+        fut = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(fut)
+        if self._slot_task is None or self._slot_task.done():
+            self._slot_task = asyncio.get_running_loop().create_task(self._lease_slots())
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._hand_slot(fut.result())
+            raise
+
+    async def _lease_slots(self) -> None:
+        """Ask the buckets for one slot at a time while calls wait (a finished call may serve one first)."""
+        while any(not f.done() for f in self._slot_waiters):
+            await self._ask(1, 0, 0)
+            self._hand_slot(time.monotonic() + self.limits.lease_s)
+
+    def _hand_slot(self, expiry: float) -> None:
+        """Give a slot to the first waiting call, or back to the buckets (an idle slot is never hoarded)."""
+        if expiry > time.monotonic():
+            while self._slot_waiters:
+                fut = self._slot_waiters.popleft()
+                if not fut.done():
+                    fut.set_result(expiry)
+                    return
+        self._give(1, 0, 0)
+
+    # -- the public API --------------------------------------------------------------------------------------
     async def acquire(self, tokens: float = 0.0) -> Permit:
         """Wait until this call may start under every limit; `tokens` is its estimated total (prompt + max output)."""
         start = time.monotonic()
@@ -230,28 +262,18 @@ class RateLimiter:
         tokens = float(tokens) if lim.tpm else 0.0
         self.waiting += 1
         try:
-            async with self._negotiate:
-                now = time.monotonic()
-                expired = [e for e in self._slots if e <= now]
-                if expired:
-                    self._slots = [e for e in self._slots if e > now]
-                    self._give(len(expired), 0, 0)
-                need_slot = bool(lim.max_concurrent) and not self._slots
-                ask_requests = self.batch_requests if lim.rpm and self._requests < 1 else 0
-                ask_tokens = 0.0
-                if lim.tpm and self._tokens < tokens:
-                    ask_tokens = tokens - self._tokens + self.batch_tokens
-                if need_slot or ask_requests or ask_tokens:
-                    await self._ask(int(need_slot), ask_requests, ask_tokens)
-                    now = time.monotonic()
-                    if need_slot:
-                        self._slots.append(now + lim.lease_s)
-                    self._requests += ask_requests
-                    self._tokens += ask_tokens
-                expiry = self._slots.pop(0) if lim.max_concurrent else None
-                if lim.rpm:
-                    self._requests -= 1
-                self._tokens -= tokens
+            if lim.rpm or lim.tpm:
+                async with self._negotiate:
+                    ask_requests = self.batch_requests if lim.rpm and self._requests < 1 else 0
+                    ask_tokens = tokens - self._tokens + self.batch_tokens if lim.tpm and self._tokens < tokens else 0.0
+                    if ask_requests or ask_tokens:
+                        await self._ask(0, ask_requests, ask_tokens)
+                        self._requests += ask_requests
+                        self._tokens += ask_tokens
+                    if lim.rpm:
+                        self._requests -= 1
+                    self._tokens -= tokens
+            expiry = await self._take_slot() if lim.max_concurrent else None
         finally:
             self.waiting -= 1
         wait = time.monotonic() - start
@@ -269,17 +291,13 @@ class RateLimiter:
         if self.limits.tpm:
             self._tokens += permit.tokens - used  # refund (>0) or extra charge (<0)
         if permit.slot_expiry is not None:
-            if self.waiting and permit.slot_expiry > now:
-                self._slots.append(permit.slot_expiry)  # hand over to a waiting call of this process
-            else:
-                self._give(1, 0, 0)
-        if not self.waiting and not self.in_flight:  # idle: what this process holds goes back to the bucket
-            self._give(len(self._slots), self._requests, self._tokens)
-            self._slots, self._requests, self._tokens = [], 0.0, 0.0
+            self._hand_slot(permit.slot_expiry)
+        if not self.waiting and not self.in_flight:  # idle: the permits this process holds go back to the bucket
+            self.close()
 
     def close(self) -> None:
-        self._give(len(self._slots), self._requests, self._tokens)
-        self._slots, self._requests, self._tokens = [], 0.0, 0.0
+        self._give(0, self._requests, self._tokens)
+        self._requests, self._tokens = 0.0, 0.0
 
     def realized(self) -> tuple[float, float]:
         """(requests, tokens) per minute that this process completed over the last WINDOW_S seconds."""
@@ -288,6 +306,5 @@ class RateLimiter:
             self._window.popleft()
         if not self._window:
             return 0.0, 0.0
-        span = max(1e-9, min(WINDOW_S, now - self._window[0][0]))
-        per_min = 60.0 / max(span, 1.0)
+        per_min = 60.0 / max(1.0, min(WINDOW_S, now - self._window[0][0]))
         return len(self._window) * per_min, sum(t for _, t in self._window) * per_min
