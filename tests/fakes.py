@@ -155,6 +155,13 @@ def hanging_score(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(1)
 
 
+def spinning_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Burns CPU forever without ever sleeping (a verifier in a tight loop: no signal check, no GIL release)."""
+    x = 0
+    while True:
+        x += 1
+
+
 def raising_score(data_source, solution_str, ground_truth, extra_info=None):
     raise RuntimeError("verifier crashed on purpose")
 

@@ -172,25 +172,34 @@ class JudgeServer:
 
 
 class Worker:
-    """One scoring process of the limiter test: `run` scores prompts with up to `concurrency` calls in flight for
-    `duration_s`, through a RewardAgent built from `reward_cfg` (a RewardConfig as a dict)."""
+    """One scoring process of the limiter test: a RewardAgent per reward config (a RewardConfig as a dict), each
+    scoring `texts` with up to `concurrency` calls in flight, all at once."""
 
-    def __init__(self, reward_cfg: dict[str, Any], tokenizer_path: str | None = None) -> None:
+    def __init__(self, reward_cfgs: list[dict[str, Any]], tokenizer_path: str | None = None) -> None:
         from fully_async.config import RewardConfig, from_dict
         from fully_async.reward import RewardAgent
 
-        cfg = from_dict(RewardConfig, reward_cfg, "reward")
-        cfg.validate_section("reward.")
-        self.agent = RewardAgent(cfg, tokenizer_path)
+        self.agents = []
+        for raw in reward_cfgs:
+            cfg = from_dict(RewardConfig, raw, "reward")
+            cfg.validate_section("reward.")
+            self.agents.append(RewardAgent(cfg, tokenizer_path))
 
-    async def run(self, texts: list[str], duration_s: float | None, concurrency: int) -> dict[str, Any]:
-        """Score `texts` in a loop (once each when duration_s is None). Returns scores, flags and the agent's stats."""
+    async def run(self, texts: list[str], duration_s: float | None, concurrency: int) -> list[dict[str, Any]]:
+        """Score `texts` in a loop for duration_s (once each when None). Per agent: scores, failures, stats."""
+        for a in self.agents:
+            await a.check_sources([])
+        return list(await asyncio.gather(*(self._drive(a, texts, duration_s, concurrency) for a in self.agents)))
+
+    @staticmethod
+    async def _drive(agent, texts: list[str], duration_s: float | None, concurrency: int) -> dict[str, Any]:
         results: list[tuple[float, bool]] = []
         deadline = None if duration_s is None else time.monotonic() + duration_s
         pending = collections.deque(texts)
+        meta = {"data_source": "judge_test", "ground_truth": "7", "extra_info": {}, "question": "What is 3+4?"}
 
-        async def lane() -> None:
-            i = 0
+        async def lane(offset: int) -> None:
+            i = offset
             while True:
                 if deadline is None:
                     if not pending:
@@ -200,11 +209,12 @@ class Worker:
                     if time.monotonic() >= deadline:
                         return
                     text, i = texts[i % len(texts)], i + 1
-                r = await self.agent.score(text, {"data_source": "judge_test", "ground_truth": "7", "question": "q?"})
+                r = await agent.score(text, meta)
                 results.append((r.score, bool(r.info.get("reward_failed"))))
 
-        await asyncio.gather(*(lane() for _ in range(concurrency)))
-        return {"scores": [s for s, _ in results], "failed": sum(f for _, f in results), "stats": self.agent.stats()}
+        await asyncio.gather(*(lane(k) for k in range(concurrency)))
+        return {"scores": [s for s, _ in results], "failed": sum(f for _, f in results), "stats": agent.stats()}
 
     async def close(self) -> None:
-        await self.agent.aclose()
+        for a in self.agents:
+            await a.aclose()

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import tenacity
@@ -62,12 +63,22 @@ class _Guarded:
     latency_s: float = 0.0
 
 
-def token_counter(tokenizer: Any = None) -> Callable[[str], int]:
-    """Token count of a text for TPM estimates: the tokenizer's when given, else one token per 4 UTF-8 bytes
-    (settlement with the reported usage corrects either)."""
-    if tokenizer is None:
+def token_counter(path: str | None) -> Callable[[str], int]:
+    """Token count of a text for TPM estimates: the tokenizer in `path` (its tokenizer.json through the fast
+    `tokenizers` library when there is one, else transformers), or one token per 4 UTF-8 bytes without a path.
+    Settlement with the usage the API reports corrects any estimate."""
+    if path is None:
         return lambda text: math.ceil(len(text.encode()) / 4)
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+    fast = Path(path) / "tokenizer.json"
+    if fast.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(fast))
+        return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    return lambda text: len(hf.encode(text, add_special_tokens=False))
 
 
 class RewardAgent:
@@ -101,12 +112,7 @@ class RewardAgent:
         return RuleSource(src, key, self.pool)
 
     def _counter(self, path: str | None) -> Callable[[str], int]:
-        path = path or self._tokenizer_path
-        if path:
-            from transformers import AutoTokenizer
-
-            return token_counter(AutoTokenizer.from_pretrained(path))
-        return token_counter(None)
+        return token_counter(path or self._tokenizer_path)
 
     def _limiter(self, src: RewardSourceConfig) -> RateLimiter | None:
         if not src.limits.active():
@@ -120,9 +126,13 @@ class RewardAgent:
         return RateLimiter(src.limits)
 
     async def check_sources(self, rows: Iterable[Any]) -> None:
-        """Fail fast on a data_source no rule scorer knows, naming the source and the first row that uses it.
+        """Fail fast on limits that disagree with the cluster's limiter, and on a data_source no rule scorer knows
+        (naming the source and the first row that uses it).
 
         Each distinct source is tried once on an empty answer: only "not implemented" counts as unknown."""
+        for g in self.sources:
+            if g.limiter is not None:
+                await g.limiter.check(g.source.name)
         first: dict[str, str] = {}
         for row in rows:
             first.setdefault(row.data_source, row.origin)
@@ -279,7 +289,7 @@ class RewardAgent:
                 rpm, tpm = g.limiter.realized()
                 s.update(
                     {"limiter_wait_s": g.limiter.wait_s, "limiter_acquired": g.limiter.acquired,
-                     "limiter_actor_calls": g.limiter.actor_calls, "realized_rpm": rpm, "realized_tpm": tpm}
+                     "limiter_actor_calls": g.limiter.actor_calls, "limiter_rate_calls": g.limiter.rate_calls, "realized_rpm": rpm, "realized_tpm": tpm}
                 )  # fmt: skip
             out[g.source.name] = s
         return out
@@ -287,7 +297,7 @@ class RewardAgent:
     def close(self) -> None:
         for g in self.sources:
             if g.limiter is not None:
-                g.limiter.close()
+                g.limiter.shutdown()
             closer = g.source.close()
             try:
                 asyncio.get_running_loop().create_task(closer)
@@ -301,7 +311,7 @@ class RewardAgent:
         """close() from inside an event loop, waiting for the sources' HTTP clients to close."""
         for g in self.sources:
             if g.limiter is not None:
-                g.limiter.close()
+                g.limiter.shutdown()
             await g.source.close()
         self.sources = []
         if self.pool is not None:

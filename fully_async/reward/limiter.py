@@ -10,8 +10,8 @@ Layers:
   process itself (scope=process, and unit tests without Ray).
 - `RateLimiter`: what a scoring process uses. It leases permits in batches of about `lease_s` seconds of traffic, so
   the actor sees one call per batch rather than one per request; concurrency slots are leased for `lease_s` too and
-  handed from a finished call to a waiting one inside the process until the lease expires, then given back so other
-  processes get their turn. TPM is reserved from an estimate and settled with the usage the API reports: the
+  pass from a finished call to the process's next one until the lease expires, then go back so other processes get
+  their turn (a slot is never held unused for longer than its lease). TPM is reserved from an estimate and settled with the usage the API reports: the
   difference is refunded or charged to the process's lease, and whatever a process holds when it goes idle is
   returned to the bucket.
 
@@ -142,29 +142,17 @@ class LimiterActor:
 
 
 def limiter_actor(source: str, limits: RewardLimitsConfig, namespace: str):
-    """The named limiter actor of `source` in `namespace`, created by whichever process asks first.
-
-    Every process must configure the same limits for one source; a mismatch is an error, not a silent choice."""
+    """The named limiter actor of `source` in `namespace`, created by whichever process asks first (`check` it)."""
     import dataclasses
 
     import ray
 
-    from fully_async.config import ConfigError
-
-    wanted = dataclasses.asdict(limits)
-    actor = (
+    return (
         ray.remote(LimiterActor)
         .options(name=f"reward-limiter/{source}", namespace=namespace, get_if_exists=True, num_cpus=0,
                  max_concurrency=10000)
-        .remote(wanted)
+        .remote(dataclasses.asdict(limits))
     )  # fmt: skip
-    have = ray.get(actor.config.remote())
-    if have != wanted:
-        raise ConfigError(
-            f"reward source {source!r}: this process has limits {wanted} but the cluster's limiter (namespace "
-            f"{namespace!r}) was created with {have}; every process must configure the same limits"
-        )
-    return actor
 
 
 @dataclass
@@ -191,13 +179,31 @@ class RateLimiter:
         self._tokens = 0.0  # may go negative: usage above the estimates, owed to the bucket
         self._negotiate = asyncio.Lock()
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._idle_slots: list[float] = []  # lease expiries of slots held and not in use
         self._slot_task: asyncio.Task | None = None
         self.waiting = 0
         self.in_flight = 0
         self.wait_s = 0.0
         self.acquired = 0
-        self.actor_calls = 0
+        self.actor_calls = 0  # awaited calls to the buckets (gives back are sent without waiting)
+        self.rate_calls = 0  # of which for RPM / TPM permits; the rest lease concurrency slots
         self._window: collections.deque[tuple[float, float]] = collections.deque()  # (time, tokens) per call
+
+    async def check(self, source: str) -> None:
+        """Every process must configure the same limits for one source: a mismatch is an error, not a silent choice
+        of whichever process created the actor first."""
+        import dataclasses
+
+        from fully_async.config import ConfigError
+
+        if self.actor is None:
+            return
+        wanted, have = dataclasses.asdict(self.limits), await self.actor.config.remote()
+        if have != wanted:
+            raise ConfigError(
+                f"reward source {source!r}: this process has limits {wanted} but the cluster's limiter was created "
+                f"with {have}; every process must configure the same limits"
+            )
 
     async def _ask(self, slots: int, requests: float, tokens: float) -> None:
         self.actor_calls += 1
@@ -227,6 +233,12 @@ class RateLimiter:
 
     # -- concurrency slots: leased one at a time, handed between this process's calls until the lease expires --
     async def _take_slot(self) -> float:
+        now = time.monotonic()
+        while self._idle_slots:
+            expiry = self._idle_slots.pop()
+            if expiry > now:
+                return expiry
+            self._give(1, 0, 0)
         fut = asyncio.get_running_loop().create_future()
         self._slot_waiters.append(fut)
         if self._slot_task is None or self._slot_task.done():
@@ -242,17 +254,29 @@ class RateLimiter:
         """Ask the buckets for one slot at a time while calls wait (a finished call may serve one first)."""
         while any(not f.done() for f in self._slot_waiters):
             await self._ask(1, 0, 0)
-            self._hand_slot(time.monotonic() + self.limits.lease_s)
+            self._hand_slot(time.monotonic() + self.limits.lease_s, keep_idle=False)
 
-    def _hand_slot(self, expiry: float) -> None:
-        """Give a slot to the first waiting call, or back to the buckets (an idle slot is never hoarded)."""
-        if expiry > time.monotonic():
-            while self._slot_waiters:
-                fut = self._slot_waiters.popleft()
-                if not fut.done():
-                    fut.set_result(expiry)
-                    return
-        self._give(1, 0, 0)
+    def _hand_slot(self, expiry: float, keep_idle: bool = True) -> None:
+        """Give a slot to the first waiting call, else keep it idle until its lease expires (the next call of this
+        process takes it without asking the actor), then give it back: no process holds an unused slot longer."""
+        now = time.monotonic()
+        while expiry > now and self._slot_waiters:
+            fut = self._slot_waiters.popleft()
+            if not fut.done():
+                fut.set_result(expiry)
+                return
+        if expiry <= now or not keep_idle:  # a grant that landed after its waiters were served goes straight back
+            self._give(1, 0, 0)
+            return
+        self._idle_slots.append(expiry)
+        asyncio.get_running_loop().call_later(expiry - now, self._expire_idle_slots)
+
+    def _expire_idle_slots(self) -> None:
+        now = time.monotonic()
+        expired = [e for e in self._idle_slots if e <= now]
+        if expired:
+            self._idle_slots = [e for e in self._idle_slots if e > now]
+            self._give(len(expired), 0, 0)
 
     # -- the public API --------------------------------------------------------------------------------------
     async def acquire(self, tokens: float = 0.0) -> Permit:
@@ -267,6 +291,7 @@ class RateLimiter:
                     ask_requests = self.batch_requests if lim.rpm and self._requests < 1 else 0
                     ask_tokens = tokens - self._tokens + self.batch_tokens if lim.tpm and self._tokens < tokens else 0.0
                     if ask_requests or ask_tokens:
+                        self.rate_calls += 1
                         await self._ask(0, ask_requests, ask_tokens)
                         self._requests += ask_requests
                         self._tokens += ask_tokens
@@ -296,8 +321,14 @@ class RateLimiter:
             self.close()
 
     def close(self) -> None:
+        """Give back the rate permits held (idle slots go back as their leases expire, or here at shutdown)."""
         self._give(0, self._requests, self._tokens)
         self._requests, self._tokens = 0.0, 0.0
+
+    def shutdown(self) -> None:
+        self.close()
+        self._give(len(self._idle_slots), 0, 0)
+        self._idle_slots = []
 
     def realized(self) -> tuple[float, float]:
         """(requests, tokens) per minute that this process completed over the last WINDOW_S seconds."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +85,42 @@ async def test_unknown_data_source_is_a_clear_error_naming_the_row(agent_factory
     await agent.check_sources(synthetic_rows(3, 0))  # known sources pass
     with pytest.raises(DataError, match="cannot be loaded"):
         await agent_factory(kind="no_such_module:fn").check_sources(rows)
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this process, except multiprocessing's resource tracker (one per
+    interpreter, started with the first spawned process and kept for the interpreter's life)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("fn", ["tests.fakes:spinning_score", "tests.fakes:hanging_score"])
+async def test_spinning_and_sleeping_sync_functions_are_cut_and_leave_nothing_behind(fn):
+    children, threads = child_pids(), threading.active_count()
+    agent = RewardAgent(RewardConfig([RewardSourceConfig(kind=fn, timeout_s=0.5)], num_workers=2))
+    try:
+        # Both workers import their modules first (a replacement's start-up is not what is timed below).
+        warm = {"data_source": "x", "solution_str": "7", "ground_truth": "7", "extra_info": {}}
+        await asyncio.gather(
+            *(agent.pool.call("tests.fakes:raising_score", warm, 5.0) for _ in range(2)), return_exceptions=True
+        )
+        start = time.monotonic()
+        results = await asyncio.gather(*(agent.score("x", SYN) for _ in range(2)))
+        assert time.monotonic() - start < 5.0  # 0.5 s, plus killing and replacing two workers on a busy machine
+        assert all("timeout after 0.5s" in r.info["reward_error"] for r in results)
+        assert len(child_pids() - children) == 2  # the killed workers were replaced, not added to
+    finally:
+        await agent.aclose()
+    deadline = time.monotonic() + 5
+    while (child_pids() - children or threading.active_count() > threads) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert child_pids() - children == set(), "a reward worker outlived the agent"
+    assert threading.active_count() <= threads, "a thread outlived the agent"
