@@ -218,3 +218,44 @@ class Worker:
     async def close(self) -> None:
         for a in self.agents:
             await a.aclose()
+
+
+@dataclass
+class RewardModelServer:
+    """vLLM's /classify and /pooling on 127.0.0.1 for a two-label reward model: probs = [1 - x, x] with
+    x = len(response) / 100 (capped at 1), after `latency_s`. Counts the requests it served."""
+
+    latency_s: float = 0.0
+    served: int = 0
+    url: str = ""
+
+    async def start(self) -> RewardModelServer:
+        app = web.Application()
+        app.router.add_post("/classify", self._classify)
+        app.router.add_post("/pooling", self._pooling)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _x(self, request: web.Request) -> tuple[float, int]:
+        body = await request.json()
+        response = body["messages"][-1]["content"]
+        await asyncio.sleep(self.latency_s)
+        self.served += 1
+        return min(1.0, len(response) / 100), sum(len(m["content"]) for m in body["messages"])
+
+    async def _classify(self, request: web.Request) -> web.Response:
+        x, tokens = await self._x(request)
+        data = [{"index": 0, "label": "good", "probs": [1 - x, x], "num_classes": 2}]
+        return web.json_response({"object": "list", "data": data, "usage": {"total_tokens": tokens}})
+
+    async def _pooling(self, request: web.Request) -> web.Response:
+        x, tokens = await self._x(request)
+        data = [{"index": 0, "object": "pooling", "data": [[0.0, 0.0], [1 - x, x]]}]
+        return web.json_response({"object": "list", "data": data, "usage": {"total_tokens": tokens}})
