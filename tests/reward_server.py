@@ -212,7 +212,14 @@ class Worker:
                 r = await agent.score(text, meta)
                 results.append((r.score, bool(r.info.get("reward_failed"))))
 
-        await asyncio.gather(*(lane(k) for k in range(concurrency)))
+        lanes = [asyncio.ensure_future(lane(k)) for k in range(concurrency)]
+        if deadline is None:
+            await asyncio.gather(*lanes)
+        else:  # at the deadline the calls still waiting for their limiter are abandoned, not drained for minutes
+            await asyncio.wait(lanes, timeout=max(0.0, deadline - time.monotonic()))
+            for t in lanes:
+                t.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
         return {"scores": [s for s, _ in results], "failed": sum(f for _, f in results), "stats": agent.stats()}
 
     async def close(self) -> None:
