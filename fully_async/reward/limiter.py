@@ -12,8 +12,8 @@ Layers:
   the actor sees one call per batch rather than one per request; concurrency slots are leased for `lease_s` too and
   pass from a finished call to the process's next one until the lease expires, then go back so other processes get
   their turn (a slot is never held unused for longer than its lease). TPM is reserved from an estimate and settled with the usage the API reports: the
-  difference is refunded or charged to the process's lease, and whatever a process holds when it goes idle is
-  returned to the bucket.
+  difference is refunded or charged to the process's lease, and whatever a process holds when it has been idle
+  for a lease period is returned to the bucket.
 
 Why not aiolimiter or pyrate-limiter: both answer "may I take n now?" for one process and reject n larger than the
 bucket; neither can refund, charge after the fact, run negative, or lease to other processes. What is left once
@@ -180,6 +180,8 @@ class RateLimiter:
         self._negotiate = asyncio.Lock()
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._idle_slots: list[float] = []  # lease expiries of slots held and not in use
+        self._idle_since: float | None = None
+        self._closed = False
         self._slot_task: asyncio.Task | None = None
         self.waiting = 0
         self.in_flight = 0
@@ -272,6 +274,8 @@ class RateLimiter:
         asyncio.get_running_loop().call_later(expiry - now, self._expire_idle_slots)
 
     def _expire_idle_slots(self) -> None:
+        if self._closed:
+            return
         now = time.monotonic()
         expired = [e for e in self._idle_slots if e <= now]
         if expired:
@@ -285,6 +289,7 @@ class RateLimiter:
         lim = self.limits
         tokens = float(tokens) if lim.tpm else 0.0
         self.waiting += 1
+        self._idle_since = None
         try:
             if lim.rpm or lim.tpm:
                 async with self._negotiate:
@@ -317,7 +322,13 @@ class RateLimiter:
             self._tokens += permit.tokens - used  # refund (>0) or extra charge (<0)
         if permit.slot_expiry is not None:
             self._hand_slot(permit.slot_expiry)
-        if not self.waiting and not self.in_flight:  # idle: the permits this process holds go back to the bucket
+        if not self.waiting and not self.in_flight and not self._closed:
+            # Idle: what this process holds goes back to the bucket unless a call comes within a lease period.
+            self._idle_since = now
+            asyncio.get_running_loop().call_later(self.limits.lease_s, self._return_if_idle, now)
+
+    def _return_if_idle(self, since: float) -> None:
+        if not self.waiting and not self.in_flight and self._idle_since == since:
             self.close()
 
     def close(self) -> None:
@@ -326,9 +337,11 @@ class RateLimiter:
         self._requests, self._tokens = 0.0, 0.0
 
     def shutdown(self) -> None:
+        """Give back everything this process holds; later timers find nothing to return."""
         self.close()
         self._give(len(self._idle_slots), 0, 0)
         self._idle_slots = []
+        self._closed = True
 
     def realized(self) -> tuple[float, float]:
         """(requests, tokens) per minute that this process completed over the last WINDOW_S seconds."""

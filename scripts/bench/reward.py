@@ -20,12 +20,17 @@ reward delays overlap generation.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import random
-import statistics
-import time
+import sys
+
+# scripts/bench/queue.py is named like the stdlib's `queue`; drop this folder from the path so imports find the stdlib.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -52,6 +57,8 @@ async def overhead(n: int = 20000) -> None:
             lim.release(p, 80)
         per = (time.perf_counter() - start) / n * 1e6
         calls = lim.actor_calls if lim is not None else 0
+        if lim is not None:
+            lim.shutdown()
         rows.append((label, per, calls))
 
     await run(None, "no limiter")
