@@ -278,9 +278,11 @@ class Rollouter:
                 s for s in await asyncio.gather(*(one(i, r) for i, r in enumerate(self.val_rows))) if s is not None
             ]
             self._val_results.append(
-                {"version": version, "val/reward_mean": sum(scores) / len(scores), "val/n": len(scores),
-                 "timing_s/validation": time.monotonic() - start}
+                {"version": version, "val/reward_mean": sum(scores) / len(scores) if scores else float("nan"),
+                 "val/n": len(scores), "timing_s/validation": time.monotonic() - start}
             )  # fmt: skip
+        except RewardFatal as e:  # on_failure=raise holds for validation too
+            self._error = str(e)
         except Exception as e:  # validation must not stop training; its failure is logged
             log.warning("validation at version %d failed: %s", version, e)
 
