@@ -426,7 +426,7 @@ class RewardSourceConfig:
     backoff_s: float = 0.5
     """First retry delay; doubles per retry, with jitter, up to backoff_max_s (a Retry-After header wins)."""
     backoff_max_s: float = 30.0
-    """Longest retry delay."""
+    """Longest retry delay; a Retry-After longer than this ends the retries (then on_failure applies)."""
     limits: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
     """Concurrency, RPM and TPM limits of this source."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)

@@ -224,7 +224,11 @@ class RewardAgent:
                 retrying = tenacity.AsyncRetrying(
                     stop=tenacity.stop_after_attempt(cfg.retries + 1),
                     wait=WaitRetryAfter(cfg.backoff_s, cfg.backoff_max_s),
-                    retry=tenacity.retry_if_exception(retryable),
+                    # A server that asks for a longer pause than backoff_max_s ends the retries (the policy applies)
+                    # rather than being retried early or stalling the sample for as long as it says.
+                    retry=tenacity.retry_if_exception(
+                        lambda e: retryable(e) and (getattr(e, "retry_after", None) or 0.0) <= cfg.backoff_max_s
+                    ),
                     before_sleep=before_sleep,
                     reraise=True,
                 )

@@ -43,7 +43,7 @@ def judge(server: JudgeServer, **kw) -> RewardSourceConfig:
     judge_kw = {"base_url": server.url, "model": "judge-model", "api_key_env": "JUDGE_TEST_KEY"}
     judge_kw.update(kw.pop("judge", {}))
     return RewardSourceConfig(
-        **{"kind": "judge", "timeout_s": 2.0, "retries": 3, "backoff_s": 0.05, "backoff_max_s": 0.2,
+        **{"kind": "judge", "timeout_s": 2.0, "retries": 3, "backoff_s": 0.05, "backoff_max_s": 5.0,
            "judge": JudgeConfig(**judge_kw), **kw}
     )  # fmt: skip
 
@@ -72,6 +72,12 @@ async def test_5xx_and_429_are_retried_honouring_retry_after(server, make_agent)
     assert len(server.count(status=429)) >= 1
     # The refused request waited for the server's Retry-After (about 1 s), not a fast exponential backoff.
     assert time.monotonic() - start >= 0.9
+    impatient = make_agent(judge(server, backoff_max_s=0.5, fallback_score=-1.0))  # asked to wait ~1 s: gives up
+    await asyncio.sleep(1.1)  # the server's window is empty again
+    first, second = await asyncio.gather(impatient.score("[[score=1]] c", META), impatient.score("[[score=1]] d", META))
+    assert sorted([first.score, second.score]) == [-1.0, 1.0]
+    refused = first if first.score == -1.0 else second
+    assert "HTTP 429" in refused.info["reward_error"] and refused.info["sources"]["judge"]["attempts"] == 1
 
 
 async def test_4xx_other_than_408_429_is_not_retried_and_falls_back_with_a_flag(server, make_agent):
