@@ -5,6 +5,8 @@ Names follow verl's where verl has one (timing_s/..., perf/..., fully_async/...)
 - fully_async/trainer/idle_ratio = seconds the trainer waited for a batch this step / the step's wall seconds.
 - fully_async/rollouter/idle_ratio = seconds with no sample generating / wall seconds, over the same step.
 - fully_async/partial/ratio = share of trained trajectories whose tokens span more than one version.
+- timing_s/agent_loop/slowest/{generate,reward} = the two phases of the trajectory with the longest generate + reward.
+- fully_async/reward/<source>/... = per reward source, see `reward_source_metrics`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,34 @@ def batch_metrics(groups: Sequence[TrajectoryGroup], trainer_version: int) -> di
     }
     out.update(_stats("timing_s/agent_loop/generate", [t.timings.get("generate_s", 0.0) for t in trajs]))
     out.update(_stats("timing_s/agent_loop/reward", [t.timings.get("reward_s", 0.0) for t in trajs]))
+    slowest = max(trajs, key=lambda t: t.timings.get("generate_s", 0.0) + t.timings.get("reward_s", 0.0))
+    out["timing_s/agent_loop/slowest/generate"] = float(slowest.timings.get("generate_s", 0.0))
+    out["timing_s/agent_loop/slowest/reward"] = float(slowest.timings.get("reward_s", 0.0))
+    return out
+
+
+def reward_source_metrics(now: dict[str, dict[str, float]], last: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per reward source, from two RewardAgent.stats() snapshots (the step's start and end): calls, timeouts,
+    errors, retries, fallbacks and drops during the step; mean latency and limiter wait per call over the step;
+    in-flight calls and realized RPM / TPM (last minute) at the step's end."""
+    out: dict[str, float] = {}
+    for name, s in now.items():
+        before = last.get(name, {})
+
+        def delta(key: str, s=s, before=before) -> float:
+            return float(s.get(key, 0.0) - before.get(key, 0.0))
+
+        p = f"fully_async/reward/{name}"
+        calls = delta("calls")
+        out[f"{p}/in_flight"] = float(s.get("in_flight", 0))
+        for key in ("calls", "timeouts", "errors", "retries", "fallbacks", "drops"):
+            out[f"{p}/{key}"] = delta(key)
+        out[f"{p}/latency_s"] = delta("latency_s") / calls if calls else 0.0
+        if "limiter_wait_s" in s:
+            acquired = delta("limiter_acquired")
+            out[f"{p}/limiter_wait_s"] = delta("limiter_wait_s") / acquired if acquired else 0.0
+            out[f"{p}/realized_rpm"] = float(s.get("realized_rpm", 0.0))
+            out[f"{p}/realized_tpm"] = float(s.get("realized_tpm", 0.0))
     return out
 
 

@@ -24,7 +24,7 @@ from fully_async.agents import Sample, build_agent_loop
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
-from fully_async.reward import RewardAgent
+from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.staleness import StalenessLedger
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class Rollouter:
         self._t0 = time.monotonic()
         self._idle_since: float | None = self._t0
         self._idle_s = 0.0
-        self._c = {"groups_pushed": 0, "groups_failed": 0, "samples": 0, "tokens": 0, "aborted_samples": 0}
+        self._c = {"groups_pushed": 0, "groups_failed": 0, "groups_dropped_by_reward": 0, "samples": 0, "tokens": 0,
+                   "aborted_samples": 0}  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(
@@ -112,7 +113,7 @@ class Rollouter:
         """Load and check the datasets and their reward sources: bad input fails here, before anything heavy starts."""
         self.rows = dataset(self.cfg, "train")
         self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
-        self.reward = RewardAgent(self.cfg.reward)
+        self.reward = RewardAgent(self.cfg.reward, tokenizer_path=self.model_path)
         await self.reward.check_sources(self.rows + self.val_rows)
         self.cursor = EpochCursor(len(self.rows), self.cfg.data.seed, self.cfg.data.shuffle)
         return {"train_rows": len(self.rows), "val_rows": len(self.val_rows)}
@@ -129,7 +130,7 @@ class Rollouter:
         if getattr(self, "servers", None) is not None:
             await asyncio.to_thread(self.servers.stop)
         if getattr(self, "reward", None) is not None:
-            self.reward.close()
+            await self.reward.aclose()
 
     def error(self) -> str | None:
         """Why generation stopped, if it failed (the trainer polls this while it waits for batches)."""
@@ -175,17 +176,28 @@ class Rollouter:
 
     async def _run_group(self, prompt: PromptRef) -> None:
         row = self.rows[prompt.index]
+        loop = asyncio.get_running_loop()
+        samples = [loop.create_task(self._run_sample(Sample(prompt, i, row))) for i in range(self.cfg.rollout.n)]
         try:
-            trajs = await asyncio.gather(*(self._run_sample(Sample(prompt, i, row)) for i in range(self.cfg.rollout.n)))
+            try:
+                trajs = await asyncio.gather(*samples)
+            except BaseException:
+                # One sample failed (or we are cancelled): its siblings stop too, so a re-issued group never overlaps
+                # leftovers of its previous attempt.
+                for t in samples:
+                    t.cancel()
+                await asyncio.gather(*samples, return_exceptions=True)
+                raise
             group = TrajectoryGroup(prompt, list(trajs), meta=row.meta())
         except asyncio.CancelledError:
             raise
-        except DataError as e:
+        except (DataError, RewardFatal) as e:
             self._error = str(e)
             return
-        except Exception as e:  # engine failure after retries: re-issue the prompt, keep the run going
+        except Exception as e:  # engine failure after retries, or a reward source's drop: re-issue, keep running
             log.warning("group %s failed, re-issuing it: %s: %s", prompt.uid, type(e).__name__, e)
             self._c["groups_failed"] += 1
+            self._c["groups_dropped_by_reward"] += isinstance(e, RewardDrop)
             self.ledger.finish(prompt, ok=False)
             self._wake.set()
             return
@@ -206,7 +218,7 @@ class Rollouter:
                 f"{sample.row.origin}: prompt has {len(traj.prompt_ids)} tokens, more than "
                 f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
             )
-        result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), sample.row.meta())
+        result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
         traj.reward, traj.reward_info = result.score, result.info
         traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
         self._c["samples"] += 1
@@ -258,14 +270,22 @@ class Rollouter:
         async def one(i: int, row: PromptRow) -> float:
             async with limit:
                 traj = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
-                return (await self.reward.score(self.val_agent.decode(traj.response_ids.tolist()), row.meta())).score
+                text = self.val_agent.decode(traj.response_ids.tolist())
+                try:
+                    return (await self.reward.score(text, reward_meta(row))).score
+                except RewardDrop:  # a sample a training run would re-issue: left out of the validation mean
+                    return None
 
         try:
-            scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.val_rows)))
+            scores = [
+                s for s in await asyncio.gather(*(one(i, r) for i, r in enumerate(self.val_rows))) if s is not None
+            ]
             self._val_results.append(
-                {"version": version, "val/reward_mean": sum(scores) / len(scores), "val/n": len(scores),
-                 "timing_s/validation": time.monotonic() - start}
+                {"version": version, "val/reward_mean": sum(scores) / len(scores) if scores else float("nan"),
+                 "val/n": len(scores), "timing_s/validation": time.monotonic() - start}
             )  # fmt: skip
+        except RewardFatal as e:  # on_failure=raise holds for validation too
+            self._error = str(e)
         except Exception as e:  # validation must not stop training; its failure is logged
             log.warning("validation at version %d failed: %s", version, e)
 
@@ -294,7 +314,14 @@ class Rollouter:
             "client": vars(self.client.stats) if getattr(self, "client", None) else {},
             "reward_timeouts": getattr(getattr(self, "reward", None), "timeouts", 0),
             "reward_failures": getattr(getattr(self, "reward", None), "failures", 0),
+            "reward": self.reward.stats() if getattr(self, "reward", None) is not None else {},
         }
+
+
+def reward_meta(row: PromptRow) -> dict[str, Any]:
+    """What a reward source sees besides the response: the row's meta and the question (last user message)."""
+    question = next((m.get("content", "") for m in reversed(row.messages) if m.get("role") == "user"), "")
+    return {**row.meta(), "question": question}
 
 
 def _stop_ids(tokenizer: Any) -> tuple[int, ...]:

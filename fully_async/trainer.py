@@ -25,6 +25,7 @@ from fully_async.metrics import (
     JsonlWriter,
     batch_metrics,
     plot_run,
+    reward_source_metrics,
     trajectory_records,
     truncate_jsonl,
 )
@@ -193,6 +194,7 @@ class Trainer:
                         "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / wall,
                     }
                 )
+                m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
                 for v in ray.get(self.rollouter.pop_validation.remote()):
                     m.update({k: x for k, x in v.items() if k != "version"})
                 last = now

@@ -155,6 +155,13 @@ def hanging_score(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(1)
 
 
+def spinning_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Burns CPU forever without ever sleeping (a verifier in a tight loop: no signal check, no GIL release)."""
+    x = 0
+    while True:
+        x += 1
+
+
 def raising_score(data_source, solution_str, ground_truth, extra_info=None):
     raise RuntimeError("verifier crashed on purpose")
 
@@ -179,3 +186,19 @@ def sometimes_hanging_score(data_source, solution_str, ground_truth, extra_info=
 
 if __name__ == "__main__":
     _main()
+
+
+def fails_once_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Raises the first time it sees a prompt whose answer is even, then scores 0 (a verifier with a transient fault).
+
+    "Seen" is a marker file under $FAILS_ONCE_DIR, created atomically, so every worker process of the run agrees."""
+    import os
+
+    if int(ground_truth) % 2 == 0:
+        try:
+            fd = os.open(os.path.join(os.environ["FAILS_ONCE_DIR"], f"{ground_truth}"), os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return 0.0
+        os.close(fd)
+        raise RuntimeError(f"transient verifier fault on answer {ground_truth} (scripted)")
+    return 0.0

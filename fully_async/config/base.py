@@ -157,6 +157,10 @@ def schema_node(cls: type, path: typing.Sequence[str]) -> tuple[type | None, str
     node: Any = cls
     walked: list[str] = []
     for part in path:
+        if get_origin(node) is list and part.isdigit():  # reward.sources.1.weight: an item of a list of sections
+            node = get_args(node)[0]
+            walked.append(part)
+            continue
         if not dataclasses.is_dataclass(node):
             if get_origin(node) is dict or node is dict or node is Any:
                 return node, None

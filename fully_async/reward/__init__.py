@@ -1,6 +1,16 @@
-"""Reward scoring: rule-based functions (verl's compute_score signature) run inline, per trajectory, under limits."""
+"""Reward scoring: rule functions (verl's compute_score signature), LLM judges and reward models, run inline per
+trajectory under cluster-wide limits, timeouts, retries and per-source failure policies."""
 
-from fully_async.reward.agent import RewardAgent, RewardResult
+from fully_async.reward.agent import RewardAgent, RewardDrop, RewardFatal, RewardResult
 from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
 
-__all__ = ["RewardAgent", "RewardCallError", "RewardResult", "RewardTimeout", "ScoringPool", "resolve"]
+__all__ = [
+    "RewardAgent",
+    "RewardCallError",
+    "RewardDrop",
+    "RewardFatal",
+    "RewardResult",
+    "RewardTimeout",
+    "ScoringPool",
+    "resolve",
+]

@@ -1,125 +1,325 @@
-"""RewardAgent: scores each trajectory as soon as it finishes, with verl's compute_score signature.
+"""RewardAgent: scores each trajectory as soon as it finishes, combining the configured reward sources.
 
-Which function scores a row: `reward.function` (dotted path) when set, else by the row's data_source: the built-in
-synthetic task's own scorer, or verl's `default_compute_score` (gsm8k, MATH, ...). Synchronous functions run in the
-ScoringPool under a hard timeout; `async def` functions run on the caller's loop under asyncio's timeout. A failure
-or timeout gives `reward.fallback_score` with the reason flagged in the reward info, never an exception.
+For every source (`reward.sources`, all scored concurrently): wait for its limiter (concurrency, RPM, TPM; shared
+by every process through a named Ray actor), call it under its timeout, retry remote sources on transient failures
+(each attempt goes back through the limiter), and on a final failure apply its policy:
+- fallback: the source's fallback_score, with `failed` and the reason in reward info;
+- drop: raise RewardDrop, and the rollouter re-issues the whole group through the ledger (never lost);
+- raise: raise RewardFatal, and the run fails with the message.
+The reward is the weighted sum of the source scores. Reward info keeps, per source, its score, latency, attempts and
+flags, plus the top-level `reward_failed` / `reward_error` when any source fell back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from fully_async.config import RewardConfig
-from fully_async.data import SYNTHETIC_SOURCE, DataError
+import tenacity
+
+from fully_async.config import RewardConfig, RewardSourceConfig
+from fully_async.data import DataError
+from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
+from fully_async.reward.limiter import RateLimiter, limiter_actor
 from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
+from fully_async.reward.sources import VERL_SCORER, JudgeSource, RuleSource, Source, compute_score_kwargs
 
 log = logging.getLogger(__name__)
 
-SYNTHETIC_SCORER = "fully_async.reward.rule:synthetic_score"
-VERL_SCORER = "verl.utils.reward_score:default_compute_score"
+
+class RewardDrop(RuntimeError):
+    """A source with on_failure=drop failed: the sample's group is re-issued."""
+
+
+class RewardFatal(RuntimeError):
+    """A source with on_failure=raise failed: the run stops with this message."""
 
 
 @dataclass
 class RewardResult:
     score: float
     info: dict[str, Any] = field(default_factory=dict)
-    """JSON-serialisable: the function's extra outputs, `reward_s`, and `reward_failed` / `reward_error` flags."""
+    """JSON-serialisable: `sources` {name: score, latency_s, attempts, flags...}, `reward_s`, and `reward_failed` /
+    `reward_error` when a source fell back."""
 
 
-def scorer_for(cfg: RewardConfig, data_source: str) -> str:
-    if cfg.function:
-        return cfg.function
-    return SYNTHETIC_SCORER if data_source == SYNTHETIC_SOURCE else VERL_SCORER
+COUNTERS = ("calls", "failures", "timeouts", "errors", "retries", "fallbacks", "drops", "parse_failures")
+
+
+@dataclass
+class _Guarded:
+    """A source with its limiter and counters."""
+
+    source: Source
+    limiter: RateLimiter | None
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    in_flight: int = 0
+    latency_s: float = 0.0
+
+
+def token_counter(path: str | None) -> Callable[[str], int]:
+    """Token count of a text for TPM estimates: the tokenizer in `path` (its tokenizer.json through the fast
+    `tokenizers` library when there is one, else transformers), or one token per 4 UTF-8 bytes without a path.
+    Settlement with the usage the API reports corrects any estimate."""
+    if path is None:
+        return lambda text: math.ceil(len(text.encode()) / 4)
+    fast = Path(path) / "tokenizer.json"
+    if fast.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(fast))
+        return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    return lambda text: len(hf.encode(text, add_special_tokens=False))
 
 
 class RewardAgent:
-    def __init__(self, cfg: RewardConfig) -> None:
-        self.cfg = cfg
-        self.pool = ScoringPool(cfg.num_workers)
-        self._is_async: dict[str, bool] = {}
-        self.failures = 0
-        self.timeouts = 0
+    """`await score(solution_str, meta)` with meta = {data_source, ground_truth, extra_info, question}.
 
-    def _async(self, path: str) -> bool:
-        if path not in self._is_async:
-            self._is_async[path] = inspect.iscoroutinefunction(resolve(path))
-        return self._is_async[path]
+    `tokenizer_path` (the policy's) counts tokens for the TPM estimates of sources that name no tokenizer of their
+    own; it is loaded only if such a source exists. Without either, estimates are 4 bytes per token."""
+
+    def __init__(self, cfg: RewardConfig, tokenizer_path: str | None = None) -> None:
+        self.cfg = cfg
+        needs_pool = any(s.kind not in ("judge", "reward_model") for s in cfg.sources)
+        self.pool = ScoringPool(cfg.num_workers) if needs_pool else None
+        self._tokenizer_path = tokenizer_path
+        self.sources: list[_Guarded] = []
+        try:
+            for i, src in enumerate(cfg.sources):
+                source = self._build(src, f"reward.sources[{i}]")
+                self.sources.append(_Guarded(source, self._limiter(src)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ------------------------------------------------------------------------------------------
+    def _build(self, src: RewardSourceConfig, key: str) -> Source:
+        if src.kind == "judge":
+            return JudgeSource(src, key, self._counter(src.judge.tokenizer))
+        if src.kind == "reward_model":
+            from fully_async.reward.reward_model import build_reward_model_source
+
+            return build_reward_model_source(src, key, self._counter(src.judge.tokenizer), self.cfg.limiter_namespace)
+        return RuleSource(src, key, self.pool)
+
+    def _counter(self, path: str | None) -> Callable[[str], int]:
+        return token_counter(path or self._tokenizer_path)
+
+    def _limiter(self, src: RewardSourceConfig) -> RateLimiter | None:
+        if not src.limits.active():
+            return None
+        if src.limits.scope == "cluster":
+            import ray
+
+            if ray.is_initialized():
+                return RateLimiter(src.limits, limiter_actor(src.label, src.limits, self.cfg.limiter_namespace))
+            log.info("reward source %s: Ray is not running; its limits hold for this process only", src.label)
+        return RateLimiter(src.limits)
 
     async def check_sources(self, rows: Iterable[Any]) -> None:
-        """Fail fast on a data_source no scorer knows, naming the source and the first row that uses it.
+        """Fail fast on limits that disagree with the cluster's limiter, and on a data_source no rule scorer knows
+        (naming the source and the first row that uses it).
 
         Each distinct source is tried once on an empty answer: only "not implemented" counts as unknown."""
+        for g in self.sources:
+            if g.limiter is not None:
+                await g.limiter.check(g.source.name)
         first: dict[str, str] = {}
         for row in rows:
             first.setdefault(row.data_source, row.origin)
-        for source, origin in first.items():
-            path = scorer_for(self.cfg, source)
-            try:
-                resolve(path)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise DataError(f"reward.function={path!r} cannot be loaded: {e}") from e
-            if path != VERL_SCORER:
+        for g in self.sources:
+            if not isinstance(g.source, RuleSource):
                 continue
-            try:
-                await self.pool.call(path, _kwargs(source, "", "", {}), self.cfg.timeout_s)
-            except RewardCallError as e:
-                if "NotImplementedError" in str(e):
-                    raise DataError(
-                        f"{origin}: unknown data_source {source!r}: verl's default_compute_score has no scorer for "
-                        f"it; set reward.function=pkg.module:compute_score"
-                    ) from None
-            except RewardTimeout:
-                pass  # a known source whose scorer is slow on an empty answer: not our concern here
+            for source, origin in first.items():
+                path = g.source.path_for(source)
+                try:
+                    resolve(path)
+                except (ImportError, AttributeError, ValueError) as e:
+                    raise DataError(f"{g.source.key}.kind={path!r} cannot be loaded: {e}") from e
+                if path != VERL_SCORER:
+                    continue
+                try:
+                    await self.pool.call(path, compute_score_kwargs(source, "", "", {}), g.source.cfg.timeout_s)
+                except RewardCallError as e:
+                    if "NotImplementedError" in str(e):
+                        raise DataError(
+                            f"{origin}: unknown data_source {source!r}: verl's default_compute_score has no scorer "
+                            f"for it; set {g.source.key}.kind=pkg.module:compute_score"
+                        ) from None
+                except RewardTimeout:
+                    pass  # a known source whose scorer is slow on an empty answer: not our concern here
 
+    # -- scoring -----------------------------------------------------------------------------------------------
     async def score(self, solution_str: str, meta: dict[str, Any]) -> RewardResult:
-        source = meta.get("data_source", "")
-        path = scorer_for(self.cfg, source)
-        kwargs = _kwargs(source, solution_str, meta.get("ground_truth"), meta.get("extra_info") or {})
         start = time.monotonic()
-        try:
-            if self._async(path):
-                out = await asyncio.wait_for(resolve(path)(**kwargs), self.cfg.timeout_s)
-            else:
-                out = await self.pool.call(path, kwargs, self.cfg.timeout_s)
-            result = _to_result(out)
-        except (RewardTimeout, asyncio.TimeoutError):
-            self.timeouts += 1
-            result = self._fallback(f"timeout after {self.cfg.timeout_s:g}s", path)
-        except Exception as e:  # any reward failure becomes a flagged fallback: one bad sample must not stop the run
-            self.failures += 1
-            result = self._fallback(str(e).splitlines()[-1][:300] if str(e) else repr(e), path)
+        outs = await asyncio.gather(
+            *(self._score_one(g, solution_str, meta) for g in self.sources), return_exceptions=True
+        )
+        for out in outs:  # every source has finished: nothing is left running when a policy error propagates
+            if isinstance(out, BaseException):
+                raise out
+        total, per_source, failed = 0.0, {}, []
+        for g, (score, info) in zip(self.sources, outs):
+            total += g.source.cfg.weight * score
+            per_source[g.source.name] = info
+            if info.get("failed"):
+                failed.append(f"{g.source.name}: {info['error']}")
+        result = RewardResult(total, {"sources": per_source})
+        if len(self.sources) == 1:  # one source: its function's extra outputs (acc, pred, ...) stay at the top
+            result.info.update({k: v for k, v in outs[0][1].items() if k not in _OWN_KEYS})
+        if failed:
+            result.info["reward_failed"] = True
+            result.info["reward_error"] = "; ".join(failed)[:500]
         result.info["reward_s"] = time.monotonic() - start
         return result
 
-    def _fallback(self, why: str, path: str) -> RewardResult:
-        log.warning("reward %s failed (%s); using fallback score %g", path, why, self.cfg.fallback_score)
-        return RewardResult(self.cfg.fallback_score, {"reward_failed": True, "reward_error": why})
+    async def _score_one(self, g: _Guarded, solution: str, meta: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        src, cfg = g.source, g.source.cfg
+        start = time.monotonic()
+        attempts = 0
+        wait_s = 0.0
+        g.counts["calls"] += 1
+        g.in_flight += 1
+
+        async def once():
+            nonlocal attempts, wait_s
+            attempts += 1
+            permit = None
+            if g.limiter is not None:
+                permit = await g.limiter.acquire(src.estimate_tokens(solution, meta))
+                wait_s += permit.wait_s
+            used = None
+            try:
+                reply = await src.attempt(solution, meta)
+                used = reply.used_tokens
+                return reply
+            except ParseError as e:
+                used = getattr(e, "used_tokens", None)
+                raise
+            except RemoteError as e:
+                if e.status is not None:
+                    used = 0.0  # refused or failed by the server before any generation
+                raise
+            except (RewardTimeout, asyncio.TimeoutError):
+                g.counts["timeouts"] += 1
+                raise
+            finally:
+                if permit is not None:
+                    g.limiter.release(permit, used)
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            g.counts["retries"] += 1
+
+        try:
+            if src.remote and cfg.retries:
+                retrying = tenacity.AsyncRetrying(
+                    stop=tenacity.stop_after_attempt(cfg.retries + 1),
+                    wait=WaitRetryAfter(cfg.backoff_s, cfg.backoff_max_s),
+                    # A server that asks for a longer pause than backoff_max_s ends the retries (the policy applies)
+                    # rather than being retried early or stalling the sample for as long as it says.
+                    retry=tenacity.retry_if_exception(
+                        lambda e: retryable(e) and (getattr(e, "retry_after", None) or 0.0) <= cfg.backoff_max_s
+                    ),
+                    before_sleep=before_sleep,
+                    reraise=True,
+                )
+                reply = await retrying(once)
+            else:
+                reply = await once()
+            info = {"score": reply.score, **reply.info}
+            score = reply.score
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failing source is handled by its policy: one bad sample must not stop the run
+            score, info = self._on_failure(g, e)
+        finally:
+            g.in_flight -= 1
+        latency = time.monotonic() - start
+        g.latency_s += latency
+        info.update({"latency_s": latency, "attempts": attempts})
+        if g.limiter is not None:
+            info["limiter_wait_s"] = wait_s
+        return score, info
+
+    def _on_failure(self, g: _Guarded, e: Exception) -> tuple[float, dict[str, Any]]:
+        cfg = g.source.cfg
+        if isinstance(e, (RewardTimeout, asyncio.TimeoutError)):
+            why = f"timeout after {cfg.timeout_s:g}s"
+        else:
+            why = (str(e).strip().splitlines() or [repr(e)])[-1][:300]
+            g.counts["errors"] += 1
+            if isinstance(e, ParseError):
+                g.counts["parse_failures"] += 1
+        g.counts["failures"] += 1
+        if cfg.on_failure == "drop":
+            g.counts["drops"] += 1
+            log.warning("reward source %s failed (%s); dropping the sample's group for re-issue", g.source.name, why)
+            raise RewardDrop(f"reward source {g.source.name!r} failed ({why}); on_failure=drop") from None
+        if cfg.on_failure == "raise":
+            raise RewardFatal(
+                f"reward source {g.source.name!r} failed ({why}) and {g.source.key}.on_failure=raise"
+            ) from None
+        g.counts["fallbacks"] += 1
+        log.warning("reward source %s failed (%s); using fallback score %g", g.source.name, why, cfg.fallback_score)
+        info = {"score": cfg.fallback_score, "failed": True, "error": why}
+        if isinstance(e, ParseError):
+            info["parse_failed"] = True
+        return cfg.fallback_score, info
+
+    # -- stats and shutdown ------------------------------------------------------------------------------------
+    @property
+    def timeouts(self) -> int:
+        return int(sum(g.counts["timeouts"] for g in self.sources))
+
+    @property
+    def failures(self) -> int:
+        return int(sum(g.counts["failures"] for g in self.sources))
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Cumulative counters per source, plus its current in-flight calls, limiter wait and realized rates."""
+        out = {}
+        for g in self.sources:
+            s: dict[str, float] = {**g.counts, "in_flight": g.in_flight, "latency_s": g.latency_s}
+            if g.limiter is not None:
+                rpm, tpm = g.limiter.realized()
+                s.update(
+                    {"limiter_wait_s": g.limiter.wait_s, "limiter_acquired": g.limiter.acquired,
+                     "limiter_actor_calls": g.limiter.actor_calls, "limiter_rate_calls": g.limiter.rate_calls, "realized_rpm": rpm, "realized_tpm": tpm}
+                )  # fmt: skip
+            out[g.source.name] = s
+        return out
 
     def close(self) -> None:
-        self.pool.close()
+        for g in self.sources:
+            if g.limiter is not None:
+                g.limiter.shutdown()
+            closer = g.source.close()
+            try:
+                asyncio.get_running_loop().create_task(closer)
+            except RuntimeError:  # no loop left: the HTTP clients go with the process
+                closer.close()
+        self.sources = []
+        if self.pool is not None:
+            self.pool.close()
+
+    async def aclose(self) -> None:
+        """close() from inside an event loop, waiting for the sources' HTTP clients to close."""
+        for g in self.sources:
+            if g.limiter is not None:
+                g.limiter.shutdown()
+            await g.source.close()
+        self.sources = []
+        if self.pool is not None:
+            self.pool.close()
 
 
-def _kwargs(source: str, solution: str, ground_truth: Any, extra: dict) -> dict[str, Any]:
-    return {"data_source": source, "solution_str": solution, "ground_truth": ground_truth, "extra_info": extra}
-
-
-def _to_result(out: Any) -> RewardResult:
-    """float | int | bool | {'score': x, ...} -> RewardResult; anything else is a failure."""
-    if isinstance(out, dict):
-        if "score" not in out:
-            raise ValueError(f"reward dict has no 'score' key: {sorted(out)}")
-        score = out["score"]
-        info = {k: v for k, v in out.items() if k != "score" and isinstance(v, (bool, int, float, str))}
-    else:
-        score, info = out, {}
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(float(score)):
-        raise ValueError(f"reward score must be a finite number, got {score!r}")
-    return RewardResult(float(score), info)
+_OWN_KEYS = ("score", "latency_s", "attempts", "limiter_wait_s", "failed", "error", "parse_failed")

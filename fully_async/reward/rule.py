@@ -10,3 +10,12 @@ def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extr
     text, answer = solution_str.lstrip(), str(ground_truth).strip()
     correct = bool(answer) and text.startswith(answer)
     return {"score": 1.0 if correct else (0.1 if text[:1].isdigit() else 0.0), "acc": float(correct)}
+
+
+async def delayed_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """The built-in task's score after `extra_info['reward_delay_s']` seconds of waiting: a stand-in for a slow remote
+    verifier (sandboxed code execution, an LLM judge) in benchmarks of how well scoring overlaps generation."""
+    import asyncio
+
+    await asyncio.sleep(float((extra_info or {}).get("reward_delay_s", 0.0)))
+    return synthetic_score(data_source, solution_str, ground_truth, extra_info)

@@ -106,18 +106,30 @@ def test_fully_async_run_writes_its_files_and_respects_the_bound(tmp_path):
 
 
 def test_synchronous_bound_and_a_hanging_reward_do_not_stall_training(tmp_path):
-    proc = run(
-        tmp_path,
-        "trainer.total_steps=4",
-        "async_training.max_staleness=0",
-        "reward.function=tests.fakes:sometimes_hanging_score",
-        "reward.timeout_s=2",
-    )
+    """A hanging verifier falls back with a flag; a second source with on_failure=drop that fails once per even
+    answer gets those groups re-issued, and each is trained once."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    os.environ["FAILS_ONCE_DIR"] = str(marks)  # read by tests.fakes:fails_once_score in the run's worker processes
+    try:
+        proc = run(
+            tmp_path,
+            "trainer.total_steps=4",
+            "async_training.max_staleness=0",
+            "reward.sources=[{kind: 'tests.fakes:sometimes_hanging_score', timeout_s: 2},"
+            " {kind: 'tests.fakes:fails_once_score', weight: 0, on_failure: drop}]",
+        )
+    finally:
+        del os.environ["FAILS_ONCE_DIR"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")
     assert len(trajs) == 4 * 2 * 2
     assert all(t["min_version"] == t["trained_version"] == t["max_version"] for t in trajs)
     assert [t for t in trajs if t.get("reward_failed")], "no sample met the hanging verifier"
+    assert Counter((t["prompt_uid"], t["sample_index"]) for t in trajs).most_common(1)[0][1] == 1
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert metrics[-1]["fully_async/count/groups_failed"] >= 1, "no group was dropped by the drop source"
+    assert "fully_async/reward/fails_once_score/drops" in metrics[-1]
 
 
 def test_sigkill_then_resume_trains_every_prompt_exactly_once(tmp_path):

@@ -1,0 +1,30 @@
+"""Step metrics of the reward path: the slowest sample's phases and the per-source counters."""
+
+from __future__ import annotations
+
+from fully_async.metrics import batch_metrics, reward_source_metrics
+from tests.helpers import make_group
+
+
+def test_slowest_sample_reports_its_own_generate_and_reward_times():
+    groups = [make_group(0), make_group(1)]
+    timings = [(1.0, 0.5), (0.2, 3.0), (2.0, 0.1), (0.1, 0.1)]  # the second is slowest overall (3.2 s)
+    for t, (gen, rew) in zip([t for g in groups for t in g.trajectories], timings):
+        t.timings.update(generate_s=gen, reward_s=rew)
+    m = batch_metrics(groups, trainer_version=0)
+    assert m["timing_s/agent_loop/slowest/generate"] == 0.2 and m["timing_s/agent_loop/slowest/reward"] == 3.0
+    assert m["timing_s/agent_loop/reward/max"] == 3.0 and m["timing_s/agent_loop/generate/max"] == 2.0
+
+
+def test_reward_source_metrics_are_per_step_deltas():
+    last = {"judge": {"calls": 10, "retries": 1, "latency_s": 5.0, "in_flight": 3, "limiter_wait_s": 2.0,
+                      "limiter_acquired": 12, "realized_rpm": 50.0, "realized_tpm": 900.0}}  # fmt: skip
+    now = {"judge": {"calls": 14, "retries": 4, "latency_s": 9.0, "in_flight": 2, "limiter_wait_s": 4.0,
+                     "limiter_acquired": 16, "realized_rpm": 60.0, "realized_tpm": 1000.0, "timeouts": 1}}  # fmt: skip
+    m = reward_source_metrics(now, last)
+    p = "fully_async/reward/judge"
+    assert m[f"{p}/calls"] == 4 and m[f"{p}/retries"] == 3 and m[f"{p}/timeouts"] == 1
+    assert m[f"{p}/latency_s"] == 1.0 and m[f"{p}/limiter_wait_s"] == 0.5
+    assert m[f"{p}/in_flight"] == 2 and m[f"{p}/realized_rpm"] == 60.0 and m[f"{p}/realized_tpm"] == 1000.0
+    rule = reward_source_metrics({"rule": {"calls": 3, "in_flight": 0}}, {})
+    assert "fully_async/reward/rule/limiter_wait_s" not in rule and rule["fully_async/reward/rule/calls"] == 3
