@@ -72,6 +72,8 @@ BAD = [
     (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "did you mean 'grpo'"),
     (["engine=vlm"], "engine=vlm", "did you mean 'vllm'"),
     (["logger.backends=[console,wandbb]"], "logger.backends[1]", "did you mean 'wandb'"),
+    (["logger=[console,tensorbord]"], "logger.backends[1]", "did you mean 'tensorboard'"),
+    (["logger=[jsonl,jsonl]"], "logger.backends", "twice"),
     (["reward.function=not a path"], "reward.function", "dotted path"),
     (["rollout.response_length=1000"], "engine.max_model_len", "data.max_prompt_length + rollout.response_length"),
     (["model.tiny.hidden_size=130"], "model.tiny.hidden_size", "multiple of num_heads"),
@@ -85,6 +87,15 @@ def test_bad_config_raises_config_error_naming_the_key(overrides, key, hint):
         compose(overrides)
     assert key in str(err.value)
     assert hint in str(err.value)
+
+
+def test_logger_list_selects_sinks_and_a_shipped_option_still_composes():
+    assert compose(["logger=[console,jsonl,wandb,tensorboard]"]).logger.backends == [
+        "console", "jsonl", "wandb", "tensorboard"
+    ]  # fmt: skip
+    assert compose(["logger=[tensorboard]"]).logger.backends == ["tensorboard"]
+    assert compose(["logger=wandb", "logger.project=p"]).logger.backends == ["console", "jsonl", "wandb"]
+    assert compose([]).logger.backends == ["console", "jsonl"]
 
 
 def test_unknown_key_in_a_mapping_is_rejected_with_suggestion():
