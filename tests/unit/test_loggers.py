@@ -6,13 +6,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
 
 from fully_async.config import LoggerConfig
 from fully_async.loggers import ConsoleLogger, build_loggers
+from tests.helpers import wandb_history, wandb_records
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "recorded_run" / "metrics.jsonl"
 SECRET = "fa-test-key-0123456789abcdef0123456789abcdef"
@@ -20,31 +20,6 @@ SECRET = "fa-test-key-0123456789abcdef0123456789abcdef"
 
 def recorded_rows() -> list[dict]:
     return [json.loads(line) for line in RECORDED.read_text().splitlines()]
-
-
-def wandb_records(path: Path):
-    """Records of a wandb transaction log (.wandb): a 7-byte header (':W&B', magic 0xBEE1, version), then LevelDB-log
-    framed protobuf `Record`s in 32 KiB blocks (chunk header: crc32c, length, type FULL/FIRST/MIDDLE/LAST)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    ident, magic, _ = struct.unpack("<4sHB", data[:7])
-    assert ident == b":W&B" and magic == 0xBEE1, f"{path} is not a wandb transaction log"
-    pos, buf, block = 7, b"", 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
-            break
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            yield rec
-            buf = b""
 
 
 def test_wandb_offline_and_tensorboard_write_every_step_readably(tmp_path, monkeypatch):
@@ -79,11 +54,7 @@ def test_wandb_offline_and_tensorboard_write_every_step_readably(tmp_path, monke
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.project == "fa-tests" and run.display_name == "recorded"
     assert run.run_id == (tmp_path / "wandb_run_id").read_text()
-    history = [
-        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
+    history = wandb_history(log)
     assert [h["_step"] for h in history] == [m["step"] for m in rows]
     for h, m in zip(history, rows):
         assert h["reward/mean"] == pytest.approx(m["reward/mean"])
