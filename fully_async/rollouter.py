@@ -7,6 +7,9 @@ Contracts:
   drops as stale is re-issued, never lost.
 - `pause()` stops admission and pauses the engines (in-flight requests abort and continue after `resume()`; with
   partial_rollout=false they restart from their prompt). `load_weights()` sits between them.
+- Every generate request, reward call, sync pause and validation run is recorded as a span in
+  RUN_DIR/trace/rollouter.jsonl (fully_async/trace.py); `stats()` gives the engine occupancy behind the rollouter
+  idle ratio.
 - `snapshot()` is a consistent cut: the ledger, the cursor and the queue's contents are read while no group is
   moving from "running" to "queued" (`_push_lock`), so on restore every prompt is in exactly one place.
 """

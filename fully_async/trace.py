@@ -4,13 +4,14 @@ Each process appends to its own file `RUN_DIR/trace/<name>.jsonl`, buffered and 
 costs a dict and a list append. Times are wall-clock seconds (`time.time()`): the only clock that lines up across the
 rollouter, trainer and sync processes (on several nodes it is as good as their clock synchronisation).
 
-Lanes: `engine/<i>` (one HTTP generate request on engine server i, a segment of a sample), `reward` (scoring one
-sample), `trainer` (wait_for_batch, update and its prepare / log_probs / train phases, save_checkpoint, log),
-`sync` (param-sync phases pause, export, reload, resume), `rollouter` (validation runs). A line `{"meta": {...}}`
-records facts the report needs (the number of engine servers).
+Lanes: `engine/<i>` (one HTTP generate request on engine server i: a whole sample, or the segment of one between two
+syncs), `reward` (scoring one sample), `rollouter` (paused for a sync, validation runs), `trainer` (wait_for_batch,
+update and its prepare / log_probs / train phases, param_sync, save_checkpoint, stats), `sync` (param-sync phases
+pause, export, reload, resume). A line `{"meta": {...}}` records facts the report needs (the number of engine
+servers). docs/metrics.md describes the format.
 
-`idle_ratio` and `busy_seconds` are the definitions the metrics use (docs/metrics.md); the report recomputes the
-logged ratios from the trace with them.
+`engine_idle_ratio` and `trainer_idle_ratio` are the definitions of the two idle ratios in metrics.jsonl
+(docs/metrics.md); the report recomputes the logged ratios from the trace with them.
 """
 
 from __future__ import annotations
