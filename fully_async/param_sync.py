@@ -3,10 +3,11 @@
     pause (admission off, engines abort in-flight requests) -> export weights -> reload in every engine and set the
     new version -> resume (aborted requests continue under the new weights)
 
-Each phase is timed (and recorded as a span on the trace's `sync` lane) and bounded by async_training.sync_timeout_s; a phase that passes it fails the run with a
-ParamSyncError naming the phase, instead of hanging. Weights go through disk (safetensors the engines reload): under
-/dev/shm when it exists, else the run dir. The previous version's files are kept until the next sync, so a server
-restarted meanwhile still finds the weights it was told about.
+Each phase is timed (and recorded as a span on the event trace's `sync` lane) and bounded by
+async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
+of hanging. Weights go through disk (safetensors the engines reload): under /dev/shm when it exists, else the run
+dir. The previous version's files are kept until the next sync, so a server restarted meanwhile still finds the
+weights it was told about.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections import deque
@@ -32,6 +33,13 @@ from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
+
+QUEUE_WAIT_TRACE_S = 0.01
+"""A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
+
+# The sample a coroutine works for: asyncio tasks inherit it, so the engine client's per-request callback can name
+# the sample in its trace span without the client knowing about samples.
+_sample_id: contextvars.ContextVar[str] = contextvars.ContextVar("sample_id", default="")
 
 
 def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
@@ -196,11 +204,15 @@ class Rollouter:
             return
         async with self._push_lock:
             self.ledger.finish(prompt, ok=True)
+            start = time.time()
             await self.queue.put.remote([group])
+            if time.time() - start >= QUEUE_WAIT_TRACE_S:
+                self.tracer.record("rollouter", "queue_wait", start, time.time(), group=prompt.uid)
             self._c["groups_pushed"] += 1
         self._wake.set()
 
     async def _run_sample(self, sample: Sample) -> Trajectory:
+        _sample_id.set(f"{sample.prompt.uid}/{sample.sample_index}")
         self._inflight_samples += 1
         try:
             traj = await self.agent.run(self.client, sample)
@@ -211,7 +223,7 @@ class Rollouter:
                 f"{sample.row.origin}: prompt has {len(traj.prompt_ids)} tokens, more than "
                 f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
             )
-        with self.tracer.span("reward", "score", sample=f"{sample.prompt.uid}/{sample.sample_index}"):
+        with self.tracer.span("reward", "score", sample=_sample_id.get()):
             result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), sample.row.meta())
         traj.reward, traj.reward_info = result.score, result.info
         traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
@@ -221,7 +233,8 @@ class Rollouter:
         return traj
 
     def _trace_segment(self, server: int, start: float, end: float, tokens: int, finish: str) -> None:
-        self.tracer.record(f"engine/{server}", "generate", start, end, tokens=tokens, finish=finish)
+        sample = _sample_id.get()
+        self.tracer.record(f"engine/{server}", "generate", start, end, tokens=tokens, finish=finish, sample=sample)
 
     # -- weight sync -------------------------------------------------------------------------------------------
     async def pause(self) -> None:
@@ -255,6 +268,7 @@ class Rollouter:
         start, wall_start = time.monotonic(), time.time()
 
         async def one(i: int, row: PromptRow) -> float:
+            _sample_id.set(f"val:{version}:{i}")
             async with limit:
                 traj = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
                 return (await self.reward.score(self.val_agent.decode(traj.response_ids.tolist()), row.meta())).score
