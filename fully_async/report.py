@@ -144,7 +144,13 @@ def summary(run: Run) -> str:
                     f"mean {sum(durs) / len(durs):.3f} s, max {max(durs):.3f} s"
                 )
     rows = step_idle_ratios(run)
-    if rows:
+    if rows and not run.spans:
+        lines += [
+            "",
+            f"idle ratios over steps {rows[0]['step']}-{rows[-1]['step']} (time-weighted, metrics.jsonl; no trace)",
+            f"  trainer {_weighted(rows, 'trainer_logged'):.3f}, rollouter {_weighted(rows, 'rollouter_logged'):.3f}",
+        ]
+    elif rows:
         trainer_trace, trainer_logged = _weighted(rows, "trainer_trace"), _weighted(rows, "trainer_logged")
         roll_trace, roll_logged = _weighted(rows, "rollouter_trace"), _weighted(rows, "rollouter_logged")
         lines += [

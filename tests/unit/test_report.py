@@ -87,3 +87,15 @@ def test_chrome_trace_rows_never_hold_partly_overlapping_spans():
                 stack.pop()
             assert not stack or end <= stack[-1][1] + 2, "partly overlapping spans in one row"
             stack.append((s, end))
+
+
+def test_report_without_a_trace_still_renders_the_curves_and_summary(tmp_path):
+    """logger.trace=false: no timeline or Chrome trace, the rest from metrics.jsonl and trajectories.jsonl."""
+    from fully_async.report import write_report
+
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        shutil.copy(RECORDED / name, tmp_path / name)
+    written = write_report(tmp_path)
+    assert sorted(written) == ["reward_staleness", "staleness_hist", "summary"]
+    text = written["summary"].read_text()
+    assert "staleness of trained trajectories" in text and "no trace" in text and "trace vs" not in text
