@@ -195,7 +195,7 @@ _COLOURS = {
     "generate": "tab:blue", "score": "tab:orange", "paused": "tab:gray", "validation": "tab:olive",
     "wait_for_batch": "lightgray", "update": "tab:green", "prepare": "tab:cyan", "log_probs": "tab:purple",
     "train": "darkgreen", "param_sync": "tab:red", "save_checkpoint": "tab:brown", "stats": "black",
-    "pause": "salmon", "export": "tab:red", "reload": "darkred", "resume": "pink",
+    "pause": "salmon", "export": "gold", "reload": "darkred", "resume": "pink",
 }  # fmt: skip
 
 

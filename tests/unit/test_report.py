@@ -20,6 +20,7 @@ RECORDED = REPO / "tests" / "data" / "recorded_run"
 
 def test_idle_ratios_from_the_trace_match_metrics_jsonl_and_stay_in_0_1():
     run = load_run(RECORDED)
+    assert run.num_engines == 2  # the per-engine average is exercised
     rows = step_idle_ratios(run)
     assert [r["step"] for r in rows] == [m["step"] for m in run.metrics]
     for r in rows:
@@ -53,7 +54,7 @@ def test_report_command_renders_every_png_the_chrome_trace_and_the_summary(tmp_p
     assert len(spans) == sum(1 for p in (RECORDED / "trace").glob("*.jsonl") for line in p.read_text().splitlines() if '"lane"' in line)  # fmt: skip
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {"engine/0", "reward", "trainer", "sync"} <= names
+    assert {"engine/0", "engine/1", "reward", "rollouter", "trainer", "sync"} <= names
 
 
 def test_report_of_a_directory_without_run_files_fails_clearly(tmp_path):
