@@ -20,6 +20,10 @@ from fully_async.config import LoggerConfig
 from fully_async.metrics import JsonlWriter
 
 
+class LoggerError(RuntimeError):
+    """A metric sink could not start (wandb without an API key or network, ...); the message says what to set."""
+
+
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numeric entries (wandb and tensorboard take scalars only)."""
     out = {}
@@ -120,15 +124,21 @@ class WandbLogger:
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=run_name,
-            dir=str(run_dir),
-            config=config,
-            id=run_id,
-            resume="allow",
-        )
+        try:
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=run_name,
+                dir=str(run_dir),
+                config=config,
+                id=run_id,
+                resume="allow",
+            )
+        except Exception as e:  # wandb's errors (no key, no network) say what failed; add which setting fixes it
+            raise LoggerError(
+                f"wandb could not start a run ({type(e).__name__}: {e}); set WANDB_API_KEY, or WANDB_MODE=offline "
+                "to log locally (sync later with `wandb sync RUN_DIR/wandb`)"
+            ) from e
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.run.log(_scalars(metrics), step=step)

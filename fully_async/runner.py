@@ -51,6 +51,7 @@ def main(composed: DictConfig) -> None:
 
     from fully_async.data import DataError
     from fully_async.engines import EngineError
+    from fully_async.loggers import LoggerError
     from fully_async.message_queue import create_message_queue
     from fully_async.models import resolve_model_path
     from fully_async.param_sync import ParamSync, ParamSyncError, default_weights_root
@@ -60,7 +61,8 @@ def main(composed: DictConfig) -> None:
     from fully_async.training import build_backend
 
     # Expected failures: the message names the cause, so no traceback is printed for them.
-    run_errors = (ConfigError, DataError, EngineError, TrainerError, ParamSyncError, ray.exceptions.RayError)
+    run_errors = (ConfigError, DataError, EngineError, LoggerError, TrainerError, ParamSyncError,
+                  ray.exceptions.RayError)  # fmt: skip
 
     try:
         model_path = str(resolve_model_path(cfg.model))

@@ -103,3 +103,18 @@ def test_console_shows_progress_reward_staleness_queue_throughput_idle_and_eta(c
         assert label in text
     assert f"{last['step']}/12" in text
     assert not math.isnan(live.eta_s(last["step"]))
+
+
+def test_wandb_that_cannot_start_fails_with_what_to_set(tmp_path, monkeypatch):
+    """WANDB_MODE=online with no API key and no network: a LoggerError naming the fix, not a prompt or a hang."""
+    from fully_async.loggers import LoggerError
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: no network in any environment
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "10")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = LoggerConfig(backends=["wandb"])
+    with pytest.raises(LoggerError, match="WANDB_MODE=offline"):
+        build_loggers(cfg, tmp_path, total_steps=1)
