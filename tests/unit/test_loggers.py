@@ -23,8 +23,10 @@ def recorded_rows() -> list[dict]:
 
 
 def test_wandb_offline_and_tensorboard_write_every_step_readably(tmp_path, monkeypatch):
+    import wandb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    wandb.teardown()  # wandb keeps its settings per process: forget an earlier test's
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -107,8 +109,11 @@ def test_console_shows_progress_reward_staleness_queue_throughput_idle_and_eta(c
 
 def test_wandb_that_cannot_start_fails_with_what_to_set(tmp_path, monkeypatch):
     """WANDB_MODE=online with no API key and no network: a LoggerError naming the fix, not a prompt or a hang."""
+    import wandb
+
     from fully_async.loggers import LoggerError
 
+    wandb.teardown()  # wandb keeps its settings per process: forget an earlier test's offline mode
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: no network in any environment
