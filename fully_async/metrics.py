@@ -1,10 +1,14 @@
-"""Metric names, per-step aggregation, and the sinks (console progress line, metrics.jsonl, trajectories.jsonl).
+"""Metric names and per-step aggregation, trajectories.jsonl, and the end-of-run reward/staleness plot.
 
-Names follow verl's where verl has one (timing_s/..., perf/..., fully_async/...). Definitions:
+Names follow verl's where verl has one (timing_s/..., perf/..., fully_async/...); docs/metrics.md lists every metric.
+Definitions (a step's window runs from the end of the previous step to the end of this one, both read on the
+rollouter's wall clock, so consecutive windows tile the run):
 - staleness of a trajectory = trainer version when it is trained - oldest version among its tokens.
-- fully_async/trainer/idle_ratio = seconds the trainer waited for a batch this step / the step's wall seconds.
-- fully_async/rollouter/idle_ratio = seconds with no sample generating / wall seconds, over the same step.
-- fully_async/partial/ratio = share of trained trajectories whose tokens span more than one version.
+- fully_async/trainer/idle_ratio = seconds the trainer waited for a batch in the window / the window's seconds.
+- fully_async/rollouter/idle_ratio = 1 - engine-busy seconds / (engine servers x window seconds), where an engine is
+  busy while it has at least one generate request in flight (see fully_async/trace.py: the report recomputes both
+  ratios from the event trace with the same definitions).
+- fully_async/partial/partial_ratio = share of trained trajectories whose tokens span more than one version.
 - timing_s/agent_loop/slowest/{generate,reward} = the two phases of the trajectory with the longest generate + reward.
 - fully_async/reward/<source>/... = per reward source, see `reward_source_metrics`.
 """
@@ -14,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,7 @@ def batch_metrics(groups: Sequence[TrajectoryGroup], trainer_version: int) -> di
         "staleness/mean": float(np.mean(stale)),
         "staleness/max": float(max(stale)),
         "response_length/mean": float(np.mean([t.response_length for t in trajs])),
-        "fully_async/partial/ratio": float(np.mean([t.max_version > t.min_version for t in trajs])),
+        "fully_async/partial/partial_ratio": float(np.mean([t.max_version > t.min_version for t in trajs])),
         "fully_async/aborted/ratio": float(np.mean([t.num_aborts > 0 for t in trajs])),
         "reward/failed_ratio": float(np.mean([bool(t.reward_info.get("reward_failed")) for t in trajs])),
     }
@@ -136,30 +138,6 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
     tmp.write_text("".join(k + "\n" for k in kept))
     os.replace(tmp, path)
     return len(kept)
-
-
-class ConsoleProgress:
-    """One line per step: progress, reward, staleness, throughput, idle ratios and ETA."""
-
-    def __init__(self, total_steps: int, start_step: int = 0) -> None:
-        self.total, self.start, self.t0 = total_steps, start_step, time.monotonic()
-
-    def log(self, step: int, m: dict[str, Any]) -> None:
-        done = step - self.start
-        elapsed = time.monotonic() - self.t0
-        eta = elapsed / done * (self.total - step) if done else math.nan
-        width = 20
-        filled = int(width * step / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        print(
-            f"[{bar}] step {step}/{self.total} v{m.get('version', 0)} "
-            f"reward {m.get('reward/mean', math.nan):.3f} stale {m.get('staleness/mean', math.nan):.2f}"
-            f"/{m.get('staleness/max', math.nan):.0f} tok/s {m.get('perf/tokens_per_s', 0):.0f} "
-            f"idle T {m.get('fully_async/trainer/idle_ratio', 0):.2f} R {m.get('fully_async/rollouter/idle_ratio', 0):.2f} "
-            f"q {m.get('fully_async/queue/size', 0)} eta {eta:.0f}s",
-            file=sys.stdout,
-            flush=True,
-        )
 
 
 def plot_run(metrics_path: Path, out_png: Path) -> Path | None:

@@ -3,10 +3,11 @@
     pause (admission off, engines abort in-flight requests) -> export weights -> reload in every engine and set the
     new version -> resume (aborted requests continue under the new weights)
 
-Each phase is timed and bounded by async_training.sync_timeout_s; a phase that passes it fails the run with a
-ParamSyncError naming the phase, instead of hanging. Weights go through disk (safetensors the engines reload): under
-/dev/shm when it exists, else the run dir. The previous version's files are kept until the next sync, so a server
-restarted meanwhile still finds the weights it was told about.
+Each phase is timed (and recorded as a span on the event trace's `sync` lane) and bounded by
+async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
+of hanging. Weights go through disk (safetensors the engines reload): under /dev/shm when it exists, else the run
+dir. The previous version's files are kept until the next sync, so a server restarted meanwhile still finds the
+weights it was told about.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from fully_async.trace import Tracer
 
 
 class ParamSyncError(RuntimeError):
@@ -31,15 +34,24 @@ def default_weights_root(run_dir: str | Path) -> Path:
 
 
 class ParamSync:
-    def __init__(self, rollouter: Any, backend: Any, weights_root: Path, dtype: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rollouter: Any,
+        backend: Any,
+        weights_root: Path,
+        dtype: str,
+        timeout_s: float,
+        tracer: Tracer | None = None,
+    ) -> None:
         self.rollouter, self.backend = rollouter, backend
+        self.tracer = tracer
         self.root, self.dtype, self.timeout_s = Path(weights_root), dtype, timeout_s
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-sync")
         self.syncs = 0
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
-        start = time.monotonic()
+        start, wall = time.monotonic(), time.time()
         future = self._pool.submit(fn)
         try:
             return future.result(timeout=self.timeout_s)
@@ -51,6 +63,8 @@ class ParamSync:
             raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
         finally:
             timings[f"timing_s/param_sync/{name}"] = time.monotonic() - start
+            if self.tracer is not None:
+                self.tracer.record("sync", name, wall, time.time())
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings."""

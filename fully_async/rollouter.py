@@ -7,6 +7,9 @@ Contracts:
   drops as stale is re-issued, never lost.
 - `pause()` stops admission and pauses the engines (in-flight requests abort and continue after `resume()`; with
   partial_rollout=false they restart from their prompt). `load_weights()` sits between them.
+- Every generate request, reward call, sync pause and validation run is recorded as a span in
+  RUN_DIR/trace/rollouter.jsonl (fully_async/trace.py); `stats()` gives the engine occupancy behind the rollouter
+  idle ratio.
 - `snapshot()` is a consistent cut: the ledger, the cursor and the queue's contents are read while no group is
   moving from "running" to "queued" (`_push_lock`), so on restore every prompt is in exactly one place.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections import deque
@@ -26,8 +30,16 @@ from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synth
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.staleness import StalenessLedger
+from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
+
+QUEUE_WAIT_TRACE_S = 0.01
+"""A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
+
+# The sample a coroutine works for: asyncio tasks inherit it, so the engine client's per-request callback can name
+# the sample in its trace span without the client knowing about samples.
+_sample_id: contextvars.ContextVar[str] = contextvars.ContextVar("sample_id", default="")
 
 
 def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
@@ -57,10 +69,8 @@ class Rollouter:
         self._main: asyncio.Task | None = None
         self._validation: asyncio.Task | None = None
         self._val_results: deque[dict[str, Any]] = deque()
-        # Timing for the idle ratio: engines are idle while no sample is generating.
-        self._t0 = time.monotonic()
-        self._idle_since: float | None = self._t0
-        self._idle_s = 0.0
+        self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
+        self._paused_at: float | None = None
         self._c = {"groups_pushed": 0, "groups_failed": 0, "groups_dropped_by_reward": 0, "samples": 0, "tokens": 0,
                    "aborted_samples": 0}  # fmt: skip
 
@@ -105,6 +115,8 @@ class Rollouter:
         else:
             await self.servers.set_version(self.ledger.version)
         self.client = EngineClient(self.servers)
+        self.client.on_segment = self._trace_segment
+        self.tracer.meta(engines=len(self.servers.addresses))
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self._admission_loop())
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
@@ -131,6 +143,7 @@ class Rollouter:
             await asyncio.to_thread(self.servers.stop)
         if getattr(self, "reward", None) is not None:
             await self.reward.aclose()
+        self.tracer.close()
 
     def error(self) -> str | None:
         """Why generation stopped, if it failed (the trainer polls this while it waits for batches)."""
@@ -203,22 +216,27 @@ class Rollouter:
             return
         async with self._push_lock:
             self.ledger.finish(prompt, ok=True)
+            start = time.time()
             await self.queue.put.remote([group])
+            if time.time() - start >= QUEUE_WAIT_TRACE_S:
+                self.tracer.record("rollouter", "queue_wait", start, time.time(), group=prompt.uid)
             self._c["groups_pushed"] += 1
         self._wake.set()
 
     async def _run_sample(self, sample: Sample) -> Trajectory:
-        self._sample_started()
+        _sample_id.set(f"{sample.prompt.uid}/{sample.sample_index}")
+        self._inflight_samples += 1
         try:
             traj = await self.agent.run(self.client, sample)
         finally:
-            self._sample_finished()
+            self._inflight_samples -= 1
         if len(traj.prompt_ids) > self.cfg.data.max_prompt_length:
             raise DataError(
                 f"{sample.row.origin}: prompt has {len(traj.prompt_ids)} tokens, more than "
                 f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
             )
-        result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
+        with self.tracer.span("reward", "score", sample=_sample_id.get()):
+            result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
         traj.reward, traj.reward_info = result.score, result.info
         traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
         self._c["samples"] += 1
@@ -226,22 +244,16 @@ class Rollouter:
         self._c["aborted_samples"] += traj.num_aborts > 0
         return traj
 
-    def _sample_started(self) -> None:
-        if self._inflight_samples == 0 and self._idle_since is not None:
-            self._idle_s += time.monotonic() - self._idle_since
-            self._idle_since = None
-        self._inflight_samples += 1
-
-    def _sample_finished(self) -> None:
-        self._inflight_samples -= 1
-        if self._inflight_samples == 0:
-            self._idle_since = time.monotonic()
+    def _trace_segment(self, server: int, start: float, end: float, tokens: int, finish: str) -> None:
+        sample = _sample_id.get()
+        self.tracer.record(f"engine/{server}", "generate", start, end, tokens=tokens, finish=finish, sample=sample)
 
     # -- weight sync -------------------------------------------------------------------------------------------
     async def pause(self) -> None:
         """Stop admitting and pause the engines; validation at the current version finishes first. With
         async_training.drain_on_sync the groups already generating finish first too (nothing is aborted)."""
         self._admitting.clear()
+        self._paused_at = time.time()
         if self._validation is not None:
             await self._validation
             self._validation = None
@@ -256,6 +268,9 @@ class Rollouter:
     async def resume(self) -> None:
         await self.servers.resume()
         self._admitting.set()
+        if self._paused_at is not None:
+            self.tracer.record("rollouter", "paused", self._paused_at, time.time(), version=self.ledger.version)
+            self._paused_at = None
         self._wake.set()
         val_every = self.cfg.trainer.val_every
         if val_every and self.ledger.version % val_every == 0 and self.val_rows:
@@ -265,9 +280,10 @@ class Rollouter:
     async def _validate(self, version: int) -> None:
         """One sample per held-out prompt, all under weights `version` (the next pause waits for this)."""
         limit = asyncio.Semaphore(self.cfg.rollout.val_max_concurrent)
-        start = time.monotonic()
+        start, wall_start = time.monotonic(), time.time()
 
         async def one(i: int, row: PromptRow) -> float:
+            _sample_id.set(f"val:{version}:{i}")
             async with limit:
                 traj = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
                 text = self.val_agent.decode(traj.response_ids.tolist())
@@ -284,6 +300,7 @@ class Rollouter:
                 {"version": version, "val/reward_mean": sum(scores) / len(scores) if scores else float("nan"),
                  "val/n": len(scores), "timing_s/validation": time.monotonic() - start}
             )  # fmt: skip
+            self.tracer.record("rollouter", "validation", wall_start, time.time(), version=version)
         except RewardFatal as e:  # on_failure=raise holds for validation too
             self._error = str(e)
         except Exception as e:  # validation must not stop training; its failure is logged
@@ -303,14 +320,15 @@ class Rollouter:
             return {"cursor": self.cursor.state_dict(), "ledger": self.ledger.state_dict(), "queue": queue_snap}
 
     def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+        """Counters at one instant. `time` (wall clock) and `engine_busy_s` (per engine server: seconds with a
+        generate request in flight, cumulative) give the rollouter idle ratio over the interval between two calls."""
+        client = getattr(self, "client", None)
         return {
             **self._c,
             **{f"ledger/{k}": v for k, v in self.ledger.stats().items()},
             "inflight_samples": self._inflight_samples,
-            "idle_s": idle,
-            "wall_s": now - self._t0,
+            "time": time.time(),
+            "engine_busy_s": client.busy_seconds() if client is not None else [],
             "client": vars(self.client.stats) if getattr(self, "client", None) else {},
             "reward_timeouts": getattr(getattr(self, "reward", None), "timeouts", 0),
             "reward_failures": getattr(getattr(self, "reward", None), "failures", 0),

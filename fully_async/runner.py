@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from fully_async.config import ConfigError, build_config, check_overrides, register_defaults
+from fully_async.config import ConfigError, build_config, check_overrides, expand_overrides, register_defaults
 
 # Hydra flags that take a value: their value is not an override.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -51,15 +51,18 @@ def main(composed: DictConfig) -> None:
 
     from fully_async.data import DataError
     from fully_async.engines import EngineError
+    from fully_async.loggers import LoggerError
     from fully_async.message_queue import create_message_queue
     from fully_async.models import resolve_model_path
     from fully_async.param_sync import ParamSync, ParamSyncError, default_weights_root
     from fully_async.rollouter import create_rollouter
+    from fully_async.trace import Tracer
     from fully_async.trainer import Trainer, TrainerError
     from fully_async.training import build_backend
 
     # Expected failures: the message names the cause, so no traceback is printed for them.
-    run_errors = (ConfigError, DataError, EngineError, TrainerError, ParamSyncError, ray.exceptions.RayError)
+    run_errors = (ConfigError, DataError, EngineError, LoggerError, TrainerError, ParamSyncError,
+                  ray.exceptions.RayError)  # fmt: skip
 
     try:
         model_path = str(resolve_model_path(cfg.model))
@@ -82,9 +85,10 @@ def main(composed: DictConfig) -> None:
             cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature, cpu_set=_trainer_cpus(cfg)
         )
         engine_dtype = "float32" if cfg.engine.dtype == "auto" and not _cuda() else cfg.engine.dtype
+        tracer = Tracer(run_dir, "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
         sync = ParamSync(rollouter, backend, default_weights_root(run_dir), engine_dtype.replace("auto", "bfloat16"),
-                         at.sync_timeout_s)  # fmt: skip
-        trainer = Trainer(cfg, backend, queue, rollouter, sync, run_dir)
+                         at.sync_timeout_s, tracer)  # fmt: skip
+        trainer = Trainer(cfg, backend, queue, rollouter, sync, run_dir, tracer)
         start_kwargs = {}
         if (ckpt := trainer.find_checkpoint()) is not None:
             start_kwargs = trainer.restore(ckpt)
@@ -92,6 +96,7 @@ def main(composed: DictConfig) -> None:
         print("fully_async: starting engines:", ray.get(rollouter.start.remote(**start_kwargs)), flush=True)
         final = trainer.run()
         print(f"fully_async: done, step {trainer.step}, reward/mean {final.get('reward/mean', float('nan')):.3f}")
+        print(f"fully_async: timeline and summary: python -m fully_async.report {run_dir}")
     except run_errors as e:
         print(f"fully_async: FAILED: {type(e).__name__}: {_cause(e)}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -137,6 +142,7 @@ def _terminate(signum, frame):
 def cli() -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        sys.argv[1:] = expand_overrides(sys.argv[1:])  # logger=[a,b] -> logger.backends=[a,b], before Hydra parses argv
         check_overrides(_overrides(sys.argv[1:]))
         register_defaults()
         main()

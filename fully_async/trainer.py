@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
+from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import (
-    ConsoleProgress,
     JsonlWriter,
     batch_metrics,
     plot_run,
@@ -30,6 +30,7 @@ from fully_async.metrics import (
     truncate_jsonl,
 )
 from fully_async.param_sync import ParamSync
+from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,24 @@ class TrainerError(RuntimeError):
     """The run cannot continue (the rollouter failed, no batch arrived in time); the message says why."""
 
 
+# The backend's update timings, in the order its phases run (reconstructed into trace spans inside the update).
+UPDATE_PHASES = ("prepare", "log_probs", "train")
+
+
 class Trainer:
-    def __init__(self, cfg: FullyAsyncConfig, backend: Any, queue: Any, rollouter: Any, sync: ParamSync, run_dir: Path):
+    def __init__(
+        self,
+        cfg: FullyAsyncConfig,
+        backend: Any,
+        queue: Any,
+        rollouter: Any,
+        sync: ParamSync,
+        run_dir: Path,
+        tracer: Tracer | None = None,
+    ):
         self.cfg, self.backend, self.queue, self.rollouter, self.sync = cfg, backend, queue, rollouter, sync
         self.run_dir = Path(run_dir)
+        self.tracer = tracer or Tracer(run_dir, "trainer", enabled=False)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
         self.version = 0
@@ -130,21 +145,34 @@ class Trainer:
                         f"no batch within async_training.get_timeout_s={at.get_timeout_s:g}s; rollouter: {stats}"
                     ) from None
 
+    def _trace_update(self, start: float, end: float, update: dict[str, Any]) -> None:
+        """The update span and, inside it, the backend's phases laid end to end from their durations."""
+        self.tracer.record("trainer", "update", start, end, step=self.step)
+        t = start
+        for phase in UPDATE_PHASES:
+            dur = update.get(f"timing_s/{phase}")
+            if dur is not None:
+                self.tracer.record("trainer", phase, t, min(t + dur, end))
+                t = min(t + dur, end)
+
     def run(self) -> dict[str, Any]:
+        """Train to trainer.total_steps. Each step's window runs from the previous step's end to this step's end, both
+        read on the rollouter's clock (its stats() call), so windows tile the run and the idle ratios logged per
+        step are exact shares of them (definitions in fully_async/metrics.py and docs/metrics.md)."""
         import ray
 
-        cfg, at = self.cfg, self.cfg.async_training
-        metrics_out = JsonlWriter(self.run_dir / "metrics.jsonl")
+        cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
+        loggers = build_loggers(cfg.logger, self.run_dir, cfg.trainer.total_steps, self.step, to_dict(cfg))
         trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
-        progress = ConsoleProgress(cfg.trainer.total_steps, self.step)
         last = ray.get(self.rollouter.stats.remote())
         final: dict[str, Any] = {}
         prefetched = None
         try:
             while self.step < cfg.trainer.total_steps:
-                t0 = time.monotonic()
+                t0 = time.time()
                 groups = self._next_batch(prefetched)
-                wait_s = time.monotonic() - t0
+                wait_s = time.time() - t0
+                tr.record("trainer", "wait_for_batch", t0, t0 + wait_s)
                 self.step += 1
                 # Ask for the next batch now, so the queue's serialisation and the transfer overlap this update
                 # (at scale they cost ~10% of a step otherwise). The next step's version is known: one more after a
@@ -158,51 +186,54 @@ class Trainer:
                 prefetched = None if saves else self.queue.get.remote(at.groups_per_step, next_version, wait)
                 m: dict[str, Any] = {"step": self.step, "version": self.version}
                 m.update(batch_metrics(groups, self.version))
-                t1 = time.monotonic()
-                m.update(
-                    {
-                        f"actor/{k}" if "/" not in k else k: v
-                        for k, v in self.backend.update(groups, version=self.version).items()
-                    }
-                )
-                m["timing_s/update"] = time.monotonic() - t1
+                t1 = time.time()
+                update = self.backend.update(groups, version=self.version)
+                t2 = time.time()
+                self._trace_update(t1, t2, update)
+                m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
+                m["timing_s/update"] = t2 - t1
                 trajs_out.write(trajectory_records(groups, self.step, self.version))
                 m["timing_s/param_sync"] = 0.0
                 if self.step % at.sync_every == 0:
                     self.version += 1
-                    m.update(self.sync.sync(self.version))
+                    with tr.span("trainer", "param_sync", version=self.version):
+                        m.update(self.sync.sync(self.version))
                 if saves:
-                    t2 = time.monotonic()
-                    self.save()
-                    m["timing_s/save_checkpoint"] = time.monotonic() - t2
-                step_s = time.monotonic() - t0
-                now = ray.get(self.rollouter.stats.remote())
-                q = ray.get(self.queue.stats.remote())
-                wall = max(1e-9, now["wall_s"] - last["wall_s"])
+                    with tr.span("trainer", "save_checkpoint"):
+                        t3 = time.monotonic()
+                        self.save()
+                        m["timing_s/save_checkpoint"] = time.monotonic() - t3
+                with tr.span("trainer", "stats"):
+                    now = ray.get(self.rollouter.stats.remote())
+                    q = ray.get(self.queue.stats.remote())
+                step_s = max(1e-9, now["time"] - last["time"])
+                engines = max(1, len(now["engine_busy_s"]))
+                busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
                 tokens = sum(t.response_length for g in groups for t in g.trajectories)
                 m.update(
                     {
+                        "timestamp": now["time"],
                         "timing_s/step": step_s,
                         "timing_s/wait_for_batch": wait_s,
-                        "fully_async/trainer/idle_ratio": min(1.0, wait_s / step_s),
-                        "fully_async/rollouter/idle_ratio": min(1.0, max(0.0, (now["idle_s"] - last["idle_s"]) / wall)),
+                        "fully_async/trainer/idle_ratio": min(1.0, max(0.0, wait_s / step_s)),
+                        "fully_async/rollouter/idle_ratio": min(1.0, max(0.0, 1.0 - busy / (engines * step_s))),
                         "fully_async/queue/size": q["size"],
                         "fully_async/count/dropped_stale": q["dropped_stale"],
                         "fully_async/count/groups_failed": now["groups_failed"],
                         "fully_async/count/reward_timeouts": now["reward_timeouts"],
                         "perf/tokens_per_s": tokens / step_s,
-                        "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / wall,
+                        "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
                     }
                 )
                 m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
                 for v in ray.get(self.rollouter.pop_validation.remote()):
                     m.update({k: x for k, x in v.items() if k != "version"})
                 last = now
-                metrics_out.write([m])
-                progress.log(self.step, m)
+                loggers.log(self.step, m)
                 final = m
         finally:
-            metrics_out.close()
+            loggers.close()
             trajs_out.close()
+            tr.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final

@@ -1,6 +1,10 @@
-"""Builders of real protocol objects for tests (not fakes: these are the product's own dataclasses)."""
+"""Builders of real protocol objects for tests (not fakes: these are the product's own dataclasses), and a reader of
+the files a logger writes."""
 
 from __future__ import annotations
+
+import struct
+from pathlib import Path
 
 import numpy as np
 
@@ -24,3 +28,39 @@ def make_group(index: int, version: int = 0, n: int = 2, response_len: int = 8, 
         for s in range(n)
     ]
     return TrajectoryGroup(ref, trajs, meta={"data_source": "test", "ground_truth": str(index)})
+
+
+def wandb_records(path: Path):
+    """Records of a wandb transaction log (.wandb): a 7-byte header (':W&B', magic 0xBEE1, version), then LevelDB-log
+    framed protobuf `Record`s in 32 KiB blocks (chunk header: crc32c, length, type FULL/FIRST/MIDDLE/LAST)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path} is not a wandb transaction log"
+    pos, buf, block = 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            yield rec
+            buf = b""
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The logged rows (one per `run.log` call) of a wandb transaction log."""
+    import json
+
+    return [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in wandb_records(path)
+        if r.WhichOneof("record_type") == "history"
+    ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "build_config",
     "check_overrides",
     "compose",
+    "expand_overrides",
     "field_docs",
     "group_options",
     "to_dict",
@@ -143,6 +145,17 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
+_LOGGER_LIST = re.compile(r"^logger=(\[.*\])$")
+
+
+def expand_overrides(overrides: list[str]) -> list[str]:
+    """`logger=[console,wandb]` (a list of sinks) -> `logger.backends=[console,wandb]`; `logger=wandb` still picks the
+    shipped option logger/wandb.yaml. Everything else is returned unchanged."""
+    return [
+        _LOGGER_LIST.sub(r"logger.backends=\1", o.strip()) if o.strip().startswith("logger=") else o for o in overrides
+    ]
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Reject unknown keys and group options in command-line overrides before Hydra sees them.
 
@@ -190,7 +203,7 @@ def compose(
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = list(overrides or [])
+    overrides = expand_overrides(list(overrides or []))
     check_overrides(overrides)
     register_defaults()
     with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base=None):

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -68,6 +69,17 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._next = 0
         self._restarts: dict[int, asyncio.Task] = {}
+        # Engine occupancy for the idle ratio: wall seconds each server had >= 1 request in flight.
+        self._busy_s = [0.0] * len(servers.addresses)
+        self._busy_since: list[float | None] = [None] * len(servers.addresses)
+        self.on_segment: Callable[[int, float, float, int, str], None] | None = None
+        """Called after every generate request with (server index, wall start, wall end, tokens, finish reason);
+        the rollouter records it as a trace span."""
+
+    def busy_seconds(self) -> list[float]:
+        """Per server: wall seconds with at least one generate request in flight, up to now."""
+        now = time.time()
+        return [b + (now - s if s is not None else 0.0) for b, s in zip(self._busy_s, self._busy_since)]
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -166,27 +178,28 @@ class EngineClient:
 
     async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
         url = self.servers.addresses[idx]
+        start = time.time()
         self.outstanding[idx] += 1
+        if self.outstanding[idx] == 1:
+            self._busy_since[idx] = start
         self.stats.segments += 1
-        if self.servers.in_process:  # emulated engines (engine=sim): the same request, without a socket
-            try:
-                async with asyncio.timeout(self.request_timeout_s):
-                    return await self.servers.send_direct(idx, prompt, max_tokens, sampling)
-            except TimeoutError as e:
-                raise _ServerFailure(
-                    f"no response within {self.request_timeout_s:g} s (engine.request_timeout_s)"
-                ) from e
-            finally:
-                self.outstanding[idx] -= 1
-        path, body = self.servers.generate_request(prompt, max_tokens, sampling)
+        tokens, finish = 0, "error"
         try:
-            async with self.session.post(url + path, json=body) as resp:
-                text = await resp.text()
-            if resp.status >= 500:
-                raise _ServerFailure(f"HTTP {resp.status}: {text[:300]}")
-            if resp.status >= 400:
-                raise EngineError(f"{url} rejected the request: HTTP {resp.status}: {text[:500]}")
-            return self.servers.parse_generate(json.loads(text))
+            if self.servers.in_process:  # emulated engines (engine=sim): the same request, without a socket
+                seg = await asyncio.wait_for(
+                    self.servers.send_direct(idx, prompt, max_tokens, sampling), self.request_timeout_s
+                )
+            else:
+                path, body = self.servers.generate_request(prompt, max_tokens, sampling)
+                async with self.session.post(url + path, json=body) as resp:
+                    text = await resp.text()
+                if resp.status >= 500:
+                    raise _ServerFailure(f"HTTP {resp.status}: {text[:300]}")
+                if resp.status >= 400:
+                    raise EngineError(f"{url} rejected the request: HTTP {resp.status}: {text[:500]}")
+                seg = self.servers.parse_generate(json.loads(text))
+            tokens, finish = len(seg.token_ids), seg.finish_reason
+            return seg
         except ValueError as e:  # malformed JSON or an unexpected shape
             raise _ServerFailure(f"malformed response: {e}") from e
         except asyncio.TimeoutError as e:
@@ -194,7 +207,13 @@ class EngineClient:
         except aiohttp.ClientError as e:
             raise _ServerFailure(f"{type(e).__name__}: {e}") from e
         finally:
+            end = time.time()
             self.outstanding[idx] -= 1
+            if self.outstanding[idx] == 0 and self._busy_since[idx] is not None:
+                self._busy_s[idx] += end - self._busy_since[idx]
+                self._busy_since[idx] = None
+            if self.on_segment is not None:
+                self.on_segment(idx, start, end, tokens, finish)
 
     async def _wait_resumed(self, idx: int | None) -> None:
         """Wait until the control plane has resumed (in-process event) and, for an aborted request, until its server

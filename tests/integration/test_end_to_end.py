@@ -76,7 +76,7 @@ METRIC_KEYS = [
     "timing_s/agent_loop/generate/min", "timing_s/agent_loop/generate/mean", "timing_s/agent_loop/generate/max",
     "timing_s/agent_loop/reward/min", "timing_s/agent_loop/reward/mean", "timing_s/agent_loop/reward/max",
     "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio", "fully_async/queue/size",
-    "fully_async/count/dropped_stale", "fully_async/partial/ratio", "perf/tokens_per_s",
+    "fully_async/count/dropped_stale", "fully_async/partial/partial_ratio", "perf/tokens_per_s",
 ]  # fmt: skip
 TRAJ_KEYS = [
     "prompt_uid", "epoch", "sample_index", "min_version", "max_version", "trained_version", "step", "reward",

@@ -57,6 +57,10 @@ def test_every_example_config_validates(path):
             actual = getattr(node, key)
             if isinstance(value, dict) and dataclasses.is_dataclass(actual):
                 check(actual, value, f"{where}{key}.")
+            elif isinstance(value, list) and actual and dataclasses.is_dataclass(actual[0]):  # e.g. reward.sources
+                assert len(actual) == len(value), f"{path}: {where}{key}"
+                for i, (a, v) in enumerate(zip(actual, value)):
+                    check(a, v, f"{where}{key}[{i}].")
             else:
                 assert actual == value, f"{path}: {where}{key}"
 
@@ -88,6 +92,8 @@ BAD = [
         "unknown placeholders",
     ),
     (["reward.sources=[{kind: judge}]"], "reward.sources[0].judge.base_url", "must be set"),
+    (["logger=[console,tensorbord]"], "logger.backends[1]", "did you mean 'tensorboard'"),
+    (["logger=[jsonl,jsonl]"], "logger.backends", "twice"),
     (["rollout.response_length=1000"], "engine.max_model_len", "data.max_prompt_length + rollout.response_length"),
     (["model.tiny.hidden_size=130"], "model.tiny.hidden_size", "multiple of num_heads"),
     (["trainer.total_steps=0"], "trainer.total_steps", ">= 1"),
@@ -100,6 +106,15 @@ def test_bad_config_raises_config_error_naming_the_key(overrides, key, hint):
         compose(overrides)
     assert key in str(err.value)
     assert hint in str(err.value)
+
+
+def test_logger_list_selects_sinks_and_a_shipped_option_still_composes():
+    assert compose(["logger=[console,jsonl,wandb,tensorboard]"]).logger.backends == [
+        "console", "jsonl", "wandb", "tensorboard"
+    ]  # fmt: skip
+    assert compose(["logger=[tensorboard]"]).logger.backends == ["tensorboard"]
+    assert compose(["logger=wandb", "logger.project=p"]).logger.backends == ["console", "jsonl", "wandb"]
+    assert compose([]).logger.backends == ["console", "jsonl"]
 
 
 def test_unknown_key_in_a_mapping_is_rejected_with_suggestion():

@@ -218,3 +218,22 @@ def test_sampling_from_rollout_config():
 
     s = Sampling.from_rollout(RolloutConfig(temperature=0.7, top_p=0.9, top_k=5), seed=3)
     assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.7, 0.9, 5, 3)
+
+
+async def test_busy_seconds_count_each_server_once_while_it_has_requests_and_every_request_is_reported(fakes):
+    """The rollouter idle ratio's input: per server, the union of its requests' intervals (concurrent requests count
+    once; time with none in flight does not count), and on_segment sees every request with its interval."""
+    slow = await fakes(token_delay_s=0.02)
+    client = make([slow.url])
+    seen: list[tuple[int, float, float, int, str]] = []
+    client.on_segment = lambda *a: seen.append(a)
+    before = client.busy_seconds()
+    await asyncio.gather(client.generate([1], 10), client.generate([2], 10), client.generate([3], 5))
+    await asyncio.sleep(0.1)  # nothing in flight: not busy
+    busy = client.busy_seconds()
+    await client.close()
+    assert before == [0.0]
+    assert len(seen) == 3 and all(s[0] == 0 and s[3] in (5, 10) and s[4] == "length" for s in seen)
+    union_s = max(s[2] for s in seen) - min(s[1] for s in seen)  # the three overlap: their union is one interval
+    assert busy[0] == pytest.approx(union_s, abs=1e-3)
+    assert busy[0] < sum(s[2] - s[1] for s in seen)  # overlapping requests were not added up
