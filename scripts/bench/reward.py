@@ -2,7 +2,7 @@
 reward delays overlap generation.
 
     .venv/bin/python scripts/bench/reward.py                 # all three (~2 min on 2 cores)
-    .venv/bin/python scripts/bench/reward.py --only overhead # or: accuracy, delay
+    .venv/bin/python scripts/bench/reward.py --only overhead # or: accuracy, delay, sim-delay
 
 - overhead: acquire + release of one permit with limits that never bind, in process and through the named Ray
   actor (leases of lease_s), against a bare call; microseconds per request.
@@ -16,6 +16,11 @@ reward delays overlap generation.
   are open (the staleness ledger's room). Throughput = samples scored per second, with delays uniform[1, 40] s x
   time_scale vs zero delay. It measures whether inline async scoring hides reward latency behind generation; it
   does not model the trainer, weight syncs or the ledger's version arithmetic.
+- sim-delay (not in the default set; minutes): the same experiment through the whole pipeline in simulation mode
+  (scripts/bench/pipeline.py: real Rollouter, MessageQueue, ledger, ParamSync and trainer loop; emulated engines
+  and trainer on the calibrated 128-GPU profile, fully async eta = 1 with partial rollout), once with the reward
+  `fully_async.reward.sim:delayed_score` sleeping uniform[1, 40] simulated seconds per sample and once with no
+  delay; prints both throughputs and their ratio.
 """
 
 from __future__ import annotations
@@ -155,7 +160,9 @@ async def _pipeline(samples, slots, n, max_groups, gen, delay_range) -> tuple[fl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["overhead", "accuracy", "delay"])
+    ap.add_argument("--only", choices=["overhead", "accuracy", "delay", "sim-delay"])
+    ap.add_argument("--versions", type=int, default=3, help="sim-delay: weight versions per run")
+    ap.add_argument("--time-scale", type=float, default=5.0, help="sim-delay: simulated seconds per wall second")
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
@@ -169,6 +176,45 @@ def main() -> None:
         asyncio.run(accuracy())
     if args.only in (None, "delay"):
         asyncio.run(delay(args.samples, args.slots, args.n, args.max_groups, args.scale, tuple(args.gen)))
+    if args.only == "sim-delay":
+        sim_delay(args.versions, args.time_scale)
+
+
+def sim_delay(versions: int, time_scale: float) -> None:
+    """Two runs of scripts/bench/pipeline.py (fully async, eta 1, partial rollout) that differ only in the reward's
+    delay; each is its own process, so each starts its own local Ray with its own environment."""
+    import importlib.util
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from fully_async.reward.sim import DELAY_ENV, SCALE_ENV
+
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("fully_async_bench_pipeline", here / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)  # the sibling script, by path: its folder shadows stdlib `queue`
+    spec.loader.exec_module(pipeline)
+    out = Path(tempfile.mkdtemp(prefix="fully_async-reward-delay-"))
+    source = "reward.sources=[{kind: 'fully_async.reward.sim:delayed_score', timeout_s: 120}]"
+    rates = {}
+    for name, delay_s in (("no delay", ""), ("uniform[1, 40] s", "1,40")):
+        run_dir = out / ("delay" if delay_s else "none")
+        env = {**os.environ, DELAY_ENV: delay_s, SCALE_ENV: str(time_scale)}
+        cmd = [sys.executable, str(here / "pipeline.py"), "--versions", str(versions), "--time-scale",
+               str(time_scale), "--schedules", "async_eta1_partial", "--out", str(run_dir), source]  # fmt: skip
+        print(f"sim-delay: {name}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        summary = json.loads((run_dir / "async_eta1_partial" / "bench.json").read_text())
+        s = pipeline.evaluate(run_dir / "async_eta1_partial")
+        rates[name] = s["samples_per_s"]
+        print(f"sim-delay: {name}: {s['samples']} samples, {s['samples_per_s']:.1f} samples/s (simulated), "
+              f"trainer idle {s['trainer_idle']:.2f}, {summary['wall_s']:.0f} wall s", flush=True)  # fmt: skip
+    print(
+        f"\n| reward delay | samples/s |\n|---|---|\n| none | {rates['no delay']:.1f} |\n"
+        f"| uniform[1, 40] s | {rates['uniform[1, 40] s']:.1f} |\n"
+        f"\nthroughput ratio (delayed / none): {rates['uniform[1, 40] s'] / rates['no delay']:.3f}"
+    )
 
 
 if __name__ == "__main__":
