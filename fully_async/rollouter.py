@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -51,9 +52,13 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
 
 
 class Rollouter:
-    def __init__(self, cfg: dict[str, Any], model_path: str, run_dir: str, queue: Any) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], model_path: str, run_dir: str, queue: Any, cpu_set: list[int] | None = None
+    ) -> None:
         self.cfg = from_dict(FullyAsyncConfig, cfg).validate()
         self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
+        if cpu_set:
+            _pin_all_threads(cpu_set)
         at = self.cfg.async_training
         self.ledger = StalenessLedger(at.max_staleness, at.groups_per_version)
         self.rows: list[PromptRow] = []
@@ -329,6 +334,7 @@ class Rollouter:
             "inflight_samples": self._inflight_samples,
             "time": time.time(),
             "engine_busy_s": client.busy_seconds() if client is not None else [],
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "client": vars(self.client.stats) if getattr(self, "client", None) else {},
             "reward_timeouts": getattr(getattr(self, "reward", None), "timeouts", 0),
             "reward_failures": getattr(getattr(self, "reward", None), "failures", 0),
@@ -351,8 +357,27 @@ def _stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def create_rollouter(cfg: FullyAsyncConfig, model_path: str, run_dir: str, queue: Any, runtime_env: dict | None = None):
-    """Start the Rollouter as an async Ray actor (its engines and reward workers are child processes of it)."""
+def _pin_all_threads(cpus: list[int]) -> None:
+    """Pin every thread of this process (Ray's included) to `cpus`; processes started later (engine servers, reward
+    workers) inherit it. Measured on 2 cores: with the Rollouter side sharing the engine's core instead of floating
+    onto the trainer's, the update overlapping generation took 0.26 s instead of 0.32 s and a step 0.37 s, not 0.45."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def create_rollouter(
+    cfg: FullyAsyncConfig,
+    model_path: str,
+    run_dir: str,
+    queue: Any,
+    runtime_env: dict | None = None,
+    cpu_set: list[int] | None = None,
+):
+    """Start the Rollouter as an async Ray actor (its engines and reward workers are child processes of it).
+    `cpu_set`: cores for the actor and everything it starts (on a CPU host: the engines' cores), None = any."""
     import dataclasses
 
     import ray
@@ -360,4 +385,4 @@ def create_rollouter(cfg: FullyAsyncConfig, model_path: str, run_dir: str, queue
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 10000}
     if runtime_env:
         opts["runtime_env"] = runtime_env
-    return ray.remote(Rollouter).options(**opts).remote(dataclasses.asdict(cfg), model_path, run_dir, queue)
+    return ray.remote(Rollouter).options(**opts).remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set)

@@ -79,10 +79,14 @@ def main(composed: DictConfig) -> None:
     try:
         at = cfg.async_training
         queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
-        rollouter = create_rollouter(cfg, model_path, run_dir, queue)
+        trainer_cpus = _trainer_cpus(cfg)
+        # The Rollouter, its engine servers' API processes and its reward workers share the engines' cores, so the
+        # trainer's cores are the trainer's alone.
+        rollouter_cpus = sorted(set(_host_cpus()) - set(trainer_cpus)) if trainer_cpus else None
+        rollouter = create_rollouter(cfg, model_path, run_dir, queue, cpu_set=rollouter_cpus)
         print("fully_async: data:", ray.get(rollouter.prepare.remote()), flush=True)
         backend = build_backend(
-            cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature, cpu_set=_trainer_cpus(cfg)
+            cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature, cpu_set=trainer_cpus
         )
         engine_dtype = "float32" if cfg.engine.dtype == "auto" and not _cuda() else cfg.engine.dtype
         tracer = Tracer(run_dir, "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
@@ -126,6 +130,12 @@ def _trainer_cpus(cfg) -> list[int] | None:
 
     rest = sorted(set(host_cpus()) - engine_cpus(cfg.engine.num_servers))
     return rest or None
+
+
+def _host_cpus() -> list[int]:
+    from fully_async.engines.vllm import host_cpus
+
+    return host_cpus()
 
 
 def _cuda() -> bool:

@@ -96,3 +96,17 @@ def test_restart_mode_regenerates_aborted_samples_under_one_version(ray_local, t
         assert t.response_length == LENGTH
         assert t.min_version == t.max_version == t.start_version
     assert all(t.start_version >= 1 for t in aborted)
+
+
+def test_cpu_set_pins_the_rollouter(ray_local, tmp_path):
+    import os
+
+    core = max(os.sched_getaffinity(0))
+    cfg = compose(["data.synthetic_size=16"])
+    queue = create_message_queue(cfg.async_training.effective_queue_capacity(), cfg.async_training.max_staleness)
+    rollouter = create_rollouter(cfg, str(resolve_model_path(cfg.model)), str(tmp_path), queue, cpu_set=[core])
+    try:
+        assert ray_local.get(rollouter.stats.remote(), timeout=60)["cpus"] == [core]
+    finally:
+        ray_local.kill(rollouter)
+        ray_local.kill(queue)
