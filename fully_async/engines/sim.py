@@ -35,6 +35,7 @@ from statistics import NormalDist
 from typing import Any
 
 from fully_async.engines.base import EngineError, EngineServers, HttpCall, PauseMode, Sampling, Segment
+from fully_async.engines.vllm import VLLMControlCalls
 
 LOGPROB = -0.5
 """Behaviour log-prob the sim reports for every token."""
@@ -251,7 +252,7 @@ def _trailing_run(ids: list[int], token: int) -> int:
     return n - lo
 
 
-class SimServers(EngineServers):
+class SimServers(VLLMControlCalls, EngineServers):
     """engine.num_servers emulated engines in this process, behind the EngineServers control plane."""
 
     kind = "sim"
@@ -326,26 +327,6 @@ class SimServers(EngineServers):
 
     def parse_generate(self, body: Any) -> Segment:
         raise EngineError("engine=sim answers generate requests in process (send_direct)")
-
-    def pause_call(self, mode: PauseMode) -> HttpCall:
-        return HttpCall("POST", "/pause", params={"mode": mode})
-
-    def resume_call(self) -> HttpCall:
-        return HttpCall("POST", "/resume")
-
-    def is_paused_call(self) -> tuple[HttpCall, Any]:
-        return HttpCall("GET", "/is_paused"), lambda body: body["is_paused"]
-
-    def reload_weights_call(self, weights_dir: Path) -> HttpCall:
-        return HttpCall(
-            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        )
-
-    def set_version_call(self, version: int) -> HttpCall:
-        return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
-
-    def reset_prefix_cache_call(self) -> HttpCall:
-        return HttpCall("POST", "/reset_prefix_cache")
 
     def log_for(self, url: str) -> str:
         return "emulated engine, no log"

@@ -61,7 +61,35 @@ def _parse_version(label: Any) -> int | None:
         return None  # "default" before the first /update_weight_version, or a foreign label
 
 
-class VLLMServers(EngineServers):
+class VLLMControlCalls:
+    """vLLM's control-plane endpoints (dev mode) as `HttpCall` descriptions; the emulated engines (engine=sim) take
+    the same calls in process."""
+
+    def pause_call(self, mode: PauseMode) -> HttpCall:
+        return HttpCall("POST", "/pause", params={"mode": mode})
+
+    def resume_call(self) -> HttpCall:
+        return HttpCall("POST", "/resume")
+
+    def is_paused_call(self) -> tuple[HttpCall, Any]:
+        return HttpCall("GET", "/is_paused"), lambda body: body["is_paused"]
+
+    def reload_weights_call(self, weights_dir: Path) -> HttpCall:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        return HttpCall("POST", "/collective_rpc", json=body)
+
+    def set_version_call(self, version: int) -> HttpCall:
+        return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    def reset_prefix_cache_call(self) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/reset_prefix_cache",
+            check=lambda body: None if (body or {}).get("success") else "the engine refused (blocks still in use)",
+        )
+
+
+class VLLMServers(VLLMControlCalls, EngineServers):
     kind = "vllm"
 
     def command(self, index: int, port: int) -> list[str]:
@@ -137,26 +165,3 @@ class VLLMServers(EngineServers):
             for i in range(max(0, int(span["start"])), min(len(token_ids), int(span["end"]))):
                 versions[i] = v
         return Segment(token_ids, logprobs, finish, versions)
-
-    def pause_call(self, mode: PauseMode) -> HttpCall:
-        return HttpCall("POST", "/pause", params={"mode": mode})
-
-    def resume_call(self) -> HttpCall:
-        return HttpCall("POST", "/resume")
-
-    def is_paused_call(self) -> tuple[HttpCall, Any]:
-        return HttpCall("GET", "/is_paused"), lambda body: body["is_paused"]
-
-    def reload_weights_call(self, weights_dir: Path) -> HttpCall:
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        return HttpCall("POST", "/collective_rpc", json=body)
-
-    def set_version_call(self, version: int) -> HttpCall:
-        return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
-
-    def reset_prefix_cache_call(self) -> HttpCall:
-        return HttpCall(
-            "POST",
-            "/reset_prefix_cache",
-            check=lambda body: None if (body or {}).get("success") else "the engine refused (blocks still in use)",
-        )

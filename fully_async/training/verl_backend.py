@@ -46,21 +46,16 @@ class TrainerTimeout(RuntimeError):
 
 
 def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool):
-    """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss)."""
-    from verl.workers.config import (
-        FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        TrainingWorkerConfig,
-    )
+    """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss).
 
-    if trainer.strategy == "megatron":
-        if cpu:
-            raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
-        return _megatron_configs(trainer, algorithm, model_path)
-    precision = "fp32" if cpu else "bf16"
-    model = HFModelConfig(
+    fsdp2 runs on CPU (float32, padded sequences, eager attention) and GPUs (bf16); megatron (GPU only) adds TP/PP/CP
+    from the trainer config. Loss, dispatch and weight export are the same for both."""
+    from verl.workers import config as vc
+
+    megatron = trainer.strategy == "megatron"
+    if megatron and cpu:
+        raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
+    model = vc.HFModelConfig(
         path=str(model_path),
         load_tokenizer=False,
         # eager on CPU: no flash-attn; SDPA's CPU kernels differ from the engine's by more than the 1e-4 we promise.
@@ -72,29 +67,43 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         if trainer.gradient_checkpointing is None
         else trainer.gradient_checkpointing,
     )
-    engine = FSDPEngineConfig(
-        strategy="fsdp2",
-        use_torch_compile=not cpu,
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        infer_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-    )
-    optim = FSDPOptimizerConfig(
-        lr=trainer.lr,
-        weight_decay=trainer.weight_decay,
-        clip_grad=trainer.grad_clip,
-        lr_warmup_steps=trainer.lr_warmup_steps,
-        lr_scheduler_type=trainer.lr_schedule,
-        total_training_steps=trainer.total_steps,
-    )
-    actor = FSDPActorConfig(
-        strategy="fsdp2",
+    budget = {
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": trainer.max_token_len_per_gpu,
+        "infer_max_token_len_per_gpu": trainer.max_token_len_per_gpu,
+    }
+    schedule = {
+        "lr": trainer.lr,
+        "weight_decay": trainer.weight_decay,
+        "clip_grad": trainer.grad_clip,
+        "lr_warmup_steps": trainer.lr_warmup_steps,
+        "total_training_steps": trainer.total_steps,
+    }
+    if megatron:
+        engine = vc.McoreEngineConfig(
+            tensor_model_parallel_size=trainer.tensor_parallel_size,
+            pipeline_model_parallel_size=trainer.pipeline_parallel_size,
+            context_parallel_size=trainer.context_parallel_size,
+            dtype="bfloat16",
+            **budget,
+        )
+        optim = vc.McoreOptimizerConfig(lr_decay_style=trainer.lr_schedule, **schedule)
+        actor_cls, placement = vc.McoreActorConfig, {"megatron": engine}
+    else:
+        precision = "fp32" if cpu else "bf16"
+        engine = vc.FSDPEngineConfig(
+            strategy="fsdp2",
+            use_torch_compile=not cpu,
+            model_dtype="fp32",
+            mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            **budget,
+        )
+        optim = vc.FSDPOptimizerConfig(lr_scheduler_type=trainer.lr_schedule, **schedule)
+        actor_cls, placement = vc.FSDPActorConfig, {"strategy": "fsdp2", "fsdp_config": engine}
+    actor = actor_cls(
         rollout_n=1,
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        fsdp_config=engine,
         optim=optim,
         clip_ratio_low=algorithm.clip_ratio_low,
         clip_ratio_high=algorithm.clip_ratio_high,
@@ -103,66 +112,9 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         use_kl_loss=algorithm.use_kl_loss,
         kl_loss_coef=algorithm.kl_loss_coef,
         ppo_epochs=trainer.ppo_epochs,
+        **placement,
     )
-    twc = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=model,
-        engine_config=actor.engine,
-        optimizer_config=actor.optim,
-        checkpoint_config=actor.checkpoint,
-    )
-    return twc, actor
-
-
-def _megatron_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str):
-    """verl's Megatron engine (GPU only): bf16, packed sequences, token-budget micro-batches, TP/PP/CP from the
-    trainer config; the rest of the update (loss, dispatch, export through the per-tensor iterator) is shared."""
-    from verl.workers.config import (
-        HFModelConfig,
-        McoreActorConfig,
-        McoreEngineConfig,
-        McoreOptimizerConfig,
-        TrainingWorkerConfig,
-    )
-
-    model = HFModelConfig(
-        path=str(model_path),
-        load_tokenizer=False,
-        use_remove_padding=True,
-        enable_gradient_checkpointing=trainer.gradient_checkpointing is not False,
-    )
-    engine = McoreEngineConfig(
-        tensor_model_parallel_size=trainer.tensor_parallel_size,
-        pipeline_model_parallel_size=trainer.pipeline_parallel_size,
-        context_parallel_size=trainer.context_parallel_size,
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        infer_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        dtype="bfloat16",
-    )
-    optim = McoreOptimizerConfig(
-        lr=trainer.lr,
-        weight_decay=trainer.weight_decay,
-        clip_grad=trainer.grad_clip,
-        lr_warmup_steps=trainer.lr_warmup_steps,
-        lr_decay_style=trainer.lr_schedule,
-        total_training_steps=trainer.total_steps,
-    )
-    actor = McoreActorConfig(
-        rollout_n=1,
-        use_dynamic_bsz=True,
-        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
-        megatron=engine,
-        optim=optim,
-        clip_ratio_low=algorithm.clip_ratio_low,
-        clip_ratio_high=algorithm.clip_ratio_high,
-        loss_agg_mode=algorithm.loss_agg_mode,
-        entropy_coeff=algorithm.entropy_coeff,
-        use_kl_loss=algorithm.use_kl_loss,
-        kl_loss_coef=algorithm.kl_loss_coef,
-        ppo_epochs=trainer.ppo_epochs,
-    )
-    twc = TrainingWorkerConfig(
+    twc = vc.TrainingWorkerConfig(
         model_type="language_model",
         model_config=model,
         engine_config=actor.engine,
