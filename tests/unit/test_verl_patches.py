@@ -21,7 +21,12 @@ def _verl_files() -> dict[str, str]:
     import verl
 
     base = Path(verl.__file__).parent
-    names = ["utils/distributed.py", "workers/engine/fsdp/transformer_impl.py", "trainer/ppo/core_algos.py"]
+    names = [
+        "utils/distributed.py",
+        "workers/engine/fsdp/transformer_impl.py",
+        "trainer/ppo/core_algos.py",
+        "utils/torch_functional.py",
+    ]
     return {n: hashlib.sha256((base / n).read_bytes()).hexdigest() for n in names}
 
 
@@ -107,3 +112,51 @@ def test_0004_bypass_mode_accepts_an_all_masked_micro_batch():
         loss_agg_mode="token-mean", config=config,
     )  # fmt: skip
     assert torch.isfinite(loss) and loss.item() == 0.0
+
+
+def _graph_nodes(tensor: torch.Tensor, name: str) -> int:
+    """Autograd nodes called `name` behind `tensor`."""
+    seen, stack, count = set(), [tensor.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return count
+
+
+def test_0005_logprobs_are_computed_in_chunks_not_per_token():
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    torch.manual_seed(0)
+    packed = torch.randn(3000, 259, requires_grad=True)  # (tokens, vocab), as the engines hand it over
+    labels = torch.randint(0, 259, (3000,))
+    out = logprobs_from_logits_v2(packed, labels)
+    # Unpatched: one logsumexp (and one autograd node) per token.
+    assert _graph_nodes(out, "LogsumexpBackward0") == 1
+    want = torch.log_softmax(packed, -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    assert torch.isfinite(packed.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_0005_logprobs_keep_values_and_shapes(dtype, monkeypatch):
+    import verl.utils.torch_functional as vf
+
+    monkeypatch.setattr(vf, "_LOGPROBS_CHUNK_ELEMENTS", 7 * 50)  # several chunks, the last one short
+    torch.manual_seed(1)
+    logits = (torch.randn(4, 9, 50) * 3).to(dtype)
+    labels = torch.randint(0, 50, (4, 9))
+    want = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    for x, y, ref in [
+        (logits, labels, want),
+        (logits.transpose(0, 1), labels.T, want.T),  # not viewable as rows: one leading row at a time
+        (logits[0], labels[0], want[0]),
+    ]:
+        got = vf.logprobs_from_logits_v2(x, y)
+        assert got.shape == y.shape
+        torch.testing.assert_close(got.float(), ref, **tol)
