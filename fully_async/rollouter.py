@@ -132,7 +132,7 @@ class Rollouter:
         self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
         self.reward = RewardAgent(self.cfg.reward, tokenizer_path=self.model_path)
         await self.reward.check_sources(self.rows + self.val_rows)
-        self.cursor = EpochCursor(len(self.rows), self.cfg.data.seed, self.cfg.data.shuffle)
+        self.cursor = EpochCursor(len(self.rows), self.cfg.mixed_seed(self.cfg.data.seed), self.cfg.data.shuffle)
         return {"train_rows": len(self.rows), "val_rows": len(self.val_rows)}
 
     async def shutdown(self) -> None:

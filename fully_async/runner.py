@@ -65,7 +65,7 @@ def main(composed: DictConfig) -> None:
                   ray.exceptions.RayError)  # fmt: skip
 
     try:
-        model_path = str(resolve_model_path(cfg.model))
+        model_path = str(resolve_model_path(cfg.model, cfg.mixed_seed(cfg.model.tiny.seed)))
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)

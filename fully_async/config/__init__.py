@@ -8,6 +8,7 @@ mapping into validated dataclasses. Imports neither torch nor ray.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -72,7 +73,17 @@ __all__ = [
 @dataclass
 class FullyAsyncConfig:
     seed: int = 0
-    """Global seed (sampling, shuffling, model init)."""
+    """Run seed, mixed into data.seed (shuffle order) and model.tiny.seed (the tiny model's init); 0 leaves those
+    seeds as they are. Engine sampling is not seeded."""
+
+    def mixed_seed(self, section_seed: int) -> int:
+        """The seed a section uses: its own when `seed` is 0, else a hash of both (so `seed=1` and `seed=2` runs
+        differ in every seeded part without editing each section)."""
+        if self.seed == 0:
+            return section_seed
+        digest = hashlib.sha256(f"{self.seed}:{section_seed}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Staleness bound, sync cadence, partial rollout, batch size in groups."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

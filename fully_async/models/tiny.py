@@ -157,8 +157,9 @@ def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) 
     return final
 
 
-def resolve_model_path(model_cfg: ModelConfig) -> Path:
-    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build."""
+def resolve_model_path(model_cfg: ModelConfig, seed: int | None = None) -> Path:
+    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build, its
+    init seeded by `seed` when given (the run's mixed seed) instead of model.tiny.seed."""
     if model_cfg.path:
         path = Path(model_cfg.path).expanduser()
         if not path.is_dir():
@@ -170,4 +171,5 @@ def resolve_model_path(model_cfg: ModelConfig) -> Path:
                 f"model.path {model_cfg.path!r} has no config.json; is it a Hugging Face model directory?"
             )
         return path.resolve()
-    return build_tiny_model(model_cfg.tiny, model_cfg.cache_dir)
+    tiny = model_cfg.tiny if seed is None else dataclasses.replace(model_cfg.tiny, seed=seed)
+    return build_tiny_model(tiny, model_cfg.cache_dir)
