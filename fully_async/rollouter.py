@@ -163,7 +163,10 @@ class Rollouter:
                 self._wake.clear()  # before the checks: a wake-up arriving during them is not lost
                 await self._pull_stale_drops()
                 while (
-                    self._admitting.is_set() and self.ledger.can_admit() and self._inflight_samples + n <= max(limit, n)
+                    self._admitting.is_set()
+                    and self.ledger.can_admit()
+                    and self._inflight_samples + n <= max(limit, n)
+                    and self._start_window_open()
                 ):
                     prompt = self.ledger.next_reissue() or self.cursor.next()
                     self.ledger.admit(prompt)
@@ -176,6 +179,19 @@ class Rollouter:
         except Exception as e:  # the trainer sees this through error() and fails the run with it
             self._error = f"admission loop failed: {type(e).__name__}: {e}"
             log.exception("admission loop failed")
+
+    def _start_window_open(self) -> bool:
+        """Until the first trainer step's worth of groups has been pushed since start(), at most
+        rollout.start_concurrent samples' worth of groups may be generating. The staleness bound admits (eta + 1)
+        versions at once at start; spread over the engines they would all decode at a large batch, and the first
+        groups to finish (the trainer's first batch) would wait behind them. Counted in whole groups, not samples:
+        a group's finished samples must not let a new group in while its last sample (the one the batch waits for)
+        is still decoding. Later versions open while the queue already holds the next batches, so only the start
+        (and a resume, which calls start() again) needs this."""
+        if self._c["groups_pushed"] >= self.cfg.async_training.groups_per_step:
+            return True
+        n = self.cfg.rollout.n
+        return (len(self.ledger.running) + 1) * n <= max(self.cfg.rollout.effective_start_concurrent(), n)
 
     async def _pull_stale_drops(self) -> None:
         async with self._push_lock:
