@@ -205,6 +205,10 @@ class EngineServers(abc.ABC):
     def addresses(self) -> list[str]:
         return [p.url for p in self.procs]
 
+    def address(self, index: int) -> str:
+        """URL of server `index`; O(1), for per-request paths (`addresses` builds the whole list)."""
+        return self.procs[index].url
+
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
         try:
