@@ -28,6 +28,7 @@ from typing import Any
 from fully_async.agents import Sample, build_agent_loop
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
+from fully_async.gc_tuning import tune_for_throughput
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.staleness import StalenessLedger
@@ -56,9 +57,18 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
 
 class Rollouter:
     def __init__(
-        self, cfg: dict[str, Any], model_path: str, run_dir: str, queue: Any, cpu_set: list[int] | None = None
+        self,
+        cfg: dict[str, Any],
+        model_path: str,
+        run_dir: str,
+        queue: Any,
+        cpu_set: list[int] | None = None,
+        tune_gc: bool = False,
     ) -> None:
+        """`tune_gc`: set this process's garbage collector for throughput once started (fully_async/gc_tuning.py);
+        create_rollouter sets it, as the actor owns its process."""
         self.cfg = from_dict(FullyAsyncConfig, cfg).validate()
+        self._tune_gc = tune_gc
         self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
         if cpu_set:
             _pin_all_threads(cpu_set)
@@ -128,6 +138,8 @@ class Rollouter:
         self.client = EngineClient(self.servers)
         self.client.on_segment = self._trace_segment
         self.tracer.meta(engines=len(self.servers.addresses))
+        if self._tune_gc:
+            tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self._admission_loop())
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
@@ -428,4 +440,8 @@ def create_rollouter(
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 10000}
     if runtime_env:
         opts["runtime_env"] = runtime_env
-    return ray.remote(Rollouter).options(**opts).remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set)
+    return (
+        ray.remote(Rollouter)
+        .options(**opts)
+        .remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set, tune_gc=True)
+    )
