@@ -176,10 +176,10 @@ def create_message_queue(capacity: int, max_staleness: int, name: str | None = N
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
     if name:
         options["name"] = name
-    return ray.remote(_QueueActor).options(**options).remote(capacity, max_staleness)
+    return ray.remote(MessageQueueActor).options(**options).remote(capacity, max_staleness)
 
 
-class _QueueActor(MessageQueue):
+class MessageQueueActor(MessageQueue):
     """The actor's process holds every queued trajectory: collect its young generation rarely
     (fully_async/gc_tuning.py). Only in the actor: the class itself must not change the GC of a process it is used in."""
 
