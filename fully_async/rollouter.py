@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 QUEUE_WAIT_TRACE_S = 0.01
 """A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
 
+ADMIT_CHUNK_GROUPS = 64
+"""The admission loop yields to the event loop after this many groups. A sync opens a whole version at once (2,048
+groups, 32,768 samples at 256 engines); started in one go, their tasks filled the loop for seconds of wall time and
+the trainer's per-step stats() call, and so the trainer itself, waited behind them (1.8-4.6 s at each version's first
+step, at time scale 2). In chunks, calls interleave, and max_concurrent sees the samples already started."""
+
 STALE_POLL_S = 0.1
 """The admission loop asks the queue for groups it dropped as stale at most this often."""
 
@@ -180,6 +186,7 @@ class Rollouter:
                 await self._admitting.wait()
                 self._wake.clear()  # before the checks: a wake-up arriving during them is not lost
                 await self._pull_stale_drops()
+                admitted = 0
                 while (
                     self._admitting.is_set()
                     and self.ledger.can_admit()
@@ -189,6 +196,9 @@ class Rollouter:
                     prompt = self.ledger.next_reissue() or self.cursor.next()
                     self.ledger.admit(prompt)
                     self._spawn(self._run_group(prompt))
+                    admitted += 1
+                    if admitted % ADMIT_CHUNK_GROUPS == 0:
+                        await asyncio.sleep(0)  # let calls queued behind the burst (stats, pause) run; see below
                 # Periodic even without wake-ups: stale drops are collected from the queue by polling.
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.2)
