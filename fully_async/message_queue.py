@@ -176,4 +176,15 @@ def create_message_queue(capacity: int, max_staleness: int, name: str | None = N
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
     if name:
         options["name"] = name
-    return ray.remote(MessageQueue).options(**options).remote(capacity, max_staleness)
+    return ray.remote(MessageQueueActor).options(**options).remote(capacity, max_staleness)
+
+
+class MessageQueueActor(MessageQueue):
+    """The actor's process holds every queued trajectory: collect its young generation rarely
+    (fully_async/gc_tuning.py). Only in the actor: the class itself must not change the GC of a process it is used in."""
+
+    def __init__(self, capacity: int, max_staleness: int) -> None:
+        from fully_async.gc_tuning import tune_for_throughput
+
+        tune_for_throughput()
+        super().__init__(capacity, max_staleness)

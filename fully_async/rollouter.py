@@ -28,6 +28,7 @@ from typing import Any
 from fully_async.agents import Sample, build_agent_loop
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
+from fully_async.gc_tuning import tune_for_throughput
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.staleness import StalenessLedger
@@ -37,6 +38,15 @@ log = logging.getLogger(__name__)
 
 QUEUE_WAIT_TRACE_S = 0.01
 """A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
+
+ADMIT_CHUNK_GROUPS = 64
+"""The admission loop yields to the event loop after this many groups. A sync opens a whole version at once (2,048
+groups, 32,768 samples at 256 engines); started in one go, their tasks filled the loop for seconds of wall time and
+the trainer's per-step stats() call, and so the trainer itself, waited behind them (1.8-4.6 s at each version's first
+step, at time scale 2). In chunks, calls interleave, and max_concurrent sees the samples already started."""
+
+STALE_POLL_S = 0.1
+"""The admission loop asks the queue for groups it dropped as stale at most this often."""
 
 # The sample a coroutine works for: asyncio tasks inherit it, so the engine client's per-request callback can name
 # the sample in its trace span without the client knowing about samples.
@@ -53,9 +63,18 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
 
 class Rollouter:
     def __init__(
-        self, cfg: dict[str, Any], model_path: str, run_dir: str, queue: Any, cpu_set: list[int] | None = None
+        self,
+        cfg: dict[str, Any],
+        model_path: str,
+        run_dir: str,
+        queue: Any,
+        cpu_set: list[int] | None = None,
+        tune_gc: bool = False,
     ) -> None:
+        """`tune_gc`: set this process's garbage collector for throughput once started (fully_async/gc_tuning.py);
+        create_rollouter sets it, as the actor owns its process."""
         self.cfg = from_dict(FullyAsyncConfig, cfg).validate()
+        self._tune_gc = tune_gc
         self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
         if cpu_set:
             _pin_all_threads(cpu_set)
@@ -69,6 +88,9 @@ class Rollouter:
         self._admitting = asyncio.Event()
         self._wake = asyncio.Event()
         self._push_lock = asyncio.Lock()
+        self._outbox: list[TrajectoryGroup] = []
+        self._pusher: asyncio.Task | None = None
+        self._stale_polled = float("-inf")
         self._stopping = False
         self._error: str | None = None
         self._main: asyncio.Task | None = None
@@ -122,6 +144,8 @@ class Rollouter:
         self.client = EngineClient(self.servers)
         self.client.on_segment = self._trace_segment
         self.tracer.meta(engines=len(self.servers.addresses))
+        if self._tune_gc:
+            tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self._admission_loop())
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
@@ -162,12 +186,19 @@ class Rollouter:
                 await self._admitting.wait()
                 self._wake.clear()  # before the checks: a wake-up arriving during them is not lost
                 await self._pull_stale_drops()
+                admitted = 0
                 while (
-                    self._admitting.is_set() and self.ledger.can_admit() and self._inflight_samples + n <= max(limit, n)
+                    self._admitting.is_set()
+                    and self.ledger.can_admit()
+                    and self._inflight_samples + n <= max(limit, n)
+                    and self._start_window_open()
                 ):
                     prompt = self.ledger.next_reissue() or self.cursor.next()
                     self.ledger.admit(prompt)
                     self._spawn(self._run_group(prompt))
+                    admitted += 1
+                    if admitted % ADMIT_CHUNK_GROUPS == 0:
+                        await asyncio.sleep(0)  # let calls queued behind the burst (stats, pause) run; see below
                 # Periodic even without wake-ups: stale drops are collected from the queue by polling.
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.2)
@@ -177,7 +208,26 @@ class Rollouter:
             self._error = f"admission loop failed: {type(e).__name__}: {e}"
             log.exception("admission loop failed")
 
+    def _start_window_open(self) -> bool:
+        """Until the first trainer step's worth of groups has been pushed since start(), at most
+        rollout.start_concurrent samples' worth of groups may be generating. The staleness bound admits (eta + 1)
+        versions at once at start; spread over the engines they would all decode at a large batch, and the first
+        groups to finish (the trainer's first batch) would wait behind them. Counted in whole groups, not samples:
+        a group's finished samples must not let a new group in while its last sample (the one the batch waits for)
+        is still decoding. Later versions open while the queue already holds the next batches, so only the start
+        (and a resume, which calls start() again) needs this."""
+        if self._c["groups_pushed"] >= self.cfg.async_training.groups_per_step:
+            return True
+        n = self.cfg.rollout.n
+        return (len(self.ledger.running) + 1) * n <= max(self.cfg.rollout.effective_start_concurrent(), n)
+
     async def _pull_stale_drops(self) -> None:
+        # At most every STALE_POLL_S: the loop wakes at every pushed batch, and a queue call per wake-up cost as much
+        # as the push itself; drops only happen when the trainer moves to a new version.
+        now = time.monotonic()
+        if now - self._stale_polled < STALE_POLL_S:
+            return
+        self._stale_polled = now
         async with self._push_lock:
             await self._take_stale_drops()
 
@@ -219,14 +269,29 @@ class Rollouter:
             self.ledger.finish(prompt, ok=False)
             self._wake.set()
             return
-        async with self._push_lock:
-            self.ledger.finish(prompt, ok=True)
-            start = time.time()
-            await self.queue.put.remote([group])
-            if time.time() - start >= QUEUE_WAIT_TRACE_S:
-                self.tracer.record("rollouter", "queue_wait", start, time.time(), group=prompt.uid)
-            self._c["groups_pushed"] += 1
-        self._wake.set()
+        self._outbox.append(group)
+        if self._pusher is None or self._pusher.done():
+            self._pusher = asyncio.get_running_loop().create_task(self._push_outbox())
+            self._tasks.add(self._pusher)
+            self._pusher.add_done_callback(self._tasks.discard)
+
+    async def _push_outbox(self) -> None:
+        """Push finished groups to the queue, all that have finished in one actor call. Groups finish at up to
+        ~10^3 per second at scale, and a call per group cost more CPU (Ray's submission path here, its receiving
+        end in the queue) than everything else the group needs; groups that finish while a put is in flight go
+        in the next one. A group stays `running` in the ledger until its put, so a snapshot taken meanwhile saves
+        its prompt for re-issue (the module docstring's consistent cut)."""
+        while self._outbox:
+            async with self._push_lock:
+                batch, self._outbox = self._outbox, []
+                for group in batch:
+                    self.ledger.finish(group.prompt, ok=True)
+                start = time.time()
+                await self.queue.put.remote(batch)
+                if time.time() - start >= QUEUE_WAIT_TRACE_S:
+                    self.tracer.record("rollouter", "queue_wait", start, time.time(), groups=len(batch))
+                self._c["groups_pushed"] += len(batch)
+            self._wake.set()
 
     async def _run_sample(self, sample: Sample) -> Trajectory:
         _sample_id.set(f"{sample.prompt.uid}/{sample.sample_index}")
@@ -385,4 +450,8 @@ def create_rollouter(
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 10000}
     if runtime_env:
         opts["runtime_env"] = runtime_env
-    return ray.remote(Rollouter).options(**opts).remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set)
+    return (
+        ray.remote(Rollouter)
+        .options(**opts)
+        .remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set, tune_gc=True)
+    )

@@ -69,6 +69,8 @@ class RolloutConfig:
     """Samples per prompt; the n samples of one prompt form a TrajectoryGroup."""
     max_concurrent: int = 64
     """Most samples generating at once across all engines."""
+    start_concurrent: int = 0
+    """Most samples of admitted, unfinished groups (rollout.n each) until the first async_training.groups_per_step groups since the (re)start have finished, then only max_concurrent applies: fewer sequences per engine decode faster, so the trainer's first batch arrives sooner instead of sharing the engines with all (max_staleness + 1) versions the staleness bound admits at once; 0 = max_concurrent // 2, = max_concurrent turns it off."""
     response_length: int = 32
     """Most response tokens per sample, kept across aborts and continuations."""
     temperature: float = 1.0
@@ -84,11 +86,20 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Generate exactly response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
 
+    def effective_start_concurrent(self) -> int:
+        return self.start_concurrent or max(1, self.max_concurrent // 2)
+
     def validate_section(self, p: str) -> None:
         _check_dotted(p + "agent_loop", self.agent_loop)
         require(self.val_max_concurrent >= 1, p + "val_max_concurrent", self.val_max_concurrent, ">= 1")
         require(self.n >= 1, p + "n", self.n, ">= 1")
         require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")
+        require(
+            0 <= self.start_concurrent <= self.max_concurrent,
+            p + "start_concurrent",
+            self.start_concurrent,
+            f"0 (max_concurrent // 2) or in [1, max_concurrent = {self.max_concurrent}]",
+        )
         require(self.response_length >= 1, p + "response_length", self.response_length, ">= 1")
         require(self.temperature > 0, p + "temperature", self.temperature, "> 0")
         require(0 < self.top_p <= 1, p + "top_p", self.top_p, "in (0, 1]")

@@ -55,7 +55,8 @@ class Sampling:
 
 @dataclass
 class GenerationResult:
-    """One finished sample. token_ids, logprobs and versions have equal length (at most the requested budget)."""
+    """One finished sample. token_ids, logprobs and versions have equal length (at most the requested budget); each
+    is a list, or the engine's numpy array when the sample came from one segment whose tokens were all kept."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -76,7 +77,9 @@ class GenerationResult:
 
 @dataclass
 class Segment:
-    """What one HTTP generate call returned (parsed by the adapter)."""
+    """What one HTTP generate call returned (parsed by the adapter). The three sequences are lists, or numpy arrays
+    (int32 ids and versions, float32 log-probs) from an engine that has them without parsing (engine=sim); the
+    client passes a sample's only segment through as it is, so an array is never converted element by element."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -204,6 +207,10 @@ class EngineServers(abc.ABC):
     @property
     def addresses(self) -> list[str]:
         return [p.url for p in self.procs]
+
+    def address(self, index: int) -> str:
+        """URL of server `index`; O(1), for per-request paths (`addresses` builds the whole list)."""
+        return self.procs[index].url
 
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+import numpy as np
 
 from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling, Segment
 from fully_async.engines.process import tail
@@ -101,6 +102,16 @@ class EngineClient:
     def pick(self, exclude: int | None = None) -> int:
         """The live server with the fewest outstanding requests (ties rotate); `exclude` only if it is the last one."""
         n = len(self.outstanding)
+        if exclude is None and not self.down:
+            # The common case in O(n) C-level scans: at hundreds of servers the general path below costs more than
+            # the rest of a request. The first least-loaded server at or after _next, as the general path picks.
+            least = min(self.outstanding)
+            try:
+                best = self.outstanding.index(least, self._next)
+            except ValueError:
+                best = self.outstanding.index(least)
+            self._next = (best + 1) % n
+            return best
         order = [(self._next + k) % n for k in range(n)]
         for avoid in ({exclude} | self.down, self.down, set()):
             candidates = [i for i in order if i not in avoid]
@@ -126,7 +137,7 @@ class EngineClient:
             if state.paused:
                 await self._wait_resumed(None)
             idx = self.pick(exclude=failed)
-            url = self.servers.addresses[idx]
+            url = self.servers.address(idx)
             sent_version = state.version
             try:
                 seg = await self._send(
@@ -147,17 +158,32 @@ class EngineClient:
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
-            versions = seg.versions or [None] * len(seg.token_ids)
+            if (
+                not result.token_ids
+                and seg.finish_reason != "abort"
+                and take == len(seg.token_ids)
+                and state.version == sent_version
+                and seg.versions is not None
+                and (isinstance(seg.versions, np.ndarray) or None not in seg.versions)
+            ):
+                # The common case, one segment kept whole: its sequences as they are (no per-token copy; an engine's
+                # arrays stay arrays). Everything below would produce equal lists.
+                result.token_ids, result.logprobs, result.versions = seg.token_ids, seg.logprobs, seg.versions
+                result.servers.append(url)
+                result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
+                break
+            versions = seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
             if state.version != sent_version and seg.finish_reason != "abort":
                 # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
                 # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
                 # with the older version, which can only overstate staleness, never hide it.
                 versions = [sent_version] * len(seg.token_ids)
-            result.token_ids += seg.token_ids[:take]
-            result.logprobs += seg.logprobs[:take]
+            # extend(), not +=: a list += a numpy array would add elementwise.
+            result.token_ids.extend(seg.token_ids[:take])
+            result.logprobs.extend(seg.logprobs[:take])
             versions = versions[:take]
             # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
-            result.versions += (
+            result.versions.extend(
                 versions if None not in versions else [sent_version if v is None else v for v in versions]
             )
             result.servers.append(url)
@@ -177,7 +203,7 @@ class EngineClient:
         return result
 
     async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
-        url = self.servers.addresses[idx]
+        url = self.servers.address(idx)
         start = time.time()
         self.outstanding[idx] += 1
         if self.outstanding[idx] == 1:

@@ -34,6 +34,8 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+import numpy as np
+
 from fully_async.engines.base import EngineError, EngineServers, HttpCall, PauseMode, Sampling, Segment
 from fully_async.engines.vllm import VLLMControlCalls
 
@@ -189,19 +191,25 @@ class SimEngine:
             self._join(req)
         produced, reason = await req.done
         self.generated_tokens += produced
-        ids = [sim.token_id] * produced
+        # Arrays, not lists: a real engine's JSON must become Python lists, but here building and then converting
+        # ~10^3-element lists per sample was the largest cost of the rollout path (see Segment).
+        ids = np.full(produced, sim.token_id, dtype=np.int32)
         if reason == "stop" and produced and sampling.stop_token_ids:
             ids[-1] = sampling.stop_token_ids[0]
-        return Segment(ids, [LOGPROB] * produced, reason, self._versions(req, produced))
+        logprobs = np.full(produced, LOGPROB, dtype=np.float32)
+        return Segment(ids, logprobs, reason, self._versions(req, produced))
 
-    def _versions(self, req: _Request, produced: int) -> list[int | None]:
+    def _versions(self, req: _Request, produced: int) -> np.ndarray:
         if len(req.spans) <= 1:
-            return [req.spans[0][1] if req.spans else self.version] * produced
-        out: list[int | None] = []
+            return np.full(produced, req.spans[0][1] if req.spans else self.version, dtype=np.int32)
+        out = np.full(produced, req.spans[-1][1], dtype=np.int32)
+        done = 0
         for (_, v), nxt in zip(req.spans, [*req.spans[1:], (req.start_p + produced, None)]):
             upto = min(produced, int(nxt[0] - req.start_p + 1e-6))
-            out += [v] * (upto - len(out))
-        return out + [req.spans[-1][1]] * (produced - len(out))
+            if upto > done:
+                out[done:upto] = v
+                done = upto
+        return out
 
     def pause(self, mode: PauseMode) -> None:
         self._advance()

@@ -97,6 +97,7 @@ BAD = [
     (["rollout.response_length=1000"], "engine.max_model_len", "data.max_prompt_length + rollout.response_length"),
     (["model.tiny.hidden_size=130"], "model.tiny.hidden_size", "multiple of num_heads"),
     (["trainer.total_steps=0"], "trainer.total_steps", ">= 1"),
+    (["rollout.max_concurrent=8", "rollout.start_concurrent=9"], "rollout.start_concurrent", "max_concurrent = 8"),
 ]
 
 
@@ -131,6 +132,12 @@ def test_limits_follow_the_staleness_rule():
     assert limits["max_groups_ahead_of_trainer"] == (2 + 1) * 8
     assert limits["queue_capacity_groups"] == 24
     assert limits["max_inflight_groups"] == min(cfg.rollout.max_concurrent // cfg.rollout.n, 24)
+
+
+def test_start_concurrent_defaults_to_half_of_max_concurrent():
+    assert compose(["rollout.max_concurrent=64"]).rollout.effective_start_concurrent() == 32
+    assert compose(["rollout.max_concurrent=1"]).rollout.effective_start_concurrent() == 1
+    assert compose(["rollout.start_concurrent=5"]).rollout.effective_start_concurrent() == 5
 
 
 def test_every_field_has_a_docstring():

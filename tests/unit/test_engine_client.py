@@ -49,6 +49,18 @@ def test_pick_rotates_between_ties():
     assert [client.pick() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
 
 
+def test_pick_fast_path_agrees_with_the_general_one():
+    import random
+
+    rng = random.Random(0)
+    fast, general = make([f"http://s{i}" for i in range(7)]), make([f"http://s{i}" for i in range(7)])
+    general.down.add(99)  # a server that does not exist: forces the general path, changes nothing else
+    for _ in range(500):
+        load = [rng.randrange(3) for _ in range(7)]
+        fast.outstanding[:], general.outstanding[:] = load, list(load)
+        assert fast.pick() == general.pick()
+
+
 async def test_generate_returns_tokens_logprobs_and_engine_versions(fakes):
     fake = await fakes()
     client = make([fake.url])

@@ -33,7 +33,7 @@ async def test_budget_caps_a_long_response_and_tokens_carry_the_version():
     await client.servers.set_version(3)
     out = await client.generate([10, 11, 12], 20, SAMPLING)
     assert len(out.token_ids) == len(out.logprobs) == len(out.versions) == 20
-    assert out.finish_reason == "length" and out.versions == [3] * 20 and out.start_version == 3
+    assert out.finish_reason == "length" and list(out.versions) == [3] * 20 and out.start_version == 3
     assert set(out.token_ids) == {client.servers.cfg.sim.token_id}
 
 
@@ -59,8 +59,8 @@ async def test_abort_continue_keeps_budget_and_splits_versions(tmp_path, pause_a
     out = await task
     assert len(out.token_ids) == len(out.versions) == budget
     assert out.num_aborts == 1 and out.finish_reason == "length"
-    k = out.versions.count(0)
-    assert out.versions == [0] * k + [1] * (budget - k)
+    k = list(out.versions).count(0)
+    assert list(out.versions) == [0] * k + [1] * (budget - k)
     assert client.stats.carried_tokens == k
     assert k < budget and (k > 0 or pause_after_s < 0.02)
     assert servers.engines[0].reloads == [str(tmp_path.resolve())] and servers.state.version == 1
@@ -75,7 +75,7 @@ async def test_a_continuation_keeps_the_sample_length(tmp_path):
     await client.servers.load_weights(tmp_path, 1)
     await client.servers.resume()
     out = await task
-    assert out.num_aborts == 1 and 0 < out.versions.count(0) < 60
+    assert out.num_aborts == 1 and 0 < list(out.versions).count(0) < 60
     assert len(out.token_ids) == 60 and out.finish_reason == "stop" and out.token_ids[-1] == STOP
 
 
@@ -88,7 +88,7 @@ async def test_without_partial_rollout_an_aborted_sample_restarts_under_the_new_
     await client.servers.resume()
     out = await task
     assert out.num_aborts == 1 and client.stats.carried_tokens == 0
-    assert out.versions == [1] * 60 and out.start_version == 1
+    assert list(out.versions) == [1] * 60 and out.start_version == 1
 
 
 async def test_pause_keep_freezes_and_the_segment_gets_the_older_version():
@@ -103,7 +103,7 @@ async def test_pause_keep_freezes_and_the_segment_gets_the_older_version():
     await client.servers.resume()
     out = await task
     assert time.monotonic() - frozen_at >= 0.2
-    assert out.num_aborts == 0 and out.versions == [0] * 50  # outlived a version change without an abort
+    assert out.num_aborts == 0 and list(out.versions) == [0] * 50  # outlived a version change without an abort
 
 
 async def test_requests_arriving_while_paused_wait_for_the_resume():
