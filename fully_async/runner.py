@@ -53,7 +53,7 @@ def main(composed: DictConfig) -> None:
     from fully_async.engines import EngineError
     from fully_async.loggers import LoggerError
     from fully_async.message_queue import create_message_queue
-    from fully_async.models import resolve_model_path
+    from fully_async.models import resolve_run_model
     from fully_async.param_sync import ParamSync, ParamSyncError, default_weights_root
     from fully_async.rollouter import create_rollouter
     from fully_async.trace import Tracer
@@ -65,7 +65,7 @@ def main(composed: DictConfig) -> None:
                   ray.exceptions.RayError)  # fmt: skip
 
     try:
-        model_path = str(resolve_model_path(cfg.model, cfg.mixed_seed(cfg.model.tiny.seed)))
+        model_path = str(resolve_run_model(cfg))
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)

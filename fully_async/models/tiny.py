@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fully_async.config import ConfigError, ModelConfig, TinyModelConfig
+from fully_async.config import ConfigError, FullyAsyncConfig, ModelConfig, TinyModelConfig
 
 BUILDER_VERSION = 1
 """Bumped whenever the files written change, so old cache entries are not reused."""
@@ -157,9 +157,8 @@ def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) 
     return final
 
 
-def resolve_model_path(model_cfg: ModelConfig, seed: int | None = None) -> Path:
-    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build, its
-    init seeded by `seed` when given (the run's mixed seed) instead of model.tiny.seed."""
+def resolve_model_path(model_cfg: ModelConfig) -> Path:
+    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build."""
     if model_cfg.path:
         path = Path(model_cfg.path).expanduser()
         if not path.is_dir():
@@ -171,5 +170,10 @@ def resolve_model_path(model_cfg: ModelConfig, seed: int | None = None) -> Path:
                 f"model.path {model_cfg.path!r} has no config.json; is it a Hugging Face model directory?"
             )
         return path.resolve()
-    tiny = model_cfg.tiny if seed is None else dataclasses.replace(model_cfg.tiny, seed=seed)
-    return build_tiny_model(tiny, model_cfg.cache_dir)
+    return build_tiny_model(model_cfg.tiny, model_cfg.cache_dir)
+
+
+def resolve_run_model(cfg: FullyAsyncConfig) -> Path:
+    """The model of a run: resolve_model_path with the tiny model's init seed mixed with the run's `seed`."""
+    tiny = dataclasses.replace(cfg.model.tiny, seed=cfg.mixed_seed(cfg.model.tiny.seed))
+    return resolve_model_path(dataclasses.replace(cfg.model, tiny=tiny))

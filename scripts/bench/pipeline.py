@@ -136,11 +136,11 @@ def main() -> int:
     from fully_async.agents import Sample
     from fully_async.agents.sim import SimAgentLoop
     from fully_async.engines import Sampling
-    from fully_async.models import resolve_model_path
+    from fully_async.models import resolve_run_model
     from fully_async.protocol import PromptRef
     from fully_async.rollouter import dataset
 
-    model_path = str(resolve_model_path(profile.model))
+    model_path = str(resolve_run_model(profile))
     loop = SimAgentLoop(AutoTokenizer.from_pretrained(model_path), Sampling(), 1)
     rows = dataset(profile, "train")[:64]
     prompt_tokens = sum(len(loop.prompt_ids(Sample(PromptRef(0, i), 0, r))) for i, r in enumerate(rows)) / len(rows)

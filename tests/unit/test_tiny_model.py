@@ -119,12 +119,14 @@ def test_resolve_model_path(tmp_path, built):
 def test_run_seed_reaches_the_tiny_model_and_the_shuffle(built):
     from fully_async.config import compose
     from fully_async.data import EpochCursor
+    from fully_async.models import resolve_run_model
 
-    model = ModelConfig(tiny=SMALL, cache_dir=str(built.parent))
     zero, one, two = (compose([f"seed={s}", "model.tiny.seed=0", "data.seed=0"]) for s in (0, 1, 2))
+    for cfg in (zero, one, two):
+        cfg.model = ModelConfig(tiny=SMALL, cache_dir=str(built.parent))
     assert zero.mixed_seed(0) == 0 and zero.mixed_seed(7) == 7  # seed=0: the section seeds as they are
     assert len({one.mixed_seed(0), two.mixed_seed(0), one.mixed_seed(7)}) == 3
-    paths = {resolve_model_path(model, cfg.mixed_seed(cfg.model.tiny.seed)) for cfg in (zero, one, two)}
-    assert len(paths) == 3 and resolve_model_path(model, zero.mixed_seed(0)) == built
+    paths = {resolve_run_model(cfg) for cfg in (zero, one, two)}
+    assert len(paths) == 3 and resolve_run_model(zero) == built
     orders = {tuple(EpochCursor(64, cfg.mixed_seed(cfg.data.seed))._permutation(0)) for cfg in (zero, one, two)}
     assert len(orders) == 3
