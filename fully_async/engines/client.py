@@ -158,34 +158,26 @@ class EngineClient:
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
-            if (
-                not result.token_ids
-                and seg.finish_reason != "abort"
-                and take == len(seg.token_ids)
-                and state.version == sent_version
-                and seg.versions is not None
-                and (isinstance(seg.versions, np.ndarray) or None not in seg.versions)
-            ):
-                # The common case, one segment kept whole: its sequences as they are (no per-token copy; an engine's
-                # arrays stay arrays). Everything below would produce equal lists.
-                result.token_ids, result.logprobs, result.versions = seg.token_ids, seg.logprobs, seg.versions
-                result.servers.append(url)
-                result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
-                break
             versions = seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
             if state.version != sent_version and seg.finish_reason != "abort":
                 # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
                 # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
                 # with the older version, which can only overstate staleness, never hide it.
                 versions = [sent_version] * len(seg.token_ids)
-            # extend(), not +=: a list += a numpy array would add elementwise.
-            result.token_ids.extend(seg.token_ids[:take])
-            result.logprobs.extend(seg.logprobs[:take])
-            versions = versions[:take]
-            # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
-            result.versions.extend(
-                versions if None not in versions else [sent_version if v is None else v for v in versions]
-            )
+            whole = not result.token_ids and seg.finish_reason != "abort" and take == len(seg.token_ids)
+            if whole and (isinstance(versions, np.ndarray) or None not in versions):
+                # The common case, one segment kept whole and fully labelled: its sequences as they are (no per-token
+                # copy; an engine's arrays stay arrays).
+                result.token_ids, result.logprobs, result.versions = seg.token_ids, seg.logprobs, versions
+            else:
+                # extend(), not +=: a list += a numpy array would add elementwise.
+                result.token_ids.extend(seg.token_ids[:take])
+                result.logprobs.extend(seg.logprobs[:take])
+                versions = versions[:take]
+                # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
+                result.versions.extend(
+                    versions if None not in versions else [sent_version if v is None else v for v in versions]
+                )
             result.servers.append(url)
             if seg.finish_reason != "abort":
                 result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
