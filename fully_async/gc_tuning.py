@@ -18,11 +18,10 @@ YOUNG_THRESHOLD = 50_000
 """Allocations of container objects between two young-generation collections (CPython's default: 700)."""
 
 
-def tune_for_throughput(freeze: bool = True) -> None:
-    """Collect the young generation every YOUNG_THRESHOLD allocations (older generations keep their ratios) and,
-    with `freeze`, exempt everything alive now (call it once start-up is done) from future collections."""
+def tune_for_throughput() -> None:
+    """Collect the young generation every YOUNG_THRESHOLD allocations (older generations keep their ratios) and
+    exempt everything alive now from future collections (call it once start-up is done)."""
     _, older, oldest = gc.get_threshold()
-    if freeze:
-        gc.collect()
-        gc.freeze()
+    gc.collect()
+    gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)

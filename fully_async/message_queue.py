@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
+from fully_async.gc_tuning import tune_for_throughput
 from fully_async.protocol import PromptRef, TrajectoryGroup, decode_groups, encode_groups
 from fully_async.staleness import is_fresh
 
@@ -31,9 +32,13 @@ class QueueTimeout(TimeoutError):
 
 
 class MessageQueue:
-    def __init__(self, capacity: int, max_staleness: int) -> None:
+    def __init__(self, capacity: int, max_staleness: int, tune_gc: bool = False) -> None:
+        """`tune_gc`: set this process's garbage collector for throughput (fully_async/gc_tuning.py); the actor's
+        process holds every queued trajectory. create_message_queue sets it, as the actor owns its process."""
         if capacity < 1 or max_staleness < 0:
             raise ValueError(f"capacity >= 1 and max_staleness >= 0 required, got {capacity}, {max_staleness}")
+        if tune_gc:
+            tune_for_throughput()
         self.capacity = capacity
         self.max_staleness = max_staleness
         # (min_version, group): the version is computed once at put, not at every staleness check.
@@ -176,15 +181,4 @@ def create_message_queue(capacity: int, max_staleness: int, name: str | None = N
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
     if name:
         options["name"] = name
-    return ray.remote(MessageQueueActor).options(**options).remote(capacity, max_staleness)
-
-
-class MessageQueueActor(MessageQueue):
-    """The actor's process holds every queued trajectory: collect its young generation rarely
-    (fully_async/gc_tuning.py). Only in the actor: the class itself must not change the GC of a process it is used in."""
-
-    def __init__(self, capacity: int, max_staleness: int) -> None:
-        from fully_async.gc_tuning import tune_for_throughput
-
-        tune_for_throughput()
-        super().__init__(capacity, max_staleness)
+    return ray.remote(MessageQueue).options(**options).remote(capacity, max_staleness, tune_gc=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +93,20 @@ async def test_snapshot_restore_round_trip():
     got = await fresh.get(1, trainer_version=1)
     assert got[0].same_as(groups[3])
     assert fresh.stats()["dropped_stale"] == 2
+
+
+@pytest.mark.parametrize("tune_gc", [False, True])
+def test_gc_tuning_only_where_asked(tune_gc):
+    # A fresh interpreter: the setting is process-wide. The actor asks for it (create_message_queue); a queue built in
+    # any other process must leave that process's collector as it was.
+    code = (
+        "import gc\n"
+        "from fully_async.gc_tuning import YOUNG_THRESHOLD\n"
+        "from fully_async.message_queue import MessageQueue\n"
+        "default = gc.get_threshold()\n"
+        f"MessageQueue(4, 1, tune_gc={tune_gc})\n"
+        "print(default[0], gc.get_threshold()[0], YOUNG_THRESHOLD, gc.get_freeze_count() > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    default, now, young, frozen = out.stdout.split()
+    assert (now, frozen) == ((young, "True") if tune_gc else (default, "False"))
