@@ -237,10 +237,11 @@ class Rollouter:
         if dropped:
             self.ledger.drop_stale(dropped)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _run_group(self, prompt: PromptRef) -> None:
         row = self.rows[prompt.index]
@@ -271,9 +272,7 @@ class Rollouter:
             return
         self._outbox.append(group)
         if self._pusher is None or self._pusher.done():
-            self._pusher = asyncio.get_running_loop().create_task(self._push_outbox())
-            self._tasks.add(self._pusher)
-            self._pusher.add_done_callback(self._tasks.discard)
+            self._pusher = self._spawn(self._push_outbox())
 
     async def _push_outbox(self) -> None:
         """Push finished groups to the queue, all that have finished in one actor call. Groups finish at up to
