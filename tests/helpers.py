@@ -3,12 +3,29 @@ the files a logger writes."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
+
+
+async def generate_across_a_sync(client, tmp_path: Path, prompt: list[int], budget: int, pause_after_s: float, *args):
+    """The abort/continue contract every engine behind EngineClient keeps: a request started at version 0 and aborted
+    by a pause after `pause_after_s` waits for the resume (weights reloaded as version 1) instead of failing or
+    finishing early; returns its result. `args` go to generate after the budget (sampling)."""
+    servers = client.servers
+    await servers.set_version(0)
+    task = asyncio.create_task(client.generate(prompt, budget, *args))
+    await asyncio.sleep(pause_after_s)
+    await servers.pause("abort")
+    await asyncio.sleep(0.05)
+    assert not task.done()  # waiting for the resume, not failing or finishing early
+    await servers.load_weights(tmp_path, 1)
+    await servers.resume()
+    return await task
 
 
 def make_group(index: int, version: int = 0, n: int = 2, response_len: int = 8, epoch: int = 0, prompt_len: int = 4):

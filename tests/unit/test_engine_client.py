@@ -10,6 +10,7 @@ import pytest
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
 from tests.fakes import FakeEngine
+from tests.helpers import generate_across_a_sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,16 +100,8 @@ async def test_abort_continue_keeps_budget_and_splits_versions(fakes, tmp_path, 
     fake = await fakes(token_delay_s=0.01)
     client = make([fake.url])
     servers = client.servers
-    await servers.set_version(0)
     prompt, budget = [1, 2, 3], 30
-    task = asyncio.create_task(client.generate(prompt, budget))
-    await asyncio.sleep(pause_after_s)
-    await servers.pause("abort")
-    await asyncio.sleep(0.05)
-    assert not task.done()  # waiting for the resume, not failing or finishing early
-    await servers.load_weights(tmp_path, 1)
-    await servers.resume()
-    out = await task
+    out = await generate_across_a_sync(client, tmp_path, prompt, budget, pause_after_s)
     await client.close()
     assert len(out.token_ids) == len(out.logprobs) == len(out.versions) == budget
     assert out.num_aborts == 1 and out.finish_reason == "length"

@@ -12,6 +12,7 @@ import pytest
 from fully_async.config import ConfigError, EngineConfig, SimEngineConfig, compose
 from fully_async.engines import EngineClient, Sampling, build_engine
 from fully_async.engines.sim import LengthModel, _trailing_run
+from tests.helpers import generate_across_a_sync
 
 pytestmark = pytest.mark.timeout(60)
 STOP = 256
@@ -47,16 +48,8 @@ async def test_a_short_response_stops_with_the_stop_token():
 async def test_abort_continue_keeps_budget_and_splits_versions(tmp_path, pause_after_s):
     client = make(length_median=1000)
     servers = client.servers
-    await servers.set_version(0)
     budget = 100  # 0.2 s of decoding at 2 ms a token
-    task = asyncio.create_task(client.generate([1, 2, 3], budget, SAMPLING))
-    await asyncio.sleep(pause_after_s)
-    await servers.pause("abort")
-    await asyncio.sleep(0.05)
-    assert not task.done()  # waiting for the resume, not failing or finishing early
-    await servers.load_weights(tmp_path, 1)
-    await servers.resume()
-    out = await task
+    out = await generate_across_a_sync(client, tmp_path, [1, 2, 3], budget, pause_after_s, SAMPLING)
     assert len(out.token_ids) == len(out.versions) == budget
     assert out.num_aborts == 1 and out.finish_reason == "length"
     k = list(out.versions).count(0)
