@@ -283,10 +283,17 @@ class Rollouter:
         while self._outbox:
             async with self._push_lock:
                 batch, self._outbox = self._outbox, []
+                start = time.time()
+                try:
+                    await self.queue.put.remote(batch)
+                except Exception as e:  # a dead queue actor, a group Ray cannot serialise: fail the run, lose nothing
+                    for group in batch:
+                        self.ledger.finish(group.prompt, ok=False)  # not accepted: back on the re-issue list
+                    self._error = f"pushing {len(batch)} groups to the message queue failed: {type(e).__name__}: {e}"
+                    log.error("%s", self._error)
+                    return
                 for group in batch:
                     self.ledger.finish(group.prompt, ok=True)
-                start = time.time()
-                await self.queue.put.remote(batch)
                 if time.time() - start >= QUEUE_WAIT_TRACE_S:
                     self.tracer.record("rollouter", "queue_wait", start, time.time(), groups=len(batch))
                 self._c["groups_pushed"] += len(batch)

@@ -202,3 +202,22 @@ def fails_once_score(data_source, solution_str, ground_truth, extra_info=None):
         os.close(fd)
         raise RuntimeError(f"transient verifier fault on answer {ground_truth} (scripted)")
     return 0.0
+
+
+def _unpicklable_agent_loop():
+    from fully_async.agents.sim import SimAgentLoop
+
+    class UnpicklableAgentLoop(SimAgentLoop):
+        """A user agent loop with a bug: it leaves a lock in its trajectories, which Ray cannot send to the queue."""
+
+        async def run(self, client, sample):
+            import threading
+
+            traj = await super().run(client, sample)
+            traj.timings["lock"] = threading.Lock()
+            return traj
+
+    return UnpicklableAgentLoop
+
+
+UnpicklableAgentLoop = _unpicklable_agent_loop()

@@ -123,3 +123,32 @@ def test_start_concurrent_gets_the_first_batch_out_sooner(ray_local, tmp_path):
     assert before * 4 <= 16, before  # the window held: at most 16 samples' worth of groups generating
     assert after > 4, after  # and it opened once the first batch was out
     assert paced < unpaced / 2, (paced, unpaced)
+
+
+def test_a_failed_push_to_the_queue_fails_the_run_and_keeps_the_groups(ray_local, tmp_path):
+    """An agent loop leaves an object Ray cannot serialise in its trajectories: the put of their groups fails, the
+    groups go back on the re-issue list (not counted as accepted) and error() says what failed, so the trainer's
+    next poll ends the run with it instead of waiting out get_timeout_s."""
+    import time
+
+    from fully_async.message_queue import create_message_queue
+    from fully_async.rollouter import create_rollouter
+
+    cfg = compose([*SMALL, "rollout.agent_loop=tests.fakes:UnpicklableAgentLoop"])
+    at = cfg.async_training
+    queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
+    rollouter = create_rollouter(cfg, str(resolve_model_path(cfg.model)), str(tmp_path), queue)
+    try:
+        ray_local.get(rollouter.start.remote(), timeout=120)
+        deadline = time.monotonic() + 60
+        while (error := ray_local.get(rollouter.error.remote())) is None:
+            assert time.monotonic() < deadline, ray_local.get(rollouter.stats.remote())
+            time.sleep(0.05)
+        stats = ray_local.get(rollouter.stats.remote())
+    finally:
+        ray_local.get(rollouter.shutdown.remote(), timeout=60)
+        ray_local.kill(rollouter)
+        ray_local.kill(queue)
+    assert "pushing" in error and "message queue failed" in error, error
+    assert stats["ledger/failed"] >= 1 and stats["ledger/reissued"] >= 1, stats
+    assert stats["ledger/accepted"] == stats["groups_pushed"], stats  # nothing counted that the queue never got
