@@ -45,6 +45,9 @@ class TrainerTimeout(RuntimeError):
     """A training rank did not answer within the call timeout."""
 
 
+_NO_MODULE = "FullyAsyncNoSuchModule"
+
+
 def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool):
     """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss).
 
@@ -91,7 +94,14 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         actor_cls, placement = vc.McoreActorConfig, {"megatron": engine}
     else:
         precision = "fp32" if cpu else "bf16"
+        units = trainer.fsdp_units
+        if units == "auto":
+            units = "model" if cpu and trainer.nnodes * trainer.n_gpus_per_node == 1 else "layers"
         engine = vc.FSDPEngineConfig(
+            # verl's FSDP2 wrapping makes every module whose class is listed (default: the model's _no_split_modules)
+            # a unit; a name no module has leaves the model as the one unit (untied embeddings still get their own).
+            # `disable` keeps verl's FSDP1 wrap-policy builder, which it runs for FSDP2 too, from rejecting that name.
+            wrap_policy={"disable": True, "transformer_layer_cls_to_wrap": [_NO_MODULE]} if units == "model" else {},
             strategy="fsdp2",
             use_torch_compile=not cpu,
             model_dtype="fp32",

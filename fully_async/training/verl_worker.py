@@ -101,8 +101,12 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rank_info(self) -> dict:
-        """Rank, world size and process-group backend, for checks and error messages."""
+        """Rank, world size, process-group backend and FSDP2 units, for checks and error messages."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = getattr(self.engine, "module", None)
         return {
+            "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules()) if module is not None else 0,
             "rank": dist.get_rank(),
             "world_size": dist.get_world_size(),
             "backend": str(dist.get_backend()),

@@ -118,14 +118,17 @@ def bench_update(args, model_dir: Path) -> list[tuple[str, float, float]]:
     backends = []
     try:
         for ws in args.world_sizes:
-            trainer = TrainerConfig(
-                n_gpus_per_node=ws,
-                max_token_len_per_gpu=args.token_budget,
-                total_steps=1000,
-                cpu_threads_per_rank=args.threads,
-            )
-            backends.append(build_backend(trainer, AlgorithmConfig(), model_dir, device="cpu"))
-            steps[f"verl backend, world size {ws}"] = lambda be=backends[-1]: be.update(groups)
+            for units in args.fsdp_units:
+                trainer = TrainerConfig(
+                    n_gpus_per_node=ws,
+                    max_token_len_per_gpu=args.token_budget,
+                    total_steps=1000,
+                    cpu_threads_per_rank=args.threads,
+                    fsdp_units=units,
+                )
+                backends.append(build_backend(trainer, AlgorithmConfig(), model_dir, device="cpu"))
+                name = f"verl backend, world size {ws}" + (f", fsdp_units={units}" if len(args.fsdp_units) > 1 else "")
+                steps[name] = lambda be=backends[-1]: be.update(groups)
         times: dict[str, list[float]] = {name: [] for name in steps}
         for r in range(2 + args.steps):  # two warm-up rounds
             for name, fn in steps.items():
@@ -186,6 +189,10 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--fsdp-units", nargs="+", default=["auto"], choices=["auto", "layers", "model"],
+        help="trainer.fsdp_units values to time side by side (one backend per world size and value)",
+    )  # fmt: skip
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the plain loop and of each rank (1: robust to load)"
     )

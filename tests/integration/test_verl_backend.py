@@ -77,6 +77,10 @@ def _assert_same_weights(a, b, atol=2e-5):
 
 def test_world_size_2_matches_world_size_1(be1, be2, tmp_path):
     assert be1.world_size == 1 and be2.world_size == 2
+    # fsdp_units=auto: the one CPU rank shards the model as one unit, two ranks per layer; same update either way.
+    (units1,) = {i["fsdp_units"] for i in be1._all("policy", "rank_info")}
+    (units2,) = {i["fsdp_units"] for i in be2._all("policy", "rank_info")}
+    assert units2 - units1 == TinyModelConfig().num_layers
     groups = make_groups(3, 3, seed=11)  # 9 trajectories: not divisible by 2 ranks
     _reset(be1)
     _reset(be2)

@@ -62,3 +62,33 @@ def test_megatron_builds_verls_mcore_configs_and_refuses_cpu(tmp_path):
     assert actor.entropy_coeff == 0.01 and actor.engine is engine and twc.model_config.use_remove_padding
     with pytest.raises(ConfigError, match="needs GPUs"):
         _engine_configs(trainer, AlgorithmConfig(), model, cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("units", "cpu", "ranks", "expect_layers"),
+    [
+        ("auto", True, 1, False),  # one CPU rank: nothing to shard, the model is one unit
+        ("auto", True, 2, True),
+        ("auto", False, 1, True),  # GPU: a full unsharded copy of a large model would not fit beside the shards
+        ("layers", True, 1, True),
+        ("model", False, 8, False),
+    ],
+)
+def test_fsdp_units_choose_verls_wrap_targets(tmp_path, units, cpu, ranks, expect_layers):
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import _select_fsdp2_wrap_targets
+
+    from fully_async.config import TinyModelConfig
+    from fully_async.models.tiny import build_tiny_model
+    from fully_async.training.verl_backend import _engine_configs
+
+    path = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), cache_dir=tmp_path)
+    trainer = TrainerConfig(n_gpus_per_node=ranks, fsdp_units=units)
+    twc, _ = _engine_configs(trainer, AlgorithmConfig(), str(path), cpu=cpu)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    # the class list apply_fsdp2 uses: the configured one, else the model's _no_split_modules
+    classes = twc.engine_config.wrap_policy.get("transformer_layer_cls_to_wrap", model._no_split_modules)
+    targets = {type(m).__name__ for m in _select_fsdp2_wrap_targets(model, classes)}
+    layer = model.model.layers[0].__class__.__name__
+    assert (layer in targets) == expect_layers
+    assert {"Embedding", "Linear"} <= targets  # untied embed_tokens and lm_head are units either way
