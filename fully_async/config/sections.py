@@ -327,7 +327,7 @@ class TrainerConfig:
     """FSDP2 sharding units (strategy=fsdp2): layers = one per decoder layer (verl's default: one layer's weights
     gathered at a time); model = the model as one unit (no per-layer hooks, but a full unsharded copy of the weights
     during each forward/backward); auto = model for a single CPU rank, where there is nothing to shard and the
-    per-layer hooks cost ~4% of a small model's update, layers otherwise."""
+    per-layer hooks and copies cost ~2% of a small model's update, layers otherwise."""
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
     """Latency model of the simulated trainer (backend=sim)."""
 

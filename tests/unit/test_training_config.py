@@ -76,7 +76,7 @@ def test_megatron_builds_verls_mcore_configs_and_refuses_cpu(tmp_path):
 )
 def test_fsdp_units_choose_verls_wrap_targets(tmp_path, units, cpu, ranks, expect_layers):
     from transformers import AutoModelForCausalLM
-    from verl.utils.fsdp_utils import _select_fsdp2_wrap_targets
+    from verl.utils.fsdp_utils import _select_fsdp2_wrap_targets, get_fsdp_wrap_policy
 
     from fully_async.config import TinyModelConfig
     from fully_async.models.tiny import build_tiny_model
@@ -86,6 +86,7 @@ def test_fsdp_units_choose_verls_wrap_targets(tmp_path, units, cpu, ranks, expec
     trainer = TrainerConfig(n_gpus_per_node=ranks, fsdp_units=units)
     twc, _ = _engine_configs(trainer, AlgorithmConfig(), str(path), cpu=cpu)
     model = AutoModelForCausalLM.from_pretrained(path)
+    get_fsdp_wrap_policy(model, twc.engine_config.wrap_policy)  # verl builds it for FSDP2 too: must not reject ours
     # the class list apply_fsdp2 uses: the configured one, else the model's _no_split_modules
     classes = twc.engine_config.wrap_policy.get("transformer_layer_cls_to_wrap", model._no_split_modules)
     targets = {type(m).__name__ for m in _select_fsdp2_wrap_targets(model, classes)}
