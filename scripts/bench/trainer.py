@@ -34,6 +34,9 @@ import torch  # noqa: E402
 from fully_async.config import AlgorithmConfig, TinyModelConfig, TrainerConfig  # noqa: E402
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, flatten  # noqa: E402
 
+PHASES = ("timing_s/log_probs", "timing_s/train")
+"""Update phases timed in both trainers (the backend reports them in its update metrics)."""
+
 
 def make_batch(num_groups: int, n: int, prompt_len: int, response_len: int, seed: int = 0) -> list[TrajectoryGroup]:
     rng = np.random.default_rng(seed)
@@ -87,9 +90,12 @@ def plain_torch_step_fn(model_dir: Path, groups, temperature: float):
         logits = logits[:, p - 1 : -1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, b.responses[..., None])[..., 0]
 
-    def step():
+    def step() -> dict[str, float]:
+        """One update; returns its phase times under the keys the backend's update metrics use."""
+        t0 = time.perf_counter()
         with torch.no_grad():
             prox = log_probs()
+        t1 = time.perf_counter()
         w = torch.clamp(torch.exp(prox - b.behaviour_logprobs), max=2.0)
         lp = log_probs()
         ratio = torch.exp(lp - prox)
@@ -99,6 +105,7 @@ def plain_torch_step_fn(model_dir: Path, groups, temperature: float):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return {"timing_s/log_probs": t1 - t0, "timing_s/train": time.perf_counter() - t1}
 
     return step
 
@@ -130,12 +137,14 @@ def bench_update(args, model_dir: Path) -> list[tuple[str, float, float]]:
                 name = f"verl backend, world size {ws}" + (f", fsdp_units={units}" if len(args.fsdp_units) > 1 else "")
                 steps[name] = lambda be=backends[-1]: be.update(groups)
         times: dict[str, list[float]] = {name: [] for name in steps}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
         for r in range(2 + args.steps):  # two warm-up rounds
             for name, fn in steps.items():
                 t = time.perf_counter()
-                fn()
+                metrics = fn()
                 if r >= 2:
                     times[name].append(time.perf_counter() - t)
+                    phases[name].append(metrics)
     finally:
         for be in backends:
             be.shutdown()
@@ -150,6 +159,14 @@ def bench_update(args, model_dir: Path) -> list[tuple[str, float, float]]:
         t = statistics.median(ts)
         rows.append((name, t, t / tokens * 1000))
         print(f"| {name} | {t:.3f} | {t / tokens * 1000:.3f} | {(t / plain - 1) * 100:+.0f}% |")
+    print("\nPhases (median s): the pi_prox forward, then forward + backward + optimizer step\n")
+    print("| trainer | pi_prox forward | vs plain torch | train | vs plain torch |")
+    print("| --- | --- | --- | --- | --- |")
+    med = {n: {k: statistics.median(m[k] for m in ms) for k in PHASES} for n, ms in phases.items()}
+    base = med["plain torch, 1 process"]
+    for name, m in med.items():
+        cells = " | ".join(f"{m[k]:.3f} | {(m[k] / base[k] - 1) * 100:+.0f}%" for k in PHASES)
+        print(f"| {name} | {cells} |")
     return rows
 
 
