@@ -216,8 +216,10 @@ class TinyModelConfig:
     """Longest sequence the model supports."""
     seed: int = 0
     """Seed of the random initialisation."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation of the weights."""
+    init_std: float = 0.1
+    """Standard deviation of the normal initialisation of the weights. 0.1 rather than the usual 0.02: the built-in
+    tasks are learned from scratch by RL, and the copy task reached 0.8 in about 40% fewer steps (in-process screen,
+    twelve seeds, docs/benchmarks.md issue 4)."""
 
     def validate_section(self, p: str) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
@@ -607,7 +609,7 @@ class DataConfig:
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
     synthetic_task: Literal["copy", "add"] = "copy"
-    """Built-in task: copy ('echo 7' -> '7') or add ('3+4=' -> '7', sums below 10)."""
+    """Built-in task: copy ('echo 77777' -> '7') or add ('3+4=' -> '7', sums below 10)."""
 
     def validate_section(self, p: str) -> None:
         require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 
 def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
-    """The built-in tasks: 1.0 when the response opens with the answer, 0.1 when it opens with another digit (the
-    format is right), 0.0 otherwise. What follows the answer is ignored, so a policy that has not yet learned to
-    stop still gets credit for the right digit (a stricter rule left every sample at 0.1 and GRPO without signal)."""
+    """The built-in tasks: 1.0 when the response opens with the answer, else 0.0. What follows the answer is ignored,
+    so a policy that has not yet learned to stop still gets credit for the right digit.
+
+    No partial credit for a wrong digit: it paid the policy for being confident and wrong, so a prompt whose answer
+    had collapsed onto another digit scored 0.1 on every sample, its GRPO group had no variance, and it never
+    recovered (docs/benchmarks.md, issue 4: on the five-fold copy prompt, 18 unlearned digits over twelve in-process
+    seeds with a 0.1 credit, 1 without)."""
     text, answer = solution_str.lstrip(), str(ground_truth).strip()
     correct = bool(answer) and text.startswith(answer)
-    return {"score": 1.0 if correct else (0.1 if text[:1].isdigit() else 0.0), "acc": float(correct)}
+    return {"score": float(correct), "acc": float(correct)}
 
 
 async def delayed_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:

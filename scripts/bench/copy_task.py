@@ -1,15 +1,16 @@
-"""In-process GRPO on the built-in copy task: screens task, reward and tiny-model variants in seconds per seed.
+"""In-process GRPO on the built-in tasks: screens task, reward and tiny-model variants in seconds per seed.
 
-No engine, no Ray, no verl: the tiny model (fully_async.models.tiny) answers the ten copy prompts with one sampled
-token, a rule scores it like fully_async.reward.rule.synthetic_score (1.0 right digit, FORMAT_CREDIT for another
-digit), and a plain GRPO update follows with the default run's settings (8 prompts x 8 samples per step, AdamW at
-1e-3 with cosine decay over the run, entropy bonus 0.1, gradient clip 1.0). --stale 1 samples every batch from the
-weights one update older and weights the loss by the truncated ratio min(pi / pi_behave, 2), as
-max_staleness=1 does at its worst. A digit is "stuck" when its greedy probability of the right answer ends below 0.5.
+No engine, no Ray, no verl: the tiny model (fully_async.models.tiny) answers the ten copy prompts (or the 55 `add`
+prompts with --task add; --repeats applies to copy only) with one sampled token, a rule scores it like
+fully_async.reward.rule.synthetic_score (1.0 right digit, --format-credit for another digit), and a plain GRPO
+update follows with the default run's settings (8 prompts x 8 samples per step, AdamW at 1e-3 with cosine decay over
+the run, entropy bonus 0.1, gradient clip 1.0). --stale 1 samples every batch from the weights one update older and
+weights the loss by the truncated ratio min(pi / pi_behave, 2), as max_staleness=1 does at its worst. A prompt
+is "stuck" when its probability of the right answer ends below 0.5.
 
     .venv/bin/python scripts/bench/copy_task.py --seeds 16 --format-credit 0.1 0.0 --repeats 1 5 --init-std 0.02 0.1
 
-prints one line per variant: mean last-20 reward, runs with stuck digits, stuck digits in all, steps to a 20-step
+prints one line per variant: mean last-20 reward, runs with stuck prompts, stuck prompts in all, steps to a 20-step
 mean of 0.8. The e2e numbers of docs/benchmarks.md (issue 4) need the real pipeline; this only ranks variants.
 """
 
@@ -40,28 +41,37 @@ from fully_async.models.tiny import build_tiny_model  # noqa: E402
 PROMPTS, SAMPLES = 8, 8
 
 
-def run(seed: int, steps: int, repeats: int, format_credit: float, init_std: float, stale: int, models: str) -> dict:
+def task_rows(task: str, repeats: int) -> tuple[list[str], list[int]]:
+    """Prompts and answers as fully_async.data.synthetic_rows builds them (copy: the digit `repeats` times)."""
+    if task == "copy":
+        return [f"echo {str(d) * repeats}" for d in range(10)], list(range(10))
+    pairs = [(a, b) for a in range(10) for b in range(10 - a)]
+    return [f"{a}+{b}=" for a, b in pairs], [a + b for a, b in pairs]
+
+
+def run(
+    seed: int, steps: int, task: str, repeats: int, format_credit: float, init_std: float, stale: int, models: str
+) -> dict:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     path = build_tiny_model(TinyModelConfig(init_std=init_std), cache_dir=models)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     behave = copy.deepcopy(model)
-    rows = [
-        tok.apply_chat_template([{"role": "user", "content": f"echo {d * repeats}"}], add_generation_prompt=True)
-        for d in "0123456789"
-    ]
+    texts, answers = task_rows(task, repeats)
+    rows = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
     prompts = torch.tensor([list(r["input_ids"]) if hasattr(r, "keys") else list(r) for r in rows])
     digits = torch.tensor([tok.convert_tokens_to_ids(d) for d in "0123456789"])
+    targets = digits[torch.tensor(answers)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     rewards = []
     for _ in range(steps):
-        idx = torch.tensor([rng.randint(0, 9) for _ in range(PROMPTS)]).repeat_interleave(SAMPLES)
+        idx = torch.tensor([rng.randrange(len(texts)) for _ in range(PROMPTS)]).repeat_interleave(SAMPLES)
         with torch.no_grad():
             blog = torch.log_softmax((behave if stale else model)(prompts).logits[:, -1], -1)[idx]
             tokens = torch.multinomial(blog.exp(), 1).squeeze(1)
-        right = (tokens == digits[idx]).float()
+        right = (tokens == targets[idx]).float()
         score = torch.where(right > 0, right, format_credit * torch.isin(tokens, digits).float())
         groups = score.view(PROMPTS, SAMPLES)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(-1)
@@ -79,11 +89,11 @@ def run(seed: int, steps: int, repeats: int, format_credit: float, init_std: flo
         sched.step()
         rewards.append(right.mean().item())
     with torch.no_grad():
-        p_right = torch.softmax(model(prompts).logits[:, -1], -1)[torch.arange(10), digits]
+        p_right = torch.softmax(model(prompts).logits[:, -1], -1)[torch.arange(len(texts)), targets]
     means = [sum(rewards[i - 19 : i + 1]) / 20 for i in range(19, steps)]
     return {
         "last20": means[-1],
-        "stuck": [d for d in range(10) if p_right[d] < 0.5],
+        "stuck": [i for i in range(len(texts)) if p_right[i] < 0.5],
         "first08": next((i + 20 for i, m in enumerate(means) if m >= 0.8), None),
     }
 
@@ -92,6 +102,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--task", nargs="+", default=["copy"], choices=["copy", "add"])
     p.add_argument("--format-credit", type=float, nargs="+", default=[0.1])
     p.add_argument("--repeats", type=int, nargs="+", default=[1])
     p.add_argument("--init-std", type=float, nargs="+", default=[0.02])
@@ -99,15 +110,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as models:
-        for credit, reps, std, stale in itertools.product(args.format_credit, args.repeats, args.init_std, args.stale):
+        variants = itertools.product(args.task, args.format_credit, args.repeats, args.init_std, args.stale)
+        for task, credit, reps, std, stale in variants:
             t0 = time.perf_counter()
-            res = [run(s, args.steps, reps, credit, std, stale, models) for s in range(args.seeds)]
+            res = [run(s, args.steps, task, reps, credit, std, stale, models) for s in range(args.seeds)]
             reached = [r["first08"] for r in res if r["first08"] is not None]
             print(
-                f"format_credit={credit:<4} repeats={reps} init_std={std:<4} stale={stale}: "
+                f"task={task} format_credit={credit:<4} repeats={reps} init_std={std:<4} stale={stale}: "
                 f"last20 {statistics.mean(r['last20'] for r in res):.3f}, "
                 f"stuck in {sum(bool(r['stuck']) for r in res)}/{len(res)} runs "
-                f"({sum(len(r['stuck']) for r in res)} digits), "
+                f"({sum(len(r['stuck']) for r in res)} prompts), "
                 f"0.8 reached by {len(reached)} (median step {statistics.median(reached) if reached else '-'}) "
                 f"[{time.perf_counter() - t0:.0f} s]",
                 flush=True,

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fully_async.data import SYNTHETIC_SOURCE, DataError, EpochCursor, load_rows, synthetic_rows
+from fully_async.data import COPY_REPEATS, SYNTHETIC_SOURCE, DataError, EpochCursor, load_rows, synthetic_rows
 from fully_async.reward.rule import synthetic_score
 
 
@@ -69,7 +69,7 @@ def test_missing_file_and_bad_format_are_named(tmp_path):
 
 def test_copy_task_answers_with_the_echoed_digit():
     rows = synthetic_rows(30, seed=0)
-    assert all(r.messages[0]["content"] == f"echo {r.ground_truth}" for r in rows)
+    assert all(r.messages[0]["content"] == "echo " + r.ground_truth * COPY_REPEATS for r in rows)
     assert len({r.ground_truth for r in rows}) > 5
     with pytest.raises(DataError, match="unknown synthetic task 'mul'"):
         synthetic_rows(3, 0, task="mul")
@@ -83,7 +83,8 @@ def test_add_task_is_deterministic_and_scored_by_its_rule():
         x, y = r.messages[0]["content"].rstrip("=").split("+")
         assert r.ground_truth == str(int(x) + int(y)) and r.data_source == SYNTHETIC_SOURCE
         assert synthetic_score(r.data_source, r.ground_truth + "<junk", r.ground_truth)["score"] == 1.0
-    assert synthetic_score(SYNTHETIC_SOURCE, " 12", "3")["score"] == 0.1
+    # No credit for a wrong digit: confident and wrong must not pay (docs/benchmarks.md, issue 4).
+    assert synthetic_score(SYNTHETIC_SOURCE, " 12", "3") == {"score": 0.0, "acc": 0.0}
     assert synthetic_score(SYNTHETIC_SOURCE, "abc", "3")["score"] == 0.0
     # A policy that has not learned to stop still earns the answer: "3333" opens with "3".
     assert synthetic_score(SYNTHETIC_SOURCE, "3333", "3") == {"score": 1.0, "acc": 1.0}

@@ -34,7 +34,7 @@ def agent_factory():
 async def test_synthetic_and_verl_default_scorers(agent_factory):
     agent = agent_factory()
     assert (await agent.score("7", SYN)).score == 1.0
-    assert (await agent.score("8", SYN)).score == 0.1
+    assert (await agent.score("8", SYN)).score == 0.0
     r = await agent.score("so #### 42", {"data_source": "openai/gsm8k", "ground_truth": "42", "extra_info": {}})
     assert r.score == 1.0 and not r.info.get("reward_failed")
 

@@ -1,0 +1,128 @@
+"""Tables of finished runs of the built-in task (docs/benchmarks.md, issue 4): time to reward levels, unlearned answers.
+
+    .venv/bin/python scripts/bench/e2e_runs.py /tmp/e2e/t5_eta1_s* /tmp/e2e/t5_eta0_s* --pair eta1 eta0
+
+One row per run directory, from its metrics.jsonl, trajectories.jsonl and .hydra/config.yaml. Seconds are
+training-loop seconds (the sum of `timing_s/step`; start-up is not in them); "reached" = the first 20-step mean
+reward at or above the level; "stuck" = answers (ground truths of the built-in task) whose trajectories of the last
+100 steps average below 0.5. With --pair A B, runs whose names differ only in A and B are compared: the common level
+is the lower of the two last-20 means less 0.02, a reward both runs reach, and each run's seconds to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+# This folder holds queue.py (the queue benchmark), which would shadow the standard library's queue module.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
+
+from fully_async.data import synthetic_rows  # noqa: E402
+from fully_async.protocol import PromptRef  # noqa: E402
+
+LEVELS = (0.8, 0.9)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load(run: Path) -> dict:
+    metrics = _jsonl(run / "metrics.jsonl")
+    if len(metrics) < 20:
+        raise SystemExit(f"{run}: {len(metrics)} steps in metrics.jsonl, need at least 20")
+    rewards = [m["reward/mean"] for m in metrics]
+    elapsed, t = [], 0.0
+    for m in metrics:
+        t += m["timing_s/step"]
+        elapsed.append(t)
+    means = [statistics.mean(rewards[i - 19 : i + 1]) for i in range(19, len(rewards))]
+    data = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["data"]
+    if data.get("train_files"):
+        raise SystemExit(f"{run}: trained on {data['train_files']}, not the built-in task")
+    truth = [
+        r.ground_truth for r in synthetic_rows(data["synthetic_size"], data["seed"], "train", data["synthetic_task"])
+    ]
+    last = metrics[-1]["step"] - 100
+    per_answer: dict[str, list[float]] = defaultdict(list)
+    for t_ in _jsonl(run / "trajectories.jsonl"):
+        if t_["step"] > last:
+            per_answer[truth[PromptRef.parse(t_["prompt_uid"]).index]].append(t_["reward"])
+    return {
+        "name": run.name,
+        "steps": len(metrics),
+        "seconds": elapsed[-1],
+        "step_s": elapsed[-1] / len(metrics),
+        "elapsed": elapsed,
+        "means": means,
+        "last20": means[-1],
+        "stuck": sorted(a for a, r in per_answer.items() if statistics.mean(r) < 0.5),
+    }
+
+
+def reached(run: dict, level: float) -> float | None:
+    """Training seconds until the 20-step mean reward first reaches `level`, or None."""
+    return next((run["elapsed"][i + 19] for i, m in enumerate(run["means"]) if m >= level), None)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--pair", nargs=2, metavar=("A", "B"), help="compare runs named alike but for A / B")
+    args = p.parse_args()
+    runs = {r.name: load(r) for r in args.runs}
+    levels = " | ".join(f"{lv} reached, s" for lv in LEVELS)
+    print(f"| run | steps | training s | mean step, s | {levels} | last 20 | stuck answers |")
+    print("|---" * (6 + len(LEVELS)) + "|")
+    for r in runs.values():
+        at = " | ".join(_s(reached(r, lv)) for lv in LEVELS)
+        stuck = f"{len(r['stuck'])} ({','.join(r['stuck'])})" if r["stuck"] else "0"
+        print(
+            f"| {r['name']} | {r['steps']} | {r['seconds']:.0f} | {r['step_s']:.3f} | {at} | {r['last20']:.3f} | {stuck} |"
+        )
+    if not args.pair:
+        return
+    a, b = args.pair
+    pairs = [
+        (r, runs[r["name"].replace(a, b)]) for r in runs.values() if a in r["name"] and r["name"].replace(a, b) in runs
+    ]
+    if not pairs:
+        raise SystemExit(f"no run pairs named alike but for {a!r} / {b!r}")
+    print(f"\n| pair | common level | {a}: s | {b}: s | faster |")
+    print("|---|---|---|---|---|")
+    wins = 0
+    for x, y in pairs:
+        level = min(x["last20"], y["last20"]) - 0.02
+        tx, ty = reached(x, level), reached(y, level)
+        first = tx is not None and (ty is None or tx < ty)
+        wins += first
+        print(f"| {x['name']} | {level:.2f} | {_s(tx)} | {_s(ty)} | {a if first else b} |")
+    for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
+        last = [r["last20"] for r in side]
+        sem = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else 0.0
+        hits = {lv: [t for r in side if (t := reached(r, lv)) is not None] for lv in LEVELS}
+        at = ", ".join(
+            f"{lv} by {len(h)}" + (f" (median {statistics.median(h):.0f} s)" if h else "") for lv, h in hits.items()
+        )
+        print(
+            f"{label}: {len(side)} runs, last20 {statistics.mean(last):.3f} +- {sem:.3f}, median step "
+            f"{statistics.median(r['step_s'] for r in side):.3f} s, median {statistics.median(r['seconds'] for r in side):.0f} s "
+            f"in all, {at}, stuck answers {sum(len(r['stuck']) for r in side)} in {sum(bool(r['stuck']) for r in side)} runs"
+        )
+    print(f"{a} reaches the common level first in {wins} of {len(pairs)} pairs")
+
+
+if __name__ == "__main__":
+    main()
