@@ -3,9 +3,9 @@
     .venv/bin/python scripts/bench/e2e_runs.py /tmp/e2e/t5_eta1_s* /tmp/e2e/t5_eta0_s* --pair eta1 eta0
 
 One row per run directory, from its metrics.jsonl, trajectories.jsonl and .hydra/config.yaml. Seconds are
-training-loop seconds (the sum of `timing_s/step`; start-up is not in them); "reached" = the first 20-step mean
-reward at or above the level; "stuck" = answers (ground truths of the built-in task) whose trajectories of the last
-100 steps average below 0.5. With --pair A B, runs whose names differ only in A and B are compared: the common level
+training-loop seconds (the sum of `timing_s/step`; start-up is not in them); "first 10" = the mean reward of the
+first ten steps (about the untrained policy's); "reached" = the first 20-step mean reward at or above the level;
+"stuck" = answers (ground truths of the built-in task) whose trajectories of the last 100 steps average below 0.5. With --pair A B, runs whose names differ only in A and B are compared: the common level
 is the lower of the two last-20 means less 0.02, a reward both runs reach, and each run's seconds to it.
 """
 
@@ -63,6 +63,7 @@ def load(run: Path) -> dict:
         "step_s": elapsed[-1] / len(metrics),
         "elapsed": elapsed,
         "means": means,
+        "first10": statistics.mean(rewards[:10]),
         "last20": means[-1],
         "stuck": sorted(a for a, r in per_answer.items() if statistics.mean(r) < 0.5),
     }
@@ -84,13 +85,13 @@ def main() -> None:
     args = p.parse_args()
     runs = {r.name: load(r) for r in args.runs}
     levels = " | ".join(f"{lv} reached, s" for lv in LEVELS)
-    print(f"| run | steps | training s | mean step, s | {levels} | last 20 | stuck answers |")
-    print("|---" * (6 + len(LEVELS)) + "|")
+    print(f"| run | steps | training s | mean step, s | first 10 | {levels} | last 20 | stuck answers |")
+    print("|---" * (7 + len(LEVELS)) + "|")
     for r in runs.values():
         at = " | ".join(_s(reached(r, lv)) for lv in LEVELS)
         stuck = f"{len(r['stuck'])} ({','.join(r['stuck'])})" if r["stuck"] else "0"
         print(
-            f"| {r['name']} | {r['steps']} | {r['seconds']:.0f} | {r['step_s']:.3f} | {at} | {r['last20']:.3f} | {stuck} |"
+            f"| {r['name']} | {r['steps']} | {r['seconds']:.0f} | {r['step_s']:.3f} | {r['first10']:.3f} | {at} | {r['last20']:.3f} | {stuck} |"
         )
     if not args.pair:
         return
