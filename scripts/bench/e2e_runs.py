@@ -5,8 +5,9 @@
 One row per run directory, from its metrics.jsonl, trajectories.jsonl and .hydra/config.yaml. Seconds are
 training-loop seconds (the sum of `timing_s/step`; start-up is not in them); "first 10" = the mean reward of the
 first ten steps (about the untrained policy's); "reached" = the first 20-step mean reward at or above the level;
-"stuck" = answers (ground truths of the built-in task) whose trajectories of the last 100 steps average below 0.5. With --pair A B, runs whose names differ only in A and B are compared: the common level
-is the lower of the two last-20 means less 0.02, a reward both runs reach, and each run's seconds to it.
+"stuck" = answers (ground truths of the built-in task) whose trajectories of the last 100 steps average below 0.5.
+With --pair A B, runs whose names differ only in A and B are compared: the common level is the lower of the two
+last-20 means less 0.02, a reward both runs reach, and each run's seconds to it.
 """
 
 from __future__ import annotations
