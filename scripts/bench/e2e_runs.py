@@ -75,6 +75,14 @@ def reached(run: dict, level: float) -> float | None:
     return next((run["elapsed"][i + 19] for i, m in enumerate(run["means"]) if m >= level), None)
 
 
+def mean_at(run: dict, seconds: float) -> float | None:
+    """The 20-step mean reward at `seconds` of training, or None when the run had ended (or not yet 20 steps)."""
+    if seconds > run["elapsed"][-1]:
+        return None
+    i = next(i for i, t in enumerate(run["elapsed"]) if t >= seconds)
+    return run["means"][i - 19] if i >= 19 else None
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
@@ -83,6 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--pair", nargs=2, metavar=("A", "B"), help="compare runs named alike but for A / B")
+    p.add_argument("--at", type=float, nargs="*", default=[30, 60, 90, 120, 150, 180, 210], help="training seconds")
     args = p.parse_args()
     runs = {r.name: load(r) for r in args.runs}
     levels = " | ".join(f"{lv} reached, s" for lv in LEVELS)
@@ -124,6 +133,18 @@ def main() -> None:
             f"in all, {at}, stuck answers {sum(len(r['stuck']) for r in side)} in {sum(bool(r['stuck']) for r in side)} runs"
         )
     print(f"{a} reaches the common level first in {wins} of {len(pairs)} pairs")
+    print("\n| mean 20-step reward at training s | " + " | ".join(f"{t:.0f}" for t in args.at) + " |")
+    print("|---" * (1 + len(args.at)) + "|")
+    for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
+        cells = []
+        for t in args.at:
+            vals = [v for r in side if (v := mean_at(r, t)) is not None]
+            cells.append(
+                "-"
+                if not vals
+                else f"{statistics.mean(vals):.3f}" + ("" if len(vals) == len(side) else f" ({len(vals)} runs)")
+            )
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
