@@ -29,7 +29,7 @@ sys.path.insert(0, str(_HERE.parents[1]))
 from fully_async.data import synthetic_rows  # noqa: E402
 from fully_async.protocol import PromptRef  # noqa: E402
 
-LEVELS = (0.8, 0.9)
+LEVELS = (0.8, 0.9, 0.95)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -113,11 +113,13 @@ def main() -> None:
         raise SystemExit(f"no run pairs named alike but for {a!r} / {b!r}")
     print(f"\n| pair | common level | {a}: s | {b}: s | faster |")
     print("|---|---|---|---|---|")
-    wins = 0
+    wins, times_a, times_b = 0, [], []
     for x, y in pairs:
         level = min(x["last20"], y["last20"]) - 0.02
         tx, ty = reached(x, level), reached(y, level)
         first = tx is not None and (ty is None or tx < ty)
+        times_a.append(tx)
+        times_b.append(ty)
         wins += first
         print(f"| {x['name']} | {level:.2f} | {_s(tx)} | {_s(ty)} | {a if first else b} |")
     for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
@@ -132,7 +134,16 @@ def main() -> None:
             f"{statistics.median(r['step_s'] for r in side):.3f} s, median {statistics.median(r['seconds'] for r in side):.0f} s "
             f"in all, {at}, stuck answers {sum(len(r['stuck']) for r in side)} in {sum(bool(r['stuck']) for r in side)} runs"
         )
-    print(f"{a} reaches the common level first in {wins} of {len(pairs)} pairs")
+    print(f"{a} reaches the common level first in {wins} of {len(pairs)} pairs", end="")
+    if all(t is not None for t in times_a + times_b):
+        ratio = statistics.geometric_mean([x / y for x, y in zip(times_a, times_b)])
+        print(
+            f" (median {statistics.median(times_a):.0f} s against {statistics.median(times_b):.0f} s, mean "
+            f"{statistics.mean(times_a):.0f} against {statistics.mean(times_b):.0f} s, geometric mean of the ratio "
+            f"{ratio:.2f})",
+            end="",
+        )
+    print()
     print("\n| mean 20-step reward at training s | " + " | ".join(f"{t:.0f}" for t in args.at) + " |")
     print("|---" * (1 + len(args.at)) + "|")
     for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
