@@ -54,7 +54,8 @@ class Run:
         ]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a run's jsonl log ([] when it does not exist), skipping a last line cut by a kill."""
     if not path.exists():
         return []
     rows = []
@@ -71,10 +72,10 @@ def load_run(run_dir: str | Path) -> Run:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory")
     spans, meta = load(run_dir)
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     if not spans and not metrics:
         raise ReportError(f"{run_dir} has neither an event trace (trace/*.jsonl) nor metrics.jsonl")
-    return Run(run_dir, spans, meta, metrics, _jsonl(run_dir / "trajectories.jsonl"))
+    return Run(run_dir, spans, meta, metrics, read_jsonl(run_dir / "trajectories.jsonl"))
 
 
 # -- idle ratios from the trace -------------------------------------------------------------------------------------

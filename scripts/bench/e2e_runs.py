@@ -13,7 +13,6 @@ last-20 means less 0.02, a reward both runs reach, and each run's seconds to it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -28,16 +27,13 @@ sys.path.insert(0, str(_HERE.parents[1]))
 
 from fully_async.data import synthetic_rows  # noqa: E402
 from fully_async.protocol import PromptRef  # noqa: E402
+from fully_async.report import read_jsonl  # noqa: E402
 
 LEVELS = (0.8, 0.9, 0.95)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def load(run: Path) -> dict:
-    metrics = _jsonl(run / "metrics.jsonl")
+    metrics = read_jsonl(run / "metrics.jsonl")
     if len(metrics) < 20:
         raise SystemExit(f"{run}: {len(metrics)} steps in metrics.jsonl, need at least 20")
     rewards = [m["reward/mean"] for m in metrics]
@@ -54,7 +50,7 @@ def load(run: Path) -> dict:
     ]
     last = metrics[-1]["step"] - 100
     per_answer: dict[str, list[float]] = defaultdict(list)
-    for t_ in _jsonl(run / "trajectories.jsonl"):
+    for t_ in read_jsonl(run / "trajectories.jsonl"):
         if t_["step"] > last:
             per_answer[truth[PromptRef.parse(t_["prompt_uid"]).index]].append(t_["reward"])
     return {
@@ -122,7 +118,8 @@ def main() -> None:
         times_b.append(ty)
         wins += first
         print(f"| {x['name']} | {level:.2f} | {_s(tx)} | {_s(ty)} | {a if first else b} |")
-    for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
+    sides = ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs]))
+    for label, side in sides:
         last = [r["last20"] for r in side]
         sem = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else 0.0
         hits = {lv: [t for r in side if (t := reached(r, lv)) is not None] for lv in LEVELS}
@@ -146,7 +143,7 @@ def main() -> None:
     print()
     print("\n| mean 20-step reward at training s | " + " | ".join(f"{t:.0f}" for t in args.at) + " |")
     print("|---" * (1 + len(args.at)) + "|")
-    for label, side in ((a, [x for x, _ in pairs]), (b, [y for _, y in pairs])):
+    for label, side in sides:
         cells = []
         for t in args.at:
             vals = [v for r in side if (v := mean_at(r, t)) is not None]
