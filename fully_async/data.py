@@ -119,11 +119,13 @@ COPY_REPEATS = 5
 32 unlearned digits over twelve in-process seeds with one copy, 1 with five)."""
 
 
-def synthetic_rows(size: int, seed: int, split: str = "train", task: str = "copy") -> list[PromptRow]:
+def synthetic_rows(
+    size: int, seed: int, split: str = "train", task: str = "copy", copy_repeats: int = COPY_REPEATS
+) -> list[PromptRow]:
     """The built-in tasks, answered by one digit: `copy` ('echo 77777' -> '7') and `add` ('3+4=' -> '7', sums < 10).
 
     A 2-layer model learns `copy` from random init by RL in minutes (the answer is a lookup of the prompt's digit,
-    shown COPY_REPEATS times: with one copy, first-layer attention to it could saturate at zero for some digits,
+    shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
     which RL then never learned); `add` needs both digits and learns more slowly. Train and validation draw from
     disjoint seeds."""
     if task not in ("copy", "add"):
@@ -133,7 +135,7 @@ def synthetic_rows(size: int, seed: int, split: str = "train", task: str = "copy
     for i in range(size):
         a = rng.randint(0, 9)
         if task == "copy":
-            content, answer = f"echo {str(a) * COPY_REPEATS}", a
+            content, answer = f"echo {str(a) * copy_repeats}", a
         else:
             b = rng.randint(0, 9 - a)
             content, answer = f"{a}+{b}=", a + b

@@ -36,17 +36,21 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from fully_async.config import TinyModelConfig  # noqa: E402
+from fully_async.data import synthetic_rows  # noqa: E402
 from fully_async.models.tiny import build_tiny_model  # noqa: E402
 
 PROMPTS, SAMPLES = 8, 8
 
 
 def task_rows(task: str, repeats: int) -> tuple[list[str], list[int]]:
-    """Prompts and answers as fully_async.data.synthetic_rows builds them (copy: the digit `repeats` times)."""
-    if task == "copy":
-        return [f"echo {str(d) * repeats}" for d in range(10)], list(range(10))
-    pairs = [(a, b) for a in range(10) for b in range(10 - a)]
-    return [f"{a}+{b}=" for a, b in pairs], [a + b for a, b in pairs]
+    """The task's distinct prompts, in order, and their answers, taken from the rows the runner trains on."""
+    rows = {
+        r.messages[0]["content"]: int(r.ground_truth) for r in synthetic_rows(4096, 0, task=task, copy_repeats=repeats)
+    }
+    if len(rows) != {"copy": 10, "add": 55}[task]:
+        raise SystemExit(f"{task}: {len(rows)} distinct prompts in 4096 rows; expected every one")
+    texts = sorted(rows)  # copy: digit order; add: (a, b) order, as the single-digit strings sort
+    return texts, [rows[t] for t in texts]
 
 
 def run(

@@ -70,6 +70,9 @@ def test_missing_file_and_bad_format_are_named(tmp_path):
 def test_copy_task_answers_with_the_echoed_digit():
     rows = synthetic_rows(30, seed=0)
     assert all(r.messages[0]["content"] == "echo " + r.ground_truth * COPY_REPEATS for r in rows)
+    assert [r.messages[0]["content"] for r in synthetic_rows(30, seed=0, copy_repeats=1)] == [
+        "echo " + r.ground_truth for r in rows
+    ]
     assert len({r.ground_truth for r in rows}) > 5
     with pytest.raises(DataError, match="unknown synthetic task 'mul'"):
         synthetic_rows(3, 0, task="mul")
