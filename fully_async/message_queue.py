@@ -174,11 +174,16 @@ class MessageQueue:
             return len(self._items)
 
 
-def create_message_queue(capacity: int, max_staleness: int, name: str | None = None):
-    """Start the MessageQueue as an async Ray actor (one event loop; waits never block other calls)."""
+def create_message_queue(capacity: int, max_staleness: int, name: str | None = None, node_id: str | None = None):
+    """Start the MessageQueue as an async Ray actor (one event loop; waits never block other calls), on node
+    `node_id` when given (the job keeps it on the driver's node)."""
     import ray
 
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
     if name:
         options["name"] = name
+    if node_id:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return ray.remote(MessageQueue).options(**options).remote(capacity, max_staleness, tune_gc=True)

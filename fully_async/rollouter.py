@@ -28,7 +28,9 @@ from typing import Any
 from fully_async.agents import Sample, build_agent_loop
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
+from fully_async.engines.auth import TOKEN_ENV
 from fully_async.gc_tuning import tune_for_throughput
+from fully_async.host import pin_all_threads
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.staleness import StalenessLedger
@@ -70,14 +72,17 @@ class Rollouter:
         queue: Any,
         cpu_set: list[int] | None = None,
         tune_gc: bool = False,
+        engine_token: str | None = None,
     ) -> None:
         """`tune_gc`: set this process's garbage collector for throughput once started (fully_async/gc_tuning.py);
-        create_rollouter sets it, as the actor owns its process."""
+        create_rollouter sets it, as the actor owns its process. `engine_token`: the run's token, sent with every
+        engine request (engines/auth.py)."""
         self.cfg = from_dict(FullyAsyncConfig, cfg).validate()
         self._tune_gc = tune_gc
         self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
-        if cpu_set:
-            _pin_all_threads(cpu_set)
+        if engine_token:
+            os.environ[TOKEN_ENV] = engine_token
+        pin_all_threads(cpu_set)
         at = self.cfg.async_training
         self.ledger = StalenessLedger(at.max_staleness, at.groups_per_version)
         self.rows: list[PromptRow] = []
@@ -103,12 +108,17 @@ class Rollouter:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(
-        self, cursor_state: dict | None = None, ledger_state: dict | None = None, weights: tuple[str, int] | None = None
+        self,
+        cursor_state: dict | None = None,
+        ledger_state: dict | None = None,
+        weights: tuple[str, int] | None = None,
+        hosts: list[Any] | None = None,
     ) -> dict[str, Any]:
         """Load data, check reward sources, start the engines (blocks until healthy) and begin generating.
 
         Resuming: `cursor_state` / `ledger_state` from a checkpoint, and `weights` = (directory, version) the engines
-        load before the first request."""
+        load before the first request. `hosts`: one EngineHost actor per engine server, placed by the job (each
+        server then runs on its host's node); None: the servers are child processes of this actor."""
         from transformers import AutoTokenizer
 
         from fully_async.engines import EngineClient, Sampling, build_engine
@@ -135,7 +145,8 @@ class Rollouter:
         self.val_agent = build_agent_loop(
             self.cfg.rollout.agent_loop, tokenizer, sampling, self.cfg.rollout.response_length
         )
-        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir)
+        device = self.cfg.trainer.device if self.cfg.trainer.device != "auto" else None
+        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
@@ -428,17 +439,6 @@ def _stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def _pin_all_threads(cpus: list[int]) -> None:
-    """Pin every thread of this process (Ray's included) to `cpus`; processes started later (engine servers, reward
-    workers) inherit it. Measured on 2 cores: with the Rollouter side sharing the engine's core instead of floating
-    onto the trainer's, the update overlapping generation took 0.26 s instead of 0.32 s and a step 0.37 s, not 0.45."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
-
-
 def create_rollouter(
     cfg: FullyAsyncConfig,
     model_path: str,
@@ -446,9 +446,12 @@ def create_rollouter(
     queue: Any,
     runtime_env: dict | None = None,
     cpu_set: list[int] | None = None,
+    node_id: str | None = None,
+    engine_token: str | None = None,
 ):
-    """Start the Rollouter as an async Ray actor (its engines and reward workers are child processes of it).
-    `cpu_set`: cores for the actor and everything it starts (on a CPU host: the engines' cores), None = any."""
+    """Start the Rollouter as an async Ray actor (its reward workers, and engines not given hosts, are child
+    processes of it). `cpu_set`: cores for the actor and everything it starts (on a CPU host: the engines' cores),
+    None = any; `node_id`: the node it must run on (the job keeps it on the driver's node)."""
     import dataclasses
 
     import ray
@@ -456,8 +459,12 @@ def create_rollouter(
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 10000}
     if runtime_env:
         opts["runtime_env"] = runtime_env
+    if node_id:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     return (
         ray.remote(Rollouter)
         .options(**opts)
-        .remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set, tune_gc=True)
+        .remote(dataclasses.asdict(cfg), model_path, run_dir, queue, cpu_set, tune_gc=True, engine_token=engine_token)
     )

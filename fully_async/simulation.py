@@ -62,40 +62,22 @@ def capacity(
 def run_schedule(
     cfg: FullyAsyncConfig, run_dir: str | Path, model_path: str, cpu_clock: Callable[[], float] | None = None
 ) -> dict[str, Any]:
-    """Run one simulated job with the real actors (what fully_async.runner wires, in this process's Ray).
+    """Run one simulated job with the real actors (fully_async/job.py, as the runner does, in this process's Ray).
 
     Returns the trainer loop's wall seconds (`wall_s`), what `cpu_clock` advanced over the same span (`cpu_s`;
     start-up and shutdown left out) and the rollouter's final stats (`rollouter`). Ray must be initialised."""
     import ray
 
-    from fully_async.message_queue import create_message_queue
-    from fully_async.param_sync import ParamSync
-    from fully_async.rollouter import create_rollouter
-    from fully_async.trainer import Trainer
-    from fully_async.training import build_backend
+    from fully_async.job import Job
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    at = cfg.async_training
-    queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness)
-    rollouter = create_rollouter(cfg, model_path, str(run_dir), queue)
-    backend = build_backend(cfg.trainer, cfg.algorithm, model_path, temperature=cfg.rollout.temperature)
-    sync = ParamSync(rollouter, backend, run_dir / "weights", "bfloat16", at.sync_timeout_s)
-    try:
-        ray.get(rollouter.prepare.remote())
-        trainer = Trainer(cfg, backend, queue, rollouter, sync, run_dir)
-        ray.get(rollouter.start.remote())
+    with Job(cfg, run_dir, model_path, weights_root=run_dir / "weights", echo=lambda line: None) as job:
+        job.start()
         cpu0, start = (cpu_clock() if cpu_clock else 0.0), time.monotonic()
-        trainer.run()
+        job.run()
         wall = time.monotonic() - start
         cpu = cpu_clock() - cpu0 if cpu_clock else 0.0
-        return {"wall_s": wall, "cpu_s": cpu, "rollouter": ray.get(rollouter.stats.remote())}
-    finally:
-        ray.get(rollouter.shutdown.remote(), timeout=120)
-        ray.kill(rollouter)
-        ray.kill(queue)
-        backend.shutdown()
-        sync.close()
+        return {"wall_s": wall, "cpu_s": cpu, "rollouter": ray.get(job.rollouter.stats.remote())}
 
 
 def summarize(run_dir: str | Path, cfg: FullyAsyncConfig) -> dict[str, Any]:

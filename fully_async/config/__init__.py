@@ -24,6 +24,7 @@ from fully_async.config.sections import (
     JudgeConfig,
     LoggerConfig,
     ModelConfig,
+    PlacementConfig,
     RewardConfig,
     RewardLimitsConfig,
     RewardModelConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "GROUPS",
     "LoggerConfig",
     "ModelConfig",
+    "PlacementConfig",
     "JudgeConfig",
     "RewardConfig",
     "RewardLimitsConfig",
@@ -90,6 +92,8 @@ class FullyAsyncConfig:
     """Sampling: samples per prompt, concurrency, response length."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Inference engine servers."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where Ray puts the engine servers and trainer ranks (GPUs or CPUs they reserve)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -147,11 +147,14 @@ class EngineConfig:
     kind: Literal["vllm", "sim"] = "vllm"
     """Inference engine adapter; sim = emulated engines in the rollouter's process (engine.sim)."""
     num_servers: int = 1
-    """Engine server processes (one model replica each)."""
+    """Engine server processes (one model replica each), each placed by Ray on a node with its GPUs."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
     python: str | None = None
     """Interpreter of the engine environment; null = .venv-engine/bin/python at the repository root."""
-    host: str = "127.0.0.1"
-    """Address the engine servers bind to."""
+    host: str = "auto"
+    """Address the engine servers listen on; auto = 127.0.0.1 on the Rollouter's node, the node's IP elsewhere (then
+    behind an auth proxy that requires the run's token)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine weight dtype; auto = float32 on CPU (bf16 log-probs drift ~1e-2), bfloat16 on GPU."""
     max_model_len: int = 512
@@ -183,6 +186,8 @@ class EngineConfig:
 
     def validate_section(self, p: str) -> None:
         require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
+        require(self.tensor_parallel_size >= 1, p + "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        require(bool(str(self.host).strip()), p + "host", self.host, "'auto' or an address")
         require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
         require(
             self.kv_cache_gib >= 1 and float(self.kv_cache_gib).is_integer(),
@@ -196,6 +201,21 @@ class EngineConfig:
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "resume_timeout_s"):
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
+
+
+@dataclass
+class PlacementConfig:
+    resources: Literal["auto", "gpu", "cpu"] = "auto"
+    """What trainer ranks and engine servers reserve from Ray: gpu = GPUs (trainer.nnodes x n_gpus_per_node, and
+    engine.tensor_parallel_size per server); cpu = one CPU each; auto = gpu when the cluster declares GPUs."""
+    timeout_s: float = 120.0
+    """How long to wait for Ray to grant the placement groups before failing (a cluster that is still starting)."""
+    engine_cpus: float = 1.0
+    """Ray CPUs each engine host reserves (its server's tokenizer and API process)."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.timeout_s > 0, p + "timeout_s", self.timeout_s, "> 0")
+        require(self.engine_cpus >= 0, p + "engine_cpus", self.engine_cpus, ">= 0")
 
 
 @dataclass

@@ -20,15 +20,21 @@ __all__ = ["EngineClient", "EngineError", "EngineServers", "GenerationResult", "
 
 
 def build_engine(
-    cfg: EngineConfig, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
+    cfg: EngineConfig,
+    model_path: str | Path,
+    run_dir: str | Path,
+    addresses: list[str] | None = None,
+    hosts: list | None = None,
+    device: str | None = None,
 ) -> EngineServers:
-    """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running)."""
+    """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running).
+    `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu."""
     if cfg.kind == "vllm":
         from fully_async.engines.vllm import VLLMServers
 
-        return VLLMServers(cfg, model_path, run_dir, addresses=addresses)
+        return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device)
     if cfg.kind == "sim":
         from fully_async.engines.sim import SimServers
 
-        return SimServers(cfg, model_path, run_dir, addresses=addresses)
+        return SimServers(cfg, model_path, run_dir, addresses=addresses, device=device)
     raise ConfigError(f"engine.kind must be one of ['vllm', 'sim'], got {cfg.kind!r}")

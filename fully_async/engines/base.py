@@ -24,7 +24,7 @@ from typing import Any, Literal
 import aiohttp
 
 from fully_async.config import EngineConfig
-from fully_async.engines.process import ServerProcess
+from fully_async.engines.process import ServerProcess, tail
 
 logger = logging.getLogger(__name__)
 
@@ -136,24 +136,38 @@ class EngineServers(abc.ABC):
     """True for emulated engines that answer generate requests through `send_direct` instead of HTTP."""
 
     def __init__(
-        self, cfg: EngineConfig, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
+        self,
+        cfg: EngineConfig,
+        model_path: str | Path,
+        run_dir: str | Path,
+        addresses: list[str] | None = None,
+        hosts: list[Any] | None = None,
+        device: str | None = None,
     ):
-        """addresses: attach to servers already running there (nothing is launched, restart is impossible)."""
+        """addresses: attach to servers already running there (nothing is launched, restart is impossible);
+        hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
+        host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
+        fully_async.host.device; None = this machine's)."""
+        from fully_async.host import local_cuda
+
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
+        self.device = device or ("cuda" if local_cuda() else "cpu")
         self.state = EngineState()
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it."""
+        self.hosts = hosts
         if addresses is not None:
             self.procs = [ServerProcess.external(url) for url in addresses]
         else:
-            self.procs = [self._new_process(i) for i in range(cfg.num_servers)]
+            count = len(hosts) if hosts is not None else cfg.num_servers
+            self.procs = [self._new_process(i) for i in range(count)]
 
     # ---- adapter hooks -------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def command(self, index: int, port: int) -> list[str]:
-        """Command line of server `index` listening on `port`."""
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
+        """Command line of server `index` listening on `host` (None: the local bind address) and `port`."""
 
     @abc.abstractmethod
     def environment(self, index: int) -> dict[str, str]:
@@ -193,16 +207,34 @@ class EngineServers(abc.ABC):
     def reset_prefix_cache_call(self) -> HttpCall: ...
 
     # ---- lifecycle -------------------------------------------------------------------------------------------------
+    @property
+    def local_bind(self) -> str:
+        """Bind address of servers started as children of this process ("auto" = loopback)."""
+        return "127.0.0.1" if self.cfg.host == "auto" else self.cfg.host
+
     def _new_process(self, index: int, port: int | None = None) -> ServerProcess:
+        name, log_path = f"{self.kind}-{index}", self.run_dir / "engines" / f"{self.kind}-{index}.log"
+        if self.hosts is not None:
+            from fully_async.engines.host import RemoteServer
+
+            return RemoteServer(
+                name, self.hosts[index], lambda port, host: self.command(index, port, host),
+                self.environment(index), log_path, self.health_path,
+            )  # fmt: skip
         return ServerProcess(
-            name=f"{self.kind}-{index}",
-            command=lambda port: self.command(index, port),
+            name=name,
+            command=lambda port: self.command(index, port, self.local_bind),
             env=self.environment(index),
-            log_path=self.run_dir / "engines" / f"{self.kind}-{index}.log",
-            host=self.cfg.host,
+            log_path=log_path,
+            host=self.local_bind,
             health_path=self.health_path,
             port=port,
         )
+
+    def log_tail(self, index: int, lines: int = 40) -> str:
+        """The last lines of server `index`'s log, read on its node."""
+        proc = self.procs[index]
+        return proc.tail(lines) if hasattr(proc, "tail") else tail(proc.log_path, lines)
 
     @property
     def addresses(self) -> list[str]:
@@ -306,8 +338,10 @@ class EngineServers(abc.ABC):
     async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
         """Run `call` on every server at once; EngineError naming each failed server (and its log) otherwise."""
         urls = self.addresses if urls is None else urls
+        from fully_async.engines.auth import auth_headers
+
         timeout = aiohttp.ClientTimeout(total=self.cfg.control_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
             results = await asyncio.gather(
                 *(self._call_one(session, url, call) for url in urls), return_exceptions=True
             )

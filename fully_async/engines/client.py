@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
+from fully_async.engines.auth import auth_headers
 from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling, Segment
-from fully_async.engines.process import tail
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class EngineClient:
             # invisibly to the balancer.
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth_headers())
         return self._session
 
     async def close(self) -> None:
@@ -152,7 +152,7 @@ class EngineClient:
                     log = self.servers.log_for(url)
                     raise EngineError(
                         f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
-                        f"last failure on {url}: {e}; log {log}:\n{tail(self.servers.procs[idx].log_path, 15)}"
+                        f"last failure on {url}: {e}; log {log}:\n{self.servers.log_tail(idx, 15)}"
                     ) from e
                 logger.warning("retrying a request after a failure on %s: %s", url, e)
                 continue
@@ -260,7 +260,8 @@ class EngineClient:
     async def _on_failure(self, idx: int) -> None:
         # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
         for _ in range(6):
-            if not self.servers.is_alive(idx):
+            # In a thread: for a server on another node this asks its engine host (a Ray call).
+            if not await asyncio.to_thread(self.servers.is_alive, idx):
                 break
             await asyncio.sleep(0.05)
         else:

@@ -267,11 +267,17 @@ class SimServers(VLLMControlCalls, EngineServers):
     in_process = True
 
     def __init__(
-        self, cfg: Any, model_path: str | Path, run_dir: str | Path, addresses: list[str] | None = None
+        self,
+        cfg: Any,
+        model_path: str | Path,
+        run_dir: str | Path,
+        addresses: list[str] | None = None,
+        device: str | None = None,
     ) -> None:
         if addresses is not None:
             raise EngineError("engine=sim emulates its servers in this process; it cannot attach to addresses")
-        super().__init__(cfg, model_path, run_dir, addresses=[f"sim://engine-{i}" for i in range(cfg.num_servers)])
+        urls = [f"sim://engine-{i}" for i in range(cfg.num_servers)]
+        super().__init__(cfg, model_path, run_dir, addresses=urls, device=device or "cpu")
         rng = random.Random(cfg.sim.seed)
         self.engines = [SimEngine(i, cfg.sim, random.Random(rng.random())) for i in range(cfg.num_servers)]
         self._index = {url: i for i, url in enumerate(self.addresses)}
@@ -324,7 +330,7 @@ class SimServers(VLLMControlCalls, EngineServers):
         return out
 
     # ---- adapter hooks (the same endpoint descriptions as vLLM's) --------------------------------------------------------
-    def command(self, index: int, port: int) -> list[str]:
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         raise EngineError("engine=sim launches no server processes")
 
     def environment(self, index: int) -> dict[str, str]:

@@ -8,20 +8,14 @@ the engine itself. Control endpoints need VLLM_SERVER_DEV_MODE=1.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from fully_async.config import ConfigError
 from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
+from fully_async.host import cpu_binding, host_cpus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def has_cuda() -> bool:
-    """Whether this machine has an NVIDIA GPU (checked without importing torch, which may be a CPU build here)."""
-    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
 
 
 def engine_python(configured: str | None) -> str:
@@ -31,27 +25,6 @@ def engine_python(configured: str | None) -> str:
         hint = "" if configured else "; create it with: bash scripts/setup_engine_env.sh"
         raise ConfigError(f"engine.python must be an existing interpreter with vLLM installed, got {str(path)!r}{hint}")
     return str(path)
-
-
-def cpu_binding(index: int, num_servers: int, cpus: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for server `index`: disjoint core ranges, one core left for the API servers and the
-    rest of the run when there are spare cores; round-robin single cores when there are more servers than cores."""
-    spare = len(cpus) - 1
-    if spare >= num_servers:
-        per = spare // num_servers
-        return ",".join(str(c) for c in cpus[index * per : (index + 1) * per])
-    return str(cpus[index % len(cpus)])
-
-
-def host_cpus() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
-def engine_cpus(num_servers: int, cpus: list[int] | None = None) -> set[int]:
-    """Cores the CPU engine servers' compute threads are bound to (see `cpu_binding`), out of `cpus` (the host's)."""
-    cpus = host_cpus() if cpus is None else cpus
-    return {int(c) for i in range(num_servers) for c in cpu_binding(i, num_servers, cpus).split(",")}
 
 
 def _parse_version(label: Any) -> int | None:
@@ -92,9 +65,10 @@ class VLLMControlCalls:
 class VLLMServers(VLLMControlCalls, EngineServers):
     kind = "vllm"
 
-    def command(self, index: int, port: int) -> list[str]:
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if has_cuda() else "float32")
+        cuda = self.device == "cuda"
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
         cmd = [
             engine_python(cfg.python),
             "-m",
@@ -102,7 +76,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             "--model",
             str(self.model_path),
             "--host",
-            cfg.host,
+            host or self.local_bind,
             "--port",
             str(port),
             "--dtype",
@@ -117,13 +91,15 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         ]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
-        if has_cuda():
+        if cuda:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+            if cfg.tensor_parallel_size > 1:
+                cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
         return cmd + list(cfg.extra_args)
 
     def environment(self, index: int) -> dict[str, str]:
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
-        if not has_cuda():
+        if self.device != "cuda":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.

@@ -66,12 +66,14 @@ def build_backend(
     use_reference: bool | None = None,
     device: str | None = None,
     cpu_set: Sequence[int] | None = None,
+    placement_groups: list | None = None,
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
     `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
     defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
-    the cores the ranks are pinned to (the ones the engines do not use), None for all.
+    the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
+    job's trainer groups (fully_async/placement.py); None = the backend reserves its own.
     Ray must already be initialised by the caller.
     """
     from fully_async.config import ConfigError
@@ -87,6 +89,7 @@ def build_backend(
             use_reference=use_reference,
             device=device,
             cpu_set=cpu_set,
+            placement_groups=placement_groups,
         )
     if trainer.backend == "sim":
         from fully_async.training.sim_backend import SimBackend

@@ -161,11 +161,15 @@ class VerlBackend(TrainingBackend):
         device: str | None = None,
         pad_token_id: int = 0,
         cpu_set: Sequence[int] | None = None,
+        placement_groups: list | None = None,
     ):
+        """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
+        trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here."""
+        from fully_async.host import device as run_device
+
         if not ray.is_initialized():
             raise RuntimeError("VerlBackend needs a running Ray (call ray.init first)")
-        device = device or (trainer.device if trainer.device != "auto" else None)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or run_device(trainer.device)
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.cpu = device == "cpu"
@@ -175,6 +179,7 @@ class VerlBackend(TrainingBackend):
         self.timeout = trainer.call_timeout_s
         self.pad_token_id = pad_token_id
         self.cpu_set = sorted(int(c) for c in cpu_set) if cpu_set else None
+        self.placement_groups = placement_groups
         self.step = 0
         if self.cpu:
             from fully_async.training import cpu_platform
@@ -210,10 +215,25 @@ class VerlBackend(TrainingBackend):
 
         n = self.trainer.n_gpus_per_node
         prefix = f"fa_{role}_{uuid.uuid4().hex[:6]}_"  # Ray actor names are global: unique per backend
-        # One CPU per rank reserved for placement: verl's default (10) cannot be placed on small CPU machines.
-        pool = RayResourcePool(
-            process_on_nodes=[n] * self.trainer.nnodes, use_gpu=not self.cpu, max_colocate_count=1, name_prefix=prefix
-        )
+        if self.placement_groups is not None:
+            # The job's groups: every role's ranks share their bundles (one rank of each role per GPU, verl's
+            # colocation), and the job, not this backend, frees them.
+            pgs = self.placement_groups
+            roles = int(pgs[0].bundle_specs[0].get("CPU", 1)) if pgs[0].bundle_specs else 1
+            gpu = "GPU" in (pgs[0].bundle_specs[0] if pgs[0].bundle_specs else {})
+            pool = RayResourcePool(
+                process_on_nodes=[n] * len(pgs), use_gpu=gpu and not self.cpu, max_colocate_count=max(1, roles),
+                name_prefix=prefix,
+            )  # fmt: skip
+            pool.pgs = list(pgs)
+            pool.fa_owned = False
+        else:
+            # One CPU per rank reserved for placement: verl's default (10) cannot be placed on small CPU machines.
+            pool = RayResourcePool(
+                process_on_nodes=[n] * self.trainer.nnodes, use_gpu=not self.cpu, max_colocate_count=1,
+                name_prefix=prefix,
+            )  # fmt: skip
+            pool.fa_owned = True
         env = {}
         if self.cpu:
             from fully_async.training import cpu_platform
@@ -407,6 +427,10 @@ class VerlBackend(TrainingBackend):
         self.step = int(state["step"])
         return self.step
 
+    def where(self) -> list[dict]:
+        """Per policy rank: node id, pid and CUDA_VISIBLE_DEVICES (what the placement plan promised)."""
+        return self._all("policy", "where")
+
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -415,7 +439,7 @@ class VerlBackend(TrainingBackend):
                 ray.kill(worker)
             # The pool's placement groups outlive the actors: without this every backend built in a process keeps
             # its CPUs/GPUs reserved and the next one waits for placement forever.
-            for pg in wg.fa_pool.pgs or []:
+            for pg in (wg.fa_pool.pgs or []) if wg.fa_pool.fa_owned else []:
                 remove_placement_group(pg)
         self._groups.clear()
 

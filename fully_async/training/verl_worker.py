@@ -54,6 +54,13 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             _init_gloo(dist_timeout_s)
         super().__init__(config)
 
+    def where(self) -> dict:
+        """Node id, pid and visible devices of this rank (for the job's placement record)."""
+        import ray
+
+        return {"rank": int(os.environ.get("RANK", "0")), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[str] | None:
         """Write the full (unsharded) weights as Hugging Face safetensors shards of about `bucket_bytes` each, with

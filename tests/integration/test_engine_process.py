@@ -11,7 +11,8 @@ import pytest
 
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, EngineError
-from fully_async.engines.vllm import REPO_ROOT, VLLMServers, cpu_binding, engine_cpus
+from fully_async.engines.vllm import REPO_ROOT, VLLMServers
+from fully_async.host import cpu_binding, engine_cpus
 
 pytestmark = pytest.mark.timeout(120)
 

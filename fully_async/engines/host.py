@@ -1,0 +1,209 @@
+"""Engine hosts: one Ray actor per engine server, placed by Ray on the node (and GPUs) its placement-group bundle got.
+
+The host owns the server process on its node: it picks a free port there, launches the server under the watchdog
+(engines/process.py, so the server dies with the host however the host dies), binds it to an address the other
+nodes can reach, answers health, liveness and log-tail questions, restarts and stops it. A server started through
+a host inherits the host's environment, so it sees the CUDA_VISIBLE_DEVICES Ray gave the host's bundle.
+
+`RemoteServer` is the host's stand-in in the Rollouter's process: it has the `ServerProcess` interface that
+`EngineServers` drives (launch, wait_healthy, is_alive, stop, url, log_path), so the engine pool, the client and the
+control plane stay the same whether a server is local or on another node.
+
+Bind address (`engine.host`): "auto" = 127.0.0.1 when the server runs on the node of the process that talks to it
+(the Rollouter), else the node's IP as Ray knows it; any other value is used as given. Off loopback, the server
+requires the run's token (engines/auth.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from fully_async.engines.process import ServerProcess, free_port, tail
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class EngineHost:
+    """Ray actor (see the module docstring). Created by the job in a placement-group bundle; one server each."""
+
+    def __init__(
+        self,
+        name: str,
+        log_path: str,
+        bind: str,
+        client_node_id: str,
+        cpu_set: list[int] | None = None,
+        token: str | None = None,
+    ):
+        """`bind`: engine.host ("auto" or an address); `client_node_id`: the node of the process that sends the
+        requests (the Rollouter), which decides "auto"; `cpu_set`: on a CPU host, the cores the server may use;
+        `token`: the run's token (required by the auth proxy off loopback)."""
+        import ray
+
+        from fully_async.engines.auth import TOKEN_ENV
+        from fully_async.host import pin_all_threads
+
+        if token:
+            os.environ[TOKEN_ENV] = token
+        pin_all_threads(cpu_set)  # the server (a child) inherits the affinity
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        if bind == "auto":
+            bind = LOOPBACK if self.node_id == client_node_id else self.node_ip
+        self.name, self.bind, self.log_path = name, bind, Path(log_path)
+        self.proc: ServerProcess | None = None
+        self.proxy = None
+
+    def where(self) -> dict[str, Any]:
+        """Node, process and devices of this host (and of its server, when running): what the plan promised."""
+        info = {
+            "name": self.name,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "host_pid": os.getpid(),
+            "bind": self.bind,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        if self.proc is not None and self.proc.popen is not None:
+            info["server_pid"] = self.proc.popen.pid
+            info["url"] = self.proc.url
+        return info
+
+    def pick_ports(self) -> dict[str, Any]:
+        """Where the next server listens: `url` (what clients use), `server_host` and `server_port` (the server's own
+        bind). Off loopback the server binds 127.0.0.1 and the auth proxy listens on `url` (engines/auth.py)."""
+        public = free_port(self.bind if self.bind not in ("0.0.0.0", "::") else "")
+        if is_loopback(self.bind):
+            return {"url": f"http://{_url_host(self.bind, self.node_ip)}:{public}", "server_host": self.bind,
+                    "server_port": public}  # fmt: skip
+        return {"url": f"http://{_url_host(self.bind, self.node_ip)}:{public}", "server_host": LOOPBACK,
+                "server_port": free_port(LOOPBACK), "proxy_port": public}  # fmt: skip
+
+    def launch(self, command: list[str], env: dict[str, str], ports: dict[str, Any], health_path: str) -> str:
+        """Start the server (stopping a previous one first) and, off loopback, its auth proxy; returns the URL
+        clients use. Does not wait for health."""
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = ServerProcess(
+            name=self.name,
+            command=lambda _port: command,
+            env=env,
+            log_path=self.log_path,
+            host=ports["server_host"],
+            health_path=health_path,
+            port=ports["server_port"],
+        )
+        self.proc.launch()
+        if "proxy_port" in ports and self.proxy is None:
+            from fully_async.engines.auth import TOKEN_ENV, AuthProxy
+
+            token = os.environ.get(TOKEN_ENV)
+            if not token:
+                self.proc.stop()
+                raise RuntimeError(
+                    f"{self.name}: engine server bound to {self.bind} (off loopback) needs the run's token in "
+                    f"{TOKEN_ENV}; the job sets it"
+                )
+            self.proxy = AuthProxy(self.bind, ports["proxy_port"], self.proc.url, token)
+        return ports["url"]
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        self._proc().wait_healthy(timeout_s)
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+
+    def tail(self, lines: int = 40) -> str:
+        return tail(self.log_path, lines)
+
+    def _proc(self) -> ServerProcess:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name}: no server launched on this host")
+        return self.proc
+
+
+class RemoteServer:
+    """A server owned by an `EngineHost` actor, with the `ServerProcess` interface (see the module docstring).
+    `command(port, host)` gives the server's command line for its own bind address and port."""
+
+    launched = True
+
+    def __init__(self, name: str, host: Any, command, env: dict[str, str], log_path: Path, health_path: str):
+        self.name, self.host, self.command, self.env = name, host, command, env
+        self.log_path, self.health_path = log_path, health_path
+        self._ports: dict[str, Any] | None = None
+
+    @property
+    def url(self) -> str:
+        # Picked once and kept across restarts: the client's per-server bookkeeping stays valid.
+        if self._ports is None:
+            self._ports = self._get(self.host.pick_ports.remote())
+        return self._ports["url"]
+
+    def launch(self) -> None:
+        _ = self.url
+        ports = self._ports
+        cmd = self.command(ports["server_port"], ports["server_host"])
+        self._get(self.host.launch.remote(cmd, self.env, ports, self.health_path))
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        import ray
+
+        from fully_async.engines.base import EngineError
+
+        try:
+            ray.get(self.host.wait_healthy.remote(timeout_s), timeout=timeout_s + 60)
+        except ray.exceptions.RayTaskError as e:
+            raise EngineError(str(e.cause) if e.cause is not None else str(e)) from None
+        except ray.exceptions.RayError as e:
+            raise EngineError(f"{self.name} at {self.url}: its engine host is gone ({type(e).__name__}: {e})") from e
+
+    def is_alive(self) -> bool:
+        """Asks the host (a blocking Ray call: the client asks from a thread, after a failed request)."""
+        import ray
+
+        try:
+            return bool(ray.get(self.host.is_alive.remote(), timeout=30))
+        except ray.exceptions.RayError:
+            return False  # the host (or its node) is gone: so is the server
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        import ray
+
+        # A host that is gone took its server with it (the watchdog's lifeline closed).
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.host.stop.remote(), timeout=grace_s + 30)
+
+    def tail(self, lines: int = 40) -> str:
+        import ray
+
+        try:
+            return ray.get(self.host.tail.remote(lines), timeout=30)
+        except ray.exceptions.RayError as e:
+            return f"(no log: the engine host is gone: {type(e).__name__})"
+
+    @staticmethod
+    def _get(ref):
+        import ray
+
+        return ray.get(ref, timeout=120)
+
+
+def _url_host(bind: str, node_ip: str) -> str:
+    host = node_ip if bind in ("0.0.0.0", "::") else bind
+    return f"[{host}]" if ":" in host else host

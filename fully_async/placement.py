@@ -1,0 +1,290 @@
+"""Placement: where every engine server, trainer rank and driver-side actor of a run goes, decided by Ray placement
+groups, checked before anything starts, and printed as a table.
+
+    plan = Placement.reserve(cfg)      # fails early, with the arithmetic, when the cluster cannot hold the run
+    print(plan.table())
+    ... trainer ranks in plan.trainer_pgs (verl's RayResourcePool), one engine host per plan.engine_pgs[i] ...
+    plan.release()
+
+Resources (`placement.resources`): with gpu, the trainer takes `trainer.nnodes` placement groups of
+`trainer.n_gpus_per_node` one-GPU bundles (STRICT_PACK: each group on one node, as verl's RayResourcePool makes
+them), and each engine server one bundle of `engine.tensor_parallel_size` GPUs (one node). The groups reserve
+disjoint GPUs, so trainer and engine GPUs never overlap. With cpu, the same groups hold CPUs only (logical Ray
+CPUs: placement tokens; the real cores are split by fully_async/host.py). The driver (trainer loop, ParamSync),
+the MessageQueue and the Rollouter with its reward workers stay on the driver's node.
+
+The table is Ray's actual placement (read back from the granted groups), not a prediction. Before asking Ray,
+`check_fit` does the arithmetic on the cluster's nodes, so a run that cannot fit fails in a second with e.g.
+"needs 12 GPUs: trainer 8 (1 x 8), engines 2 x 2 = 4; cluster has 8 GPUs on 1 node".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fully_async.config import ConfigError, FullyAsyncConfig
+
+
+class PlacementError(ConfigError):
+    """The run does not fit the cluster (or Ray did not grant its resources in time); the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    ip: str
+    cpus: float
+    gpus: float
+    driver: bool = False
+
+    @property
+    def short(self) -> str:
+        return f"{self.ip}/{self.node_id[:8]}"
+
+
+def cluster_nodes() -> list[Node]:
+    """Alive nodes of the connected Ray cluster; the driver's node first."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [
+        Node(
+            n["NodeID"],
+            n["NodeManagerAddress"],
+            n["Resources"].get("CPU", 0.0),
+            n["Resources"].get("GPU", 0.0),
+            n["NodeID"] == here,
+        )  # fmt: skip
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+    return sorted(nodes, key=lambda n: (not n.driver, n.ip, n.node_id))
+
+
+def uses_gpus(cfg: FullyAsyncConfig, nodes: list[Node]) -> bool:
+    if cfg.placement.resources != "auto":
+        return cfg.placement.resources == "gpu"
+    return sum(n.gpus for n in nodes) > 0
+
+
+def trainer_roles(cfg: FullyAsyncConfig) -> int:
+    """Worker groups sharing each trainer bundle: the policy, and the reference model when the KL loss needs it."""
+    return 2 if cfg.algorithm.use_kl_loss else 1
+
+
+def needs_trainer(cfg: FullyAsyncConfig) -> bool:
+    return cfg.trainer.backend == "verl"
+
+
+def needs_engines(cfg: FullyAsyncConfig) -> bool:
+    return cfg.engine.kind != "sim"
+
+
+def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> None:
+    """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (first fit,
+    trainer first, largest node first). Ray still has the last word (reserve()); this only fails early."""
+    tr, en = cfg.trainer, cfg.engine
+    unit, key = ("GPUs", "gpus") if gpu else ("CPUs", "cpus")
+    per_rank = 1.0 if gpu else float(trainer_roles(cfg))
+    per_server = float(en.tensor_parallel_size) if gpu else cfg.placement.engine_cpus
+    trainer = [tr.n_gpus_per_node * per_rank] * tr.nnodes if needs_trainer(cfg) else []
+    engines = [per_server] * en.num_servers if needs_engines(cfg) else []
+    free = {n.node_id: getattr(n, key) for n in nodes}
+    problem, trainer_nodes = None, set()
+    for i, need in enumerate(trainer):
+        # One trainer group per node, each on a node of its own (verl's process_on_nodes).
+        fits = [n for n in nodes if n.node_id not in trainer_nodes and free[n.node_id] >= need]
+        if not fits:
+            problem = f"no node left with {need:g} free {unit} for trainer node {i + 1} of {tr.nnodes}"
+            break
+        best = min(fits, key=lambda n: free[n.node_id])  # best fit: keep the big nodes for big TP bundles
+        free[best.node_id] -= need
+        trainer_nodes.add(best.node_id)
+    if problem is None:
+        for i, need in enumerate(engines):
+            fits = [n for n in nodes if free[n.node_id] >= need]
+            if not fits:
+                problem = f"no node has {need:g} free {unit} for engine server {i + 1} of {en.num_servers}"
+                break
+            best = min(fits, key=lambda n: free[n.node_id])
+            free[best.node_id] -= need
+    if problem is None:
+        return
+    total = sum(getattr(n, key) for n in nodes)
+    per_node = ", ".join(f"{n.short}: {getattr(n, key):g}" for n in nodes)
+    need_total = sum(trainer) + sum(engines)
+    parts = []
+    if trainer:
+        roles = "" if gpu else f" x {per_rank:g}"
+        parts.append(f"trainer {sum(trainer):g} ({tr.nnodes} x {tr.n_gpus_per_node}{roles})")
+    if engines:
+        parts.append(f"engines {en.num_servers} x {per_server:g} = {sum(engines):g}")
+    hint = (
+        " (placement.resources=gpu; a CPU-only run: placement.resources=cpu trainer.device=cpu)"
+        if gpu
+        else " (logical Ray CPUs: start Ray with more --num-cpus, or lower placement.engine_cpus)"
+    )
+    raise PlacementError(
+        f"needs {need_total:g} {unit}: {', '.join(parts)}; cluster has {total:g} {unit} on {len(nodes)} "
+        f"node{'s' if len(nodes) != 1 else ''} ({per_node}): {problem}{hint}"
+    )
+
+
+@dataclass
+class Placement:
+    """Granted placement groups and the table of who runs where (see the module docstring)."""
+
+    gpu: bool
+    nodes: list[Node]
+    trainer_pgs: list[Any] = field(default_factory=list)
+    engine_pgs: list[Any] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def reserve(cls, cfg: FullyAsyncConfig) -> Placement:
+        """Check the arithmetic, then ask Ray for every group and wait (placement.timeout_s) until all are granted.
+        Nothing is left reserved when this raises."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        nodes = cluster_nodes()
+        gpu = uses_gpus(cfg, nodes)
+        check_fit(cfg, nodes, gpu)
+        plan = cls(gpu, nodes)
+        tr, en, pl = cfg.trainer, cfg.engine, cfg.placement
+        try:
+            engines_first = gpu and en.tensor_parallel_size > tr.n_gpus_per_node
+            if engines_first and needs_engines(cfg):
+                plan.engine_pgs = plan._engine_groups(cfg, gpu)
+            if needs_trainer(cfg):
+                bundle = {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {})
+                plan.trainer_pgs = [
+                    placement_group(
+                        [dict(bundle) for _ in range(tr.n_gpus_per_node)],
+                        strategy="STRICT_PACK",
+                        name=f"fully_async_trainer_{i}_{time.time_ns()}",
+                    )  # fmt: skip
+                    for i in range(tr.nnodes)
+                ]
+            if needs_engines(cfg):
+                bundle = {"CPU": pl.engine_cpus} | ({"GPU": float(en.tensor_parallel_size)} if gpu else {})
+                bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+                plan.engine_pgs = [
+                    placement_group(
+                        [dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}"
+                    )
+                    for i in range(en.num_servers)
+                ]
+            pgs = plan.trainer_pgs + plan.engine_pgs
+            ready, pending = [], []  # (groups were created largest first, as check_fit packed them)
+            if pgs:
+                ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=pl.timeout_s)
+            if pending:
+                raise PlacementError(
+                    f"Ray granted {len(ready)} of {len(pgs)} placement groups within placement.timeout_s="
+                    f"{pl.timeout_s:g}s; the cluster's free resources changed or other jobs hold them "
+                    f"(ray status shows what is in use)"
+                )
+            plan._read_back(cfg)
+        except BaseException:
+            plan.release()
+            raise
+        return plan
+
+    @staticmethod
+    def _engine_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": cfg.placement.engine_cpus} | ({"GPU": float(cfg.engine.tensor_parallel_size)} if gpu else {})
+        bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+        return [
+            placement_group([dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}")
+            for i in range(cfg.engine.num_servers)
+        ]
+
+    def _read_back(self, cfg: FullyAsyncConfig) -> None:
+        from ray.util.placement_group import placement_group_table
+
+        by_id = {n.node_id: n for n in self.nodes}
+        driver = next((n for n in self.nodes if n.driver), self.nodes[0])
+        unit = "gpu" if self.gpu else "cpu"
+        rows = [
+            {
+                "role": "driver (trainer loop, ParamSync)",
+                "node_id": driver.node_id,
+                "ip": driver.ip,
+                "gpus": 0,
+                "cpus": 0,
+            },
+            {"role": "message queue", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
+            {"role": "rollouter + reward workers", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
+        ]
+        for i, pg in enumerate(self.trainer_pgs):
+            table = placement_group_table(pg)
+            for b, node_id in sorted(table["bundles_to_node_id"].items()):
+                node = by_id.get(node_id)
+                rows.append({
+                    "role": f"trainer rank {i * cfg.trainer.n_gpus_per_node + int(b)}", "node_id": node_id,
+                    "ip": node.ip if node else "?", "gpus": 1 if self.gpu else 0,
+                    "cpus": table["bundles"][b].get("CPU", 0),
+                })  # fmt: skip
+        for i, pg in enumerate(self.engine_pgs):
+            table = placement_group_table(pg)
+            node_id = table["bundles_to_node_id"][0]
+            node = by_id.get(node_id)
+            rows.append({
+                "role": f"engine server {i} ({cfg.engine.kind}, tp {cfg.engine.tensor_parallel_size})",
+                "node_id": node_id, "ip": node.ip if node else "?",
+                "gpus": cfg.engine.tensor_parallel_size if self.gpu else 0, "cpus": table["bundles"][0].get("CPU", 0),
+            })  # fmt: skip
+        self.rows = rows
+        self.unit = unit
+
+    def engine_nodes(self) -> list[str]:
+        return [r["node_id"] for r in self.rows if r["role"].startswith("engine server")]
+
+    def trainer_nodes(self) -> list[str]:
+        return [r["node_id"] for r in self.rows if r["role"].startswith("trainer rank")]
+
+    def table(self) -> str:
+        """The plan as a fixed-width table: node, GPUs, CPUs, role; then the cluster's totals."""
+        header = ("node", "GPUs", "CPUs", "role")
+        lines = [(f"{r['ip']}/{r['node_id'][:8]}", f"{r['gpus']:g}", f"{r['cpus']:g}", r["role"]) for r in self.rows]
+        widths = [max(len(x[i]) for x in [header, *lines]) for i in range(3)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(header[:3], widths)) + "  " + header[3]]
+        out += ["  ".join(c.ljust(w) for c, w in zip(x[:3], widths)) + "  " + x[3] for x in lines]
+        gpus = sum(n.gpus for n in self.nodes)
+        out.append(
+            f"cluster: {len(self.nodes)} node{'s' if len(self.nodes) != 1 else ''}, {gpus:g} GPUs, "
+            f"{sum(n.cpus for n in self.nodes):g} CPUs; reserving {'GPUs' if self.gpu else 'CPUs only'}"
+        )
+        return "\n".join(out)
+
+    def to_json(self) -> str:
+        nodes = [vars(n) for n in self.nodes]
+        return json.dumps({"gpu": self.gpu, "nodes": nodes, "rows": self.rows}, indent=1)
+
+    def release(self) -> None:
+        """Remove every placement group this plan holds (the actors in them die with them). Idempotent."""
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.trainer_pgs + self.engine_pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # Ray already gone at shutdown: nothing is held any more
+                _log_once(f"placement group not removed: {type(e).__name__}: {e}")
+        self.trainer_pgs, self.engine_pgs = [], []
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    import logging
+
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger(__name__).warning("%s", message)

@@ -1,0 +1,73 @@
+"""The placement arithmetic (fully_async/placement.py check_fit) on described clusters; Ray's own placement of the
+same plans is checked on a real 2-node cluster in tests/integration/test_cluster_job.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from fully_async.config import compose
+from fully_async.placement import Node, PlacementError, check_fit, uses_gpus
+
+
+def _cfg(*overrides: str):
+    return compose(list(overrides))
+
+
+def _nodes(*gpus: float, cpus: float = 16) -> list[Node]:
+    return [Node(f"node{i:02d}" + "0" * 30, f"10.0.0.{i + 1}", cpus, g, driver=i == 0) for i, g in enumerate(gpus)]
+
+
+def test_two_8_gpu_nodes_hold_trainer_8_and_engines_4_x_tp2():
+    cfg = _cfg("trainer.nnodes=1", "trainer.n_gpus_per_node=8", "engine.num_servers=4", "engine.tensor_parallel_size=2")
+    check_fit(cfg, _nodes(8, 8), gpu=True)
+
+
+def test_not_enough_gpus_gives_the_arithmetic():
+    cfg = _cfg("trainer.n_gpus_per_node=8", "engine.num_servers=2", "engine.tensor_parallel_size=2")
+    with pytest.raises(PlacementError) as e:
+        check_fit(cfg, _nodes(8), gpu=True)
+    msg = str(e.value)
+    assert "needs 12 GPUs" in msg and "trainer 8 (1 x 8)" in msg and "engines 2 x 2 = 4" in msg, msg
+    assert "cluster has 8 GPUs on 1 node" in msg, msg
+    assert "engine server 1 of 2" in msg, msg
+
+
+def test_enough_gpus_in_total_but_a_tp_bundle_cannot_span_nodes():
+    # 3 + 3 free GPUs after nothing else: a TP-4 server needs 4 on ONE node.
+    cfg = _cfg("engine.num_servers=1", "engine.tensor_parallel_size=4", "trainer.n_gpus_per_node=2")
+    with pytest.raises(PlacementError, match="no node has 4 free GPUs for engine server 1 of 1"):
+        check_fit(cfg, _nodes(0, 3, 3), gpu=True)
+    check_fit(cfg, _nodes(0, 2, 4), gpu=True)
+
+
+def test_trainer_nodes_are_distinct_nodes():
+    # Two trainer nodes of 4 ranks: one 8-GPU node is not two nodes.
+    cfg = _cfg("trainer.nnodes=2", "trainer.n_gpus_per_node=4", "engine.num_servers=1")
+    with pytest.raises(PlacementError, match="trainer node 2 of 2"):
+        check_fit(cfg, _nodes(9), gpu=True)
+    check_fit(cfg, _nodes(4, 5), gpu=True)
+
+
+def test_trainer_and_engine_gpus_are_counted_once():
+    # 4 GPUs: trainer 2 + engines 2 x 1 fits exactly; one more engine does not (GPUs are not shared).
+    check_fit(_cfg("trainer.n_gpus_per_node=2", "engine.num_servers=2"), _nodes(0, 4), gpu=True)
+    with pytest.raises(PlacementError, match="needs 5 GPUs"):
+        check_fit(_cfg("trainer.n_gpus_per_node=2", "engine.num_servers=3"), _nodes(0, 4), gpu=True)
+
+
+def test_cpu_mode_counts_logical_cpus_and_the_reference_ranks():
+    cfg = _cfg("algorithm.use_kl_loss=true", "engine.num_servers=1")
+    check_fit(cfg, _nodes(0, cpus=3), gpu=False)
+    with pytest.raises(PlacementError, match=r"needs 3 CPUs: trainer 2 \(1 x 1 x 2\), engines 1 x 1 = 1"):
+        check_fit(cfg, _nodes(0, cpus=2), gpu=False)
+
+
+def test_sim_engines_and_trainer_reserve_nothing():
+    check_fit(_cfg("engine=sim", "trainer=sim", "engine.num_servers=64"), _nodes(0, cpus=1), gpu=False)
+
+
+def test_resources_auto_follows_the_cluster():
+    cfg = _cfg()
+    assert uses_gpus(cfg, _nodes(0, 4)) and not uses_gpus(cfg, _nodes(0, 0))
+    assert not uses_gpus(_cfg("placement.resources=cpu"), _nodes(0, 4))
+    assert uses_gpus(_cfg("placement.resources=gpu"), _nodes(0))
