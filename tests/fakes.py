@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import threading
 import time
 
 from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
+from fully_async.engines.vllm import REPO_ROOT, VLLMServers
 
 
 class FakeEngine:
@@ -59,12 +61,12 @@ class FakeEngine:
         app.router.add_post("/reset_prefix_cache", self._reset)
         return app
 
-    async def start(self, port: int = 0) -> FakeEngine:
+    async def start(self, port: int = 0, host: str = "127.0.0.1") -> FakeEngine:
         self._runner = web.AppRunner(self.app())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        site = web.TCPSite(self._runner, host, port)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
         return self
 
     async def stop(self) -> None:
@@ -137,15 +139,32 @@ class FakeEngine:
         return web.json_response({"success": True})
 
 
+class FakeProcessServers(VLLMServers):
+    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes (launched locally or by engine
+    hosts): the launcher, watchdog, host and restart paths run for real without vLLM's start-up time."""
+
+    mode = "ok"
+
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
+        if self.mode == "exit":
+            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
+        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode,
+                "--host", host or self.local_bind]  # fmt: skip
+
+    def environment(self, index: int) -> dict[str, str]:
+        return {"PYTHONPATH": str(REPO_ROOT)}
+
+
 def _main() -> None:
     """Run a FakeEngine as a process (for launcher tests): python -m tests.fakes --port P --mode never_healthy"""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="ok")
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
 
     async def serve() -> None:
-        await FakeEngine(args.mode).start(args.port)
+        await FakeEngine(args.mode).start(args.port, args.host)
         print(f"fake engine ({args.mode}) on port {args.port}", flush=True)
         await asyncio.Event().wait()
 

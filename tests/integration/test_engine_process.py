@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
 import pytest
 
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, EngineError
-from fully_async.engines.vllm import REPO_ROOT, VLLMServers
 from fully_async.host import cpu_binding, engine_cpus
+from tests.fakes import FakeProcessServers
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class FakeProcessServers(VLLMServers):
-    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes."""
-
-    mode = "ok"
-
-    def command(self, index: int, port: int) -> list[str]:
-        if self.mode == "exit":
-            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
-        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode]
-
-    def environment(self, index: int) -> dict[str, str]:
-        return {"PYTHONPATH": str(REPO_ROOT)}
 
 
 def _servers(tmp_path, mode: str, **cfg) -> FakeProcessServers:
