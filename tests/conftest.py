@@ -22,3 +22,15 @@ def ray_local():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is (tests/gpu/); elsewhere they are skipped, with the reason."""
+    from fully_async.host import local_cuda
+
+    if local_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
