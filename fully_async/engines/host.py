@@ -75,6 +75,8 @@ class EngineHost:
         if self.proc is not None and self.proc.popen is not None:
             info["server_pid"] = self.proc.popen.pid
             info["url"] = self.proc.url
+            info["server_cuda_visible_devices"] = _environ(self.proc.popen.pid).get("CUDA_VISIBLE_DEVICES")
+            info["server_ancestors"] = _ancestors(self.proc.popen.pid)
         return info
 
     def pick_ports(self) -> dict[str, Any]:
@@ -207,3 +209,31 @@ class RemoteServer:
 def _url_host(bind: str, node_ip: str) -> str:
     host = node_ip if bind in ("0.0.0.0", "::") else bind
     return f"[{host}]" if ":" in host else host
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment a live process started with (empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def _ancestors(pid: int) -> list[list]:
+    """[pid, command name] from `pid`'s parent up to init: shows which raylet (node) a server runs under."""
+    chain = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                chain.append([pid, f.read().strip()])
+        except OSError:
+            break
+    return chain
