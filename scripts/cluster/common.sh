@@ -50,9 +50,9 @@ export_ifname() {
 
 # run_ray_node ROLE FOREGROUND TIMEOUT_S ARGS...: `ray start ARGS --block` as this node's supervisor process.
 # In the background (the default) it runs in its own session, so stop.sh can end it and everything it started as one
-# process group; its pid goes to STATE/ROLE-PID.pid and its output to STATE/ROLE-PID.log, and this returns once Ray
-# reports the node started (or fails with the log's tail). FOREGROUND=1 execs it instead (srun keeps the step alive
-# while it blocks; Slurm's SIGTERM at the end of the step stops the node).
+# process group; its pid goes to STATE/ROLE-N.pid and its output to STATE/ROLE-N.log (N: this script's pid), and this
+# returns once Ray reports the node started (or fails with the log's tail). FOREGROUND=1 execs it instead (srun keeps
+# the step alive while it blocks; Slurm's SIGTERM at the end of the step stops the node).
 run_ray_node() {
     local role="$1" foreground="$2" timeout_s="$3" state
     shift 3
@@ -65,13 +65,10 @@ run_ray_node() {
         echo "$$" >"$state/$role-$$.pid"
         exec "$FA_RAY" start "$@" --block
     fi
-    local log pid deadline
-    log="$(mktemp "$state/$role-XXXXXX.log")"
+    local log="$state/$role-$$.log" pid deadline # named after this script: known before the fork, unique here
     setsid "$FA_RAY" start "$@" --block >"$log" 2>&1 </dev/null &
     pid=$!
-    mv "$log" "$state/$role-$pid.log"
-    log="$state/$role-$pid.log"
-    echo "$pid" >"$state/$role-$pid.pid"
+    echo "$pid" >"$state/$role-$$.pid"
     deadline=$((SECONDS + timeout_s))
     until grep -q "will now block forever" "$log"; do  # printed once the node is up and registered
         if ! kill -0 "$pid" 2>/dev/null; then

@@ -86,4 +86,5 @@ if [[ -s "$FA_RAY_TEMP_DIR/ray_current_cluster" ]]; then
     sed -i "s|^RAY_ADDRESS=.*|RAY_ADDRESS=$gcs|" "$state/cluster.env"
 fi
 cat "$state/cluster.env"
-say "head started; workers join with: bash scripts/cluster/start_worker.sh --address ${gcs:-${address_ip:-127.0.0.1}:$port}"
+gcs="${gcs:-${address_ip:-127.0.0.1}:$port}"
+say "head started; workers join with: bash scripts/cluster/start_worker.sh --address $gcs"

@@ -8,7 +8,7 @@
 #   --grace S        seconds a node gets to drain and stop its processes before they are killed (default 30)
 #
 # Each started node is one `ray start --block` process leading its own process group; its pid is in
-# DIR/fully_async/ROLE-PID.pid. SIGTERM makes it stop every process it started (GCS, raylet, dashboard, agents, Ray
+# DIR/fully_async/ROLE-N.pid. SIGTERM makes it stop every process it started (GCS, raylet, dashboard, agents, Ray
 # workers); whatever of that process group is still alive after the grace period gets SIGKILL. Then any process of
 # this user whose command line names DIR (a Ray process of these nodes that left the group) gets the same treatment.
 # Prints what it stopped; exit 0 when nothing is left, 1 otherwise.

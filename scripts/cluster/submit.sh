@@ -108,7 +108,7 @@ set -e
 trap - INT TERM
 
 # The job's final status decides the exit status (`ray job submit` only says whether it succeeded).
-read -r status code message < <("$FA_PYTHON" - "$api" "$submission_id" <<'PY' || echo "UNKNOWN - the job API did not answer"
+read -r status code message < <("$FA_PYTHON" - "$api" "$submission_id" <<'PY' || echo "UNKNOWN - no answer from the API"
 import sys
 from ray.job_submission import JobSubmissionClient
 info = JobSubmissionClient(sys.argv[1]).get_job_info(sys.argv[2])
