@@ -19,9 +19,9 @@
 # same checkout on each node); that is the layout these scripts assume (docs/cluster.md).
 # Environment passed to the job and every Ray worker it starts (runtime_env env_vars), when set here:
 # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, HF_TOKEN, HF_HOME, HF_HUB_CACHE,
-# HF_HUB_OFFLINE, HF_ENDPOINT, WANDB_API_KEY, WANDB_MODE, WANDB_ENTITY, WANDB_PROJECT, WANDB_BASE_URL, plus --env
-# names; and always RAY_worker_niceness=0. Only the names are printed, never the values; the values go to the job
-# through a private file (mode 600, deleted on exit), not through the command line, where `ps` would show them.
+# HF_HUB_OFFLINE, HF_ENDPOINT, PYTHONPATH, WANDB_API_KEY, WANDB_MODE, WANDB_ENTITY, WANDB_PROJECT, WANDB_BASE_URL,
+# the --env names; and always RAY_worker_niceness=0. Only the names are printed, never the values; the values go to
+# the job through a private file (mode 600, deleted on exit), not through the command line, where `ps` shows them.
 # Ctrl-C (or SIGTERM) stops the job. Exit status: 0 when the job SUCCEEDED, the entrypoint's exit code when it
 # FAILED with one (the runner exits 2 on a config error, 1 on a run error), 1 otherwise.
 set -euo pipefail
@@ -36,7 +36,7 @@ wait_timeout=600
 module=fully_async.runner
 python_c=""
 env_names=(NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA NCCL_DEBUG HF_TOKEN HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE
-    HF_ENDPOINT WANDB_API_KEY WANDB_MODE WANDB_ENTITY WANDB_PROJECT WANDB_BASE_URL)
+    PYTHONPATH HF_ENDPOINT WANDB_API_KEY WANDB_MODE WANDB_ENTITY WANDB_PROJECT WANDB_BASE_URL)
 submission_id="fully_async-$(date +%Y%m%d-%H%M%S)-$RANDOM"
 while [[ $# -gt 0 ]]; do
     case "$1" in
