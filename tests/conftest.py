@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.cluster import two_node_cluster  # noqa: F401  (the 2-node loopback cluster, started by scripts/cluster/)
+
 # Ray 2.60 turns on token auth for local clusters; tests start a private local cluster, so auth adds nothing here.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -1,5 +1,7 @@
-"""Models the project builds itself (no download): the tiny model and tokenizer for CPU runs and tests."""
+"""The model of a run: a directory or Hugging Face hub id (model.path; hub.py), or the tiny model and tokenizer the
+project builds itself for CPU runs and tests (no download; tiny.py)."""
 
+from fully_async.models.hub import resolve_pretrained
 from fully_async.models.tiny import build_tiny_model, resolve_model_path, resolve_run_model
 
-__all__ = ["build_tiny_model", "resolve_model_path", "resolve_run_model"]
+__all__ = ["build_tiny_model", "resolve_model_path", "resolve_pretrained", "resolve_run_model"]

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fully_async.config import ConfigError, FullyAsyncConfig, ModelConfig, TinyModelConfig
+from fully_async.config import FullyAsyncConfig, ModelConfig, TinyModelConfig
 
 BUILDER_VERSION = 1
 """Bumped whenever the files written change, so old cache entries are not reused."""
@@ -158,18 +158,12 @@ def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) 
 
 
 def resolve_model_path(model_cfg: ModelConfig) -> Path:
-    """model.path when set (it must be an existing directory with a config.json), else the cached tiny build."""
+    """model.path when set (an existing model directory with a config.json, or a Hugging Face hub id: the local cache
+    first, then a download when online; fully_async.models.hub), else the cached tiny build."""
     if model_cfg.path:
-        path = Path(model_cfg.path).expanduser()
-        if not path.is_dir():
-            raise ConfigError(
-                f"model.path must be an existing Hugging Face model directory, got {model_cfg.path!r} (not found)"
-            )
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.path {model_cfg.path!r} has no config.json; is it a Hugging Face model directory?"
-            )
-        return path.resolve()
+        from fully_async.models.hub import resolve_pretrained
+
+        return resolve_pretrained(model_cfg.path)
     return build_tiny_model(model_cfg.tiny, model_cfg.cache_dir)
 
 

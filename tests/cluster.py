@@ -1,0 +1,167 @@
+"""A multi-node Ray cluster on this machine, started, used and stopped only through scripts/cluster/ (the CPU twin of
+a GPU cluster: nodes DECLARE GPUs with --num-gpus; Ray hands them out as CUDA_VISIBLE_DEVICES; nothing uses them).
+
+`start_cluster()` starts a head and workers with start_head.sh / start_worker.sh in a private temp dir and waits with
+wait.sh; `LocalCluster.submit()` runs submit.sh; `LocalCluster.stop()` runs stop.sh and returns what it left running.
+`two_node_cluster` is the session fixture (registered for every test by tests/conftest.py): a head with no GPUs and
+one worker declaring 4, started once per session and stopped at its end, failing the session's last user if stop.sh
+leaves a process behind.
+
+Nodes advertise 127.0.0.2, not 127.0.0.1: `ray start` rewrites 127.0.0.1 / localhost as a node IP to the host's
+network address (ray._private.services.resolve_ip_for_localhost), while any other 127.x address is kept, and the
+whole of 127.0.0.0/8 is loopback on Linux. Ports are picked free, Ray's token auth is off (RAY_AUTH_MODE=disabled:
+local tests only), Ray workers run at niceness 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts" / "cluster"
+NODE_IP = "127.0.0.2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment the scripts run with: this interpreter's venv, auth off (local tests only), niceness 0."""
+    env = dict(os.environ)
+    env.update(FA_VENV=sys.prefix, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0", RAY_DEDUP_LOGS="0")
+    env.pop("RAY_ADDRESS", None)  # the scripts take the cluster from --temp-dir, never from a stray variable
+    env.update(extra)
+    return env
+
+
+def run_script(name: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
+    """Run scripts/cluster/NAME with bash; stdout and stderr together in .stdout."""
+    return subprocess.run(["bash", str(SCRIPTS / name), *args], env=env or script_env(), timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+@dataclasses.dataclass
+class LocalCluster:
+    temp_dir: Path
+    gcs_address: str
+    """IP:PORT of the head's GCS (RAY_ADDRESS for a driver)."""
+    api_address: str
+    """http://HOST:PORT of the job API (for `ray job submit`)."""
+
+    @property
+    def state_dir(self) -> Path:
+        return self.temp_dir / "fully_async"
+
+    def submit(self, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+        """submit.sh --temp-dir TEMP ARGS (a run of fully_async.runner by default; `--python-c CODE` for a check),
+        with `env` added to the submitting environment (submit.sh passes what it knows to the job)."""
+        return run_script("submit.sh", "--temp-dir", str(self.temp_dir), *args, timeout=timeout, env=script_env(**env))
+
+    def started_processes(self) -> dict[int, float]:
+        """pid -> create time of every live process the start scripts started: each node's `ray start --block`,
+        its process group and descendants, and any process naming the temp dir the way Ray's processes do."""
+        found: dict[int, float] = {}
+
+        def add(p: psutil.Process) -> None:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found[p.pid] = p.create_time()
+            except psutil.Error:
+                pass
+
+        leaders = [int(f.read_text()) for f in self.state_dir.glob("*.pid")]
+        marks = (f"temp-dir={self.temp_dir}", f"temp_dir={self.temp_dir}", f"{self.temp_dir}/session_")
+        for p in psutil.process_iter():
+            try:
+                in_group = os.getpgid(p.pid) in leaders
+                named = any(m in arg for arg in p.cmdline() for m in marks)
+            except (psutil.Error, ProcessLookupError):
+                continue
+            if in_group or named:
+                add(p)
+        for pid in leaders:
+            try:
+                leader = psutil.Process(pid)
+            except psutil.Error:
+                continue
+            add(leader)
+            for child in leader.children(recursive=True):
+                add(child)
+        return found
+
+    def stop(self) -> tuple[subprocess.CompletedProcess, list[int]]:
+        """stop.sh, and the pids of the processes started by the scripts that are still alive afterwards."""
+        before = self.started_processes()
+        result = run_script("stop.sh", "--temp-dir", str(self.temp_dir), "--grace", "20", timeout=90)
+        left = []
+        for pid, created in before.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.Error:
+                pass
+        return result, left
+
+
+def start_cluster(
+    head_gpus: int = 0, worker_gpus: tuple[int, ...] = (4,), cpus_per_node: int = 8, node_ip: str = NODE_IP
+) -> LocalCluster:
+    """A head and one worker per entry of worker_gpus, started by the scripts in a fresh temp dir, waited for with
+    wait.sh (every node alive, every declared GPU). On failure, whatever was started is stopped before raising."""
+    # Short and private: Ray's socket paths under TEMP/session_*/sockets must stay under the 107-byte limit.
+    temp_dir = Path(tempfile.mkdtemp(prefix="fa-ray-", dir="/tmp"))
+    head = ["--temp-dir", str(temp_dir), "--node-ip-address", node_ip, "--num-cpus", str(cpus_per_node)]
+    try:
+        # Every port free, so that this cluster can run next to another one on the machine (Ray's defaults are fixed).
+        out = run_script(
+            "start_head.sh", *head, "--num-gpus", str(head_gpus), "--port", str(free_port()),
+            "--dashboard-port", str(free_port()), "--", f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout
+        values = dict(
+            line.split("=", 1) for line in (temp_dir / "fully_async" / "cluster.env").read_text().split("\n") if line
+        )
+        for gpus in worker_gpus:
+            out = run_script(
+                "start_worker.sh", *head, "--num-gpus", str(gpus), "--", f"--dashboard-agent-listen-port={free_port()}"
+            )
+            assert out.returncode == 0, out.stdout
+        nodes, total = 1 + len(worker_gpus), head_gpus + sum(worker_gpus)
+        out = run_script("wait.sh", "--temp-dir", str(temp_dir), "--nodes", str(nodes), "--gpus", str(total),
+                         "--timeout", "60")  # fmt: skip
+        assert out.returncode == 0, out.stdout
+    except BaseException:
+        run_script("stop.sh", "--temp-dir", str(temp_dir), "--grace", "10", timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return LocalCluster(temp_dir, values["RAY_ADDRESS"], values["RAY_API_SERVER_ADDRESS"])
+
+
+@pytest.fixture(scope="session")
+def two_node_cluster() -> Iterator[LocalCluster]:
+    """A head (no GPUs) and a worker declaring 4 GPUs on loopback, for the whole session; stopped with stop.sh at
+    the end, which must leave no process the scripts started."""
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        result, left = cluster.stop()
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stdout
+    assert not left, f"stop.sh left processes running: {left}\n{result.stdout}"

@@ -1,0 +1,78 @@
+"""scripts/cluster/ on a real 2-node Ray cluster on loopback (the two_node_cluster fixture: started by start_head.sh
+and start_worker.sh, waited for by wait.sh, stopped by stop.sh at the end of the session, which must leave no process
+the scripts started): the nodes and their declared GPUs, a job submitted by submit.sh with its environment and exit
+status, and the wait script's timeout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from tests.cluster import REPO, run_script
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "hf_test_secret_8d1f"
+PROBE = """
+import hashlib, json, os, sys, ray
+ray.init()
+nodes = [{"alive": n["Alive"], "ip": n["NodeManagerAddress"], "gpus": n["Resources"].get("GPU", 0)} for n in ray.nodes()]
+
+@ray.remote(num_gpus=2)
+def gpu_task():
+    return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+print("PROBE " + json.dumps({
+    "nodes": nodes,
+    "argv": sys.argv[1:],
+    "cwd": os.getcwd(),
+    "token_sha": hashlib.sha256(os.environ.get("HF_TOKEN", "").encode()).hexdigest(),
+    "nccl": os.environ.get("NCCL_SOCKET_IFNAME"),
+    "niceness": os.environ.get("RAY_worker_niceness"),
+    "gpu_task": ray.get(gpu_task.remote()),
+    "worker_node": [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")],
+}))
+"""
+
+
+def _probe(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, stdout
+    return json.loads(lines[-1][len("PROBE ") :])
+
+
+def test_a_submitted_job_sees_both_nodes_the_worker_gpus_and_its_environment(two_node_cluster):
+    out = two_node_cluster.submit(
+        "--python-c", PROBE, "trainer.total_steps=2", "logger=[console, jsonl]",
+        HF_TOKEN=TOKEN, NCCL_SOCKET_IFNAME="lo",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    probe = _probe(out.stdout)
+    assert [n["alive"] for n in probe["nodes"]] == [True, True]
+    assert sorted(n["gpus"] for n in probe["nodes"]) == [0, 4]  # head none, worker 4
+    assert {n["ip"] for n in probe["nodes"]} == {"127.0.0.2"}  # loopback only
+    # A GPU task lands on the worker with the devices Ray gave it.
+    node, devices = probe["gpu_task"]
+    assert [node] == probe["worker_node"] and len(devices.split(",")) == 2
+    # Hydra overrides arrive as they were written (spaces included); the job runs from the repository.
+    assert probe["argv"] == ["trainer.total_steps=2", "logger=[console, jsonl]"]
+    assert probe["cwd"] == str(REPO)
+    assert probe["token_sha"] == hashlib.sha256(TOKEN.encode()).hexdigest()  # the job has the token ...
+    assert TOKEN not in out.stdout  # ... and nothing printed it
+    assert probe["nccl"] == "lo" and probe["niceness"] == "0"
+    assert "HF_TOKEN" in out.stdout  # the names are printed
+
+
+def test_submit_exits_with_the_entrypoint_exit_code(two_node_cluster):
+    out = two_node_cluster.submit("--python-c", "import sys; print('failing on purpose'); sys.exit(3)")
+    assert out.returncode == 3, out.stdout
+    assert "failing on purpose" in out.stdout and "FAILED" in out.stdout
+
+
+def test_wait_times_out_with_what_is_missing(two_node_cluster):
+    out = run_script("wait.sh", "--temp-dir", str(two_node_cluster.temp_dir), "--nodes", "3", "--gpus", "4",
+                     "--timeout", "2", "--interval", "0.5")  # fmt: skip
+    assert out.returncode == 1, out.stdout
+    assert "2 of 3 nodes alive, 4 of 4 GPUs" in out.stdout, out.stdout
