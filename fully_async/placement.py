@@ -84,53 +84,56 @@ def needs_engines(cfg: FullyAsyncConfig) -> bool:
 
 
 def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> None:
-    """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (first fit,
-    trainer first, largest node first). Ray still has the last word (reserve()); this only fails early."""
+    """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (best fit,
+    trainer first), in GPUs (gpu) and in logical CPUs (always: each trainer bundle holds one CPU per role, each engine
+    bundle placement.engine_cpus). Ray still has the last word (reserve()); this only fails early and says why."""
     tr, en = cfg.trainer, cfg.engine
-    unit, key = ("GPUs", "gpus") if gpu else ("CPUs", "cpus")
-    per_rank = 1.0 if gpu else float(trainer_roles(cfg))
-    per_server = float(en.tensor_parallel_size) if gpu else cfg.placement.engine_cpus
-    trainer = [tr.n_gpus_per_node * per_rank] * tr.nnodes if needs_trainer(cfg) else []
-    engines = [per_server] * en.num_servers if needs_engines(cfg) else []
+    roles = float(trainer_roles(cfg))
+    dims = [("GPUs", "gpus", 1.0, float(en.tensor_parallel_size))] if gpu else []
+    dims.append(("CPUs", "cpus", roles, cfg.placement.engine_cpus))
+    for unit, key, per_rank, per_server in dims:
+        trainer = [tr.n_gpus_per_node * per_rank] * tr.nnodes if needs_trainer(cfg) else []
+        engines = [per_server] * en.num_servers if needs_engines(cfg) else []
+        problem = _pack(nodes, key, trainer, engines, unit, tr.nnodes, en.num_servers)
+        if problem is None:
+            continue
+        total = sum(getattr(n, key) for n in nodes)
+        per_node = ", ".join(f"{n.short}: {getattr(n, key):g}" for n in nodes)
+        parts = []
+        if trainer:
+            shape = f"{tr.nnodes} x {tr.n_gpus_per_node}" + (f" x {per_rank:g}" if per_rank != 1 else "")
+            parts.append(f"trainer {sum(trainer):g} ({shape})")
+        if engines:
+            parts.append(f"engines {en.num_servers} x {per_server:g} = {sum(engines):g}")
+        if unit == "GPUs":
+            hint = " (placement.resources=gpu; a CPU-only run: placement.resources=cpu trainer.device=cpu)"
+        else:
+            hint = " (logical Ray CPUs: start the nodes with more --num-cpus, or lower placement.engine_cpus)"
+        raise PlacementError(
+            f"needs {sum(trainer) + sum(engines):g} {unit}: {', '.join(parts)}; cluster has {total:g} {unit} on "
+            f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} ({per_node}): {problem}{hint}"
+        )
+
+
+def _pack(nodes, key, trainer, engines, unit, nnodes, num_servers) -> str | None:
+    """Best-fit packing of the trainer groups (one node each) and then the engine bundles; the first that does not
+    fit, in words, or None."""
     free = {n.node_id: getattr(n, key) for n in nodes}
-    problem, trainer_nodes = None, set()
+    trainer_nodes: set[str] = set()
     for i, need in enumerate(trainer):
         # One trainer group per node, each on a node of its own (verl's process_on_nodes).
         fits = [n for n in nodes if n.node_id not in trainer_nodes and free[n.node_id] >= need]
         if not fits:
-            problem = f"no node left with {need:g} free {unit} for trainer node {i + 1} of {tr.nnodes}"
-            break
+            return f"no node left with {need:g} free {unit} for trainer node {i + 1} of {nnodes}"
         best = min(fits, key=lambda n: free[n.node_id])  # best fit: keep the big nodes for big TP bundles
         free[best.node_id] -= need
         trainer_nodes.add(best.node_id)
-    if problem is None:
-        for i, need in enumerate(engines):
-            fits = [n for n in nodes if free[n.node_id] >= need]
-            if not fits:
-                problem = f"no node has {need:g} free {unit} for engine server {i + 1} of {en.num_servers}"
-                break
-            best = min(fits, key=lambda n: free[n.node_id])
-            free[best.node_id] -= need
-    if problem is None:
-        return
-    total = sum(getattr(n, key) for n in nodes)
-    per_node = ", ".join(f"{n.short}: {getattr(n, key):g}" for n in nodes)
-    need_total = sum(trainer) + sum(engines)
-    parts = []
-    if trainer:
-        roles = "" if gpu else f" x {per_rank:g}"
-        parts.append(f"trainer {sum(trainer):g} ({tr.nnodes} x {tr.n_gpus_per_node}{roles})")
-    if engines:
-        parts.append(f"engines {en.num_servers} x {per_server:g} = {sum(engines):g}")
-    hint = (
-        " (placement.resources=gpu; a CPU-only run: placement.resources=cpu trainer.device=cpu)"
-        if gpu
-        else " (logical Ray CPUs: start Ray with more --num-cpus, or lower placement.engine_cpus)"
-    )
-    raise PlacementError(
-        f"needs {need_total:g} {unit}: {', '.join(parts)}; cluster has {total:g} {unit} on {len(nodes)} "
-        f"node{'s' if len(nodes) != 1 else ''} ({per_node}): {problem}{hint}"
-    )
+    for i, need in enumerate(engines):
+        fits = [n for n in nodes if free[n.node_id] >= need]
+        if not fits:
+            return f"no node has {need:g} free {unit} for engine server {i + 1} of {num_servers}"
+        free[min(fits, key=lambda n: free[n.node_id]).node_id] -= need
+    return None
 
 
 @dataclass
@@ -156,6 +159,8 @@ class Placement:
         plan = cls(gpu, nodes)
         tr, en, pl = cfg.trainer, cfg.engine, cfg.placement
         try:
+            # Larger bundles first: Ray grants groups in order, and a small group placed first can take the node a
+            # TP bundle needed (check_fit packs the same way).
             engines_first = gpu and en.tensor_parallel_size > tr.n_gpus_per_node
             if engines_first and needs_engines(cfg):
                 plan.engine_pgs = plan._engine_groups(cfg, gpu)
@@ -169,17 +174,10 @@ class Placement:
                     )  # fmt: skip
                     for i in range(tr.nnodes)
                 ]
-            if needs_engines(cfg):
-                bundle = {"CPU": pl.engine_cpus} | ({"GPU": float(en.tensor_parallel_size)} if gpu else {})
-                bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
-                plan.engine_pgs = [
-                    placement_group(
-                        [dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}"
-                    )
-                    for i in range(en.num_servers)
-                ]
+            if not engines_first and needs_engines(cfg):
+                plan.engine_pgs = plan._engine_groups(cfg, gpu)
             pgs = plan.trainer_pgs + plan.engine_pgs
-            ready, pending = [], []  # (groups were created largest first, as check_fit packed them)
+            ready, pending = [], []
             if pgs:
                 ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=pl.timeout_s)
             if pending:

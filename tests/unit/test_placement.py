@@ -71,3 +71,13 @@ def test_resources_auto_follows_the_cluster():
     assert uses_gpus(cfg, _nodes(0, 4)) and not uses_gpus(cfg, _nodes(0, 0))
     assert not uses_gpus(_cfg("placement.resources=cpu"), _nodes(0, 4))
     assert uses_gpus(_cfg("placement.resources=gpu"), _nodes(0))
+
+
+def test_gpu_runs_also_need_the_logical_cpus_of_their_bundles():
+    # 8 trainer ranks take one CPU each: a GPU node that declares 4 CPUs cannot hold them.
+    cfg = _cfg("trainer.n_gpus_per_node=8", "engine.num_servers=4", "engine.tensor_parallel_size=2")
+    with pytest.raises(
+        PlacementError, match=r"needs 12 CPUs: trainer 8 \(1 x 8\), engines 4 x 1 = 4; .*more --num-cpus"
+    ):
+        check_fit(cfg, _nodes(0, 8, 8, cpus=4), gpu=True)
+    check_fit(cfg, _nodes(0, 8, 8, cpus=8), gpu=True)
