@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fully_async.handles import resolve
 from fully_async.trace import Tracer
 
 
@@ -68,15 +69,13 @@ class ParamSync:
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings."""
-        import ray
-
         t: dict[str, float] = {}
         start = time.monotonic()
         out = self.root / f"v{version}"
-        self._phase("pause", t, lambda: ray.get(self.rollouter.pause.remote()))
+        self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
         self._phase("export", t, lambda: self.backend.export_weights(out, dtype=self.dtype))
-        self._phase("reload", t, lambda: ray.get(self.rollouter.load_weights.remote(str(out), version)))
-        self._phase("resume", t, lambda: ray.get(self.rollouter.resume.remote()))
+        self._phase("reload", t, lambda: resolve(self.rollouter.load_weights.remote(str(out), version)))
+        self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
         for old in self.root.glob("v*"):
             if old.name not in (out.name, f"v{version - 1}"):
                 shutil.rmtree(old, ignore_errors=True)
