@@ -1,36 +1,31 @@
 """ParamSync: the weight-update protocol between the trainer and the engines.
 
-    pause (admission off, engines abort in-flight requests) -> export weights -> reload in every engine and set the
-    new version -> resume (aborted requests continue under the new weights)
+    pause (admission off, engines abort in-flight requests) -> transfer the weights into every engine and set the
+    new version (the transport's phases) -> resume (aborted requests continue under the new weights)
 
-Each phase is timed (and recorded as a span on the event trace's `sync` lane) and bounded by
+Each phase is timed (timing_s/param_sync/<phase>, and a span on the event trace's `sync` lane) and bounded by
 async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
-of hanging. Weights go through disk (safetensors the engines reload): under /dev/shm when it exists, else the run
-dir. The previous version's files are kept until the next sync, so a server restarted meanwhile still finds the
-weights it was told about.
+of hanging. How the bytes move is the transport's business (fully_async/weights/): with the disk transport the
+phases are pause, export, reload, resume; the first sync starts with `connect` (the transport's prepare).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from fully_async.handles import resolve
 from fully_async.trace import Tracer
+from fully_async.weights import WeightTransport, build_transport
+from fully_async.weights.disk import default_weights_root
+
+__all__ = ["ParamSync", "ParamSyncError", "default_weights_root"]
 
 
 class ParamSyncError(RuntimeError):
     """A sync phase failed or timed out; the message names the phase."""
-
-
-def default_weights_root(run_dir: str | Path) -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        return Path(tempfile.mkdtemp(prefix="fully_async-weights-", dir=shm))
-    return Path(run_dir) / "weights"
 
 
 class ParamSync:
@@ -42,12 +37,20 @@ class ParamSync:
         dtype: str,
         timeout_s: float,
         tracer: Tracer | None = None,
+        *,
+        transport: str | WeightTransport = "disk",
     ) -> None:
+        """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
+        holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
+        built WeightTransport, or an async_training.weight_transport value (disk | collective | auto)."""
         self.rollouter, self.backend = rollouter, backend
         self.tracer = tracer
-        self.root, self.dtype, self.timeout_s = Path(weights_root), dtype, timeout_s
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        if isinstance(transport, str):
+            transport = build_transport(transport, rollouter, backend, weights_root, dtype)
+        self.transport = transport
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-sync")
+        self._prepared = False
         self.syncs = 0
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
@@ -68,29 +71,23 @@ class ParamSync:
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings."""
-        import ray
-
         t: dict[str, float] = {}
         start = time.monotonic()
-        out = self.root / f"v{version}"
-        self._phase("pause", t, lambda: ray.get(self.rollouter.pause.remote()))
-        self._phase("export", t, lambda: self.backend.export_weights(out, dtype=self.dtype))
-        self._phase("reload", t, lambda: ray.get(self.rollouter.load_weights.remote(str(out), version)))
-        self._phase("resume", t, lambda: ray.get(self.rollouter.resume.remote()))
-        for old in self.root.glob("v*"):
-            if old.name not in (out.name, f"v{version - 1}"):
-                shutil.rmtree(old, ignore_errors=True)
+        if not self._prepared:
+            self._phase("connect", t, lambda: self.transport.prepare(self.rollouter))
+            self._prepared = True
+        self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
+        for name, fn in self.transport.phases(version):
+            self._phase(name, t, fn)
+        self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
         self.syncs += 1
         t["timing_s/param_sync"] = time.monotonic() - start
         return t
 
     def export(self, version: int) -> Path:
         """Write the current weights for `version` without touching the engines (resume: engines start on them)."""
-        out = self.root / f"v{version}"
-        self._phase("export", {}, lambda: self.backend.export_weights(out, dtype=self.dtype))
-        return out
+        return self._phase("export", {}, lambda: self.transport.export(version))
 
     def close(self, remove: bool = True) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if remove and self.root.name.startswith("fully_async-weights-"):
-            shutil.rmtree(self.root, ignore_errors=True)
+        self.transport.close(remove)

@@ -7,8 +7,8 @@ rollouter, trainer and sync processes (on several nodes it is as good as their c
 Lanes: `engine/<i>` (one HTTP generate request on engine server i: a whole sample, or the segment of one between two
 syncs), `reward` (scoring one sample), `rollouter` (paused for a sync, validation runs), `trainer` (wait_for_batch,
 update and its prepare / log_probs / train phases, param_sync, save_checkpoint, stats), `sync` (param-sync phases
-pause, export, reload, resume). A line `{"meta": {...}}` records facts the report needs (the number of engine
-servers). docs/metrics.md describes the format.
+connect (first sync), pause, the transport's (disk: export, reload), resume). A line `{"meta": {...}}` records facts
+the report needs (the number of engine servers). docs/metrics.md describes the format.
 
 `engine_idle_ratio` and `trainer_idle_ratio` are the definitions of the two idle ratios in metrics.jsonl
 (docs/metrics.md); the report recomputes the logged ratios from the trace with them.

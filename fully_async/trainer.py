@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
+from fully_async.handles import resolve
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import (
@@ -63,6 +64,9 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
         self.version = 0
+        self._trajs_out: JsonlWriter | None = None
+        self._last_stats: dict[str, Any] | None = None
+        """The rollouter's stats() at the end of the previous step (the start of the next step's window)."""
 
     # -- resume ------------------------------------------------------------------------------------------------
     def find_checkpoint(self) -> Path | None:
@@ -81,28 +85,27 @@ class Trainer:
 
     def restore(self, path: Path) -> dict[str, Any]:
         """Load the backend and queue from a checkpoint; returns what the rollouter needs to start from it."""
-        import ray
-
         state = json.loads((path / "state.json").read_text())
         self.step = self.backend.load_checkpoint(path / "backend")
         self.version = int(state["version"])
         snap = {"groups": (path / "queue.bin").read_bytes(), "meta": state["queue_meta"]}
-        restored = ray.get(self.queue.restore.remote(snap))
+        restored = resolve(self.queue.restore.remote(snap))
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             truncate_jsonl(self.run_dir / name, self.step)
         print(f"fully_async: resumed from {path} at step {self.step}, version {self.version}, {restored} queued groups")
         return {"cursor_state": state["cursor"], "ledger_state": state["ledger"]}
 
     def save(self) -> Path:
-        import ray
-
+        """Write checkpoints/step_N atomically: everything goes into a hidden temporary directory that is renamed into
+        place only when complete, then `latest` is replaced (write + rename) to name it. A failure at any point leaves
+        the previous checkpoint and `latest` as they were."""
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
         final = self.ckpt_root / f"step_{self.step}"
         tmp = self.ckpt_root / f".step_{self.step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
-        snap = ray.get(self.rollouter.snapshot.remote())
+        snap = resolve(self.rollouter.snapshot.remote())
         (tmp / "queue.bin").write_bytes(snap["queue"]["groups"])
         state = {
             "step": self.step,
@@ -125,22 +128,20 @@ class Trainer:
         """groups_per_step groups fresh enough for the current version; fails clearly instead of waiting forever.
 
         `prefetched`: a get already sent for this step (with this step's version), awaited first."""
-        import ray
-
         at = self.cfg.async_training
         deadline = time.monotonic() + at.get_timeout_s
         while True:
             try:
                 if prefetched is not None:
                     ref, prefetched = prefetched, None
-                    return ray.get(ref)
-                return ray.get(self.queue.get.remote(at.groups_per_step, self.version, POLL_S))
+                    return resolve(ref)
+                return resolve(self.queue.get.remote(at.groups_per_step, self.version, POLL_S))
             except QueueTimeout:
-                error = ray.get(self.rollouter.error.remote())
+                error = resolve(self.rollouter.error.remote())
                 if error:
                     raise TrainerError(f"the rollouter stopped: {error}") from None
                 if time.monotonic() > deadline:
-                    stats = ray.get(self.rollouter.stats.remote())
+                    stats = resolve(self.rollouter.stats.remote())
                     raise TrainerError(
                         f"no batch within async_training.get_timeout_s={at.get_timeout_s:g}s; rollouter: {stats}"
                     ) from None
@@ -155,85 +156,105 @@ class Trainer:
                 self.tracer.record("trainer", phase, t, min(t + dur, end))
                 t = min(t + dur, end)
 
+    def train_step(self, prefetched: Any = None, last_step_s: float = 0.0) -> tuple[dict[str, Any], Any]:
+        """One step: wait for a batch, update, sync the weights every sync_every steps, checkpoint when due, read the
+        rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
+        the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
+        step's window, which bounds how long the prefetched get waits before the health-polling path takes over.
+        The first call's window starts at the call (or at run()'s start)."""
+        cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
+        if self._last_stats is None:
+            self._last_stats = resolve(self.rollouter.stats.remote())
+        if self._trajs_out is None:
+            self._trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+        t0 = time.time()
+        groups = self._next_batch(prefetched)
+        wait_s = time.time() - t0
+        tr.record("trainer", "wait_for_batch", t0, t0 + wait_s)
+        self.step += 1
+        # Ask for the next batch now, so the queue's serialisation and the transfer overlap this update (at scale they
+        # cost ~10% of a step otherwise). The next step's version is known: one more after a sync. Not before a
+        # checkpoint: groups in flight to the trainer would be in no snapshot. Its wait is bounded by about one step,
+        # after which _next_batch polls the rollouter's health as usual.
+        saves = (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
+            self.step == cfg.trainer.total_steps
+        )
+        next_version = self.version + (self.step % at.sync_every == 0)
+        wait = POLL_S + last_step_s
+        prefetched = None if saves else self.queue.get.remote(at.groups_per_step, next_version, wait)
+        m: dict[str, Any] = {"step": self.step, "version": self.version}
+        m.update(batch_metrics(groups, self.version))
+        t1 = time.time()
+        update = self.backend.update(groups, version=self.version)
+        t2 = time.time()
+        self._trace_update(t1, t2, update)
+        m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
+        m["timing_s/update"] = t2 - t1
+        self._trajs_out.write(trajectory_records(groups, self.step, self.version))
+        m["timing_s/param_sync"] = 0.0
+        if self.step % at.sync_every == 0:
+            self.version += 1
+            with tr.span("trainer", "param_sync", version=self.version):
+                m.update(self.sync.sync(self.version))
+        if saves:
+            with tr.span("trainer", "save_checkpoint"):
+                t3 = time.monotonic()
+                self.save()
+                m["timing_s/save_checkpoint"] = time.monotonic() - t3
+        with tr.span("trainer", "stats"):
+            now = resolve(self.rollouter.stats.remote())
+            queue_stats = resolve(self.queue.stats.remote())
+        m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
+        for v in resolve(self.rollouter.pop_validation.remote()):
+            m.update({k: x for k, x in v.items() if k != "version"})
+        self._last_stats = now
+        return m, prefetched
+
     def run(self) -> dict[str, Any]:
         """Train to trainer.total_steps. Each step's window runs from the previous step's end to this step's end, both
         read on the rollouter's clock (its stats() call), so windows tile the run and the idle ratios logged per
         step are exact shares of them (definitions in fully_async/metrics.py and docs/metrics.md)."""
-        import ray
-
-        cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
+        cfg = self.cfg
         loggers = build_loggers(cfg.logger, self.run_dir, cfg.trainer.total_steps, self.step, to_dict(cfg))
-        trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
-        last = ray.get(self.rollouter.stats.remote())
+        self._trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+        self._last_stats = resolve(self.rollouter.stats.remote())
         final: dict[str, Any] = {}
         prefetched = None
         try:
             while self.step < cfg.trainer.total_steps:
-                t0 = time.time()
-                groups = self._next_batch(prefetched)
-                wait_s = time.time() - t0
-                tr.record("trainer", "wait_for_batch", t0, t0 + wait_s)
-                self.step += 1
-                # Ask for the next batch now, so the queue's serialisation and the transfer overlap this update
-                # (at scale they cost ~10% of a step otherwise). The next step's version is known: one more after a
-                # sync. Not before a checkpoint: groups in flight to the trainer would be in no snapshot. Its wait
-                # is bounded by about one step, after which _next_batch polls the rollouter's health as usual.
-                saves = (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
-                    self.step == cfg.trainer.total_steps
-                )
-                next_version = self.version + (self.step % at.sync_every == 0)
-                wait = POLL_S + final.get("timing_s/step", 0.0)
-                prefetched = None if saves else self.queue.get.remote(at.groups_per_step, next_version, wait)
-                m: dict[str, Any] = {"step": self.step, "version": self.version}
-                m.update(batch_metrics(groups, self.version))
-                t1 = time.time()
-                update = self.backend.update(groups, version=self.version)
-                t2 = time.time()
-                self._trace_update(t1, t2, update)
-                m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
-                m["timing_s/update"] = t2 - t1
-                trajs_out.write(trajectory_records(groups, self.step, self.version))
-                m["timing_s/param_sync"] = 0.0
-                if self.step % at.sync_every == 0:
-                    self.version += 1
-                    with tr.span("trainer", "param_sync", version=self.version):
-                        m.update(self.sync.sync(self.version))
-                if saves:
-                    with tr.span("trainer", "save_checkpoint"):
-                        t3 = time.monotonic()
-                        self.save()
-                        m["timing_s/save_checkpoint"] = time.monotonic() - t3
-                with tr.span("trainer", "stats"):
-                    now = ray.get(self.rollouter.stats.remote())
-                    q = ray.get(self.queue.stats.remote())
-                step_s = max(1e-9, now["time"] - last["time"])
-                engines = max(1, len(now["engine_busy_s"]))
-                busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
-                tokens = sum(t.response_length for g in groups for t in g.trajectories)
-                m.update(
-                    {
-                        "timestamp": now["time"],
-                        "timing_s/step": step_s,
-                        "timing_s/wait_for_batch": wait_s,
-                        "fully_async/trainer/idle_ratio": min(1.0, max(0.0, wait_s / step_s)),
-                        "fully_async/rollouter/idle_ratio": min(1.0, max(0.0, 1.0 - busy / (engines * step_s))),
-                        "fully_async/queue/size": q["size"],
-                        "fully_async/count/dropped_stale": q["dropped_stale"],
-                        "fully_async/count/groups_failed": now["groups_failed"],
-                        "fully_async/count/reward_timeouts": now["reward_timeouts"],
-                        "perf/tokens_per_s": tokens / step_s,
-                        "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
-                    }
-                )
-                m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
-                for v in ray.get(self.rollouter.pop_validation.remote()):
-                    m.update({k: x for k, x in v.items() if k != "version"})
-                last = now
-                loggers.log(self.step, m)
-                final = m
+                final, prefetched = self.train_step(prefetched, final.get("timing_s/step", 0.0))
+                loggers.log(self.step, final)
         finally:
             loggers.close()
-            trajs_out.close()
-            tr.close()
+            self._trajs_out.close()
+            self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final
+
+
+def step_window(
+    last: dict[str, Any], now: dict[str, Any], queue_stats: dict[str, Any], wait_s: float, groups: list
+) -> dict[str, float]:
+    """The metrics of one step's window, a pure function of two rollouter stats() readings (`last` at the previous
+    step's end, `now` at this one's), the queue's stats, the seconds the trainer waited for its batch and the
+    batch. Idle ratios are shares of the window clipped to [0, 1]: trainer = wait / window; rollouter = 1 - engine
+    busy seconds / (engines x window), with at least one engine counted (fully_async/metrics.py)."""
+    step_s = max(1e-9, now["time"] - last["time"])
+    engines = max(1, len(now["engine_busy_s"]))
+    busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
+    tokens = sum(t.response_length for g in groups for t in g.trajectories)
+    m = {
+        "timestamp": now["time"],
+        "timing_s/step": step_s,
+        "timing_s/wait_for_batch": wait_s,
+        "fully_async/trainer/idle_ratio": min(1.0, max(0.0, wait_s / step_s)),
+        "fully_async/rollouter/idle_ratio": min(1.0, max(0.0, 1.0 - busy / (engines * step_s))),
+        "fully_async/queue/size": queue_stats["size"],
+        "fully_async/count/dropped_stale": queue_stats["dropped_stale"],
+        "fully_async/count/groups_failed": now["groups_failed"],
+        "fully_async/count/reward_timeouts": now["reward_timeouts"],
+        "perf/tokens_per_s": tokens / step_s,
+        "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
+    }
+    m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
+    return m

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
 from fully_async.engines.vllm import REPO_ROOT, VLLMServers
+from fully_async.training.sim_backend import SimBackend
 
 
 class FakeEngine:
@@ -171,6 +172,55 @@ def _main() -> None:
     asyncio.run(serve())
 
 
+class StubRollouter:
+    """Stands in for the Rollouter actor on the trainer's side (run through `fully_async.handles.LocalActor`): the
+    calls Trainer and ParamSync make, with scripted timing and no engines.
+
+    `stats()` reads a wall clock and reports one engine busy for `busy_share` of the time since construction, so
+    the rollouter idle ratio of any window is 1 - busy_share. `delays` maps a method name (pause, load_weights,
+    resume) to seconds it sleeps first (a hung engine); `fail` maps one to an exception it raises. Every sync call
+    is appended to `calls`. `snapshot()` includes the real in-process MessageQueue's snapshot."""
+
+    def __init__(self, queue=None, busy_share: float = 0.25, delays=None, fail=None):
+        self.queue, self.busy_share = queue, busy_share
+        self.delays, self.fail = dict(delays or {}), dict(fail or {})
+        self.t0 = time.time()
+        self.version = 0
+        self.calls: list[tuple] = []
+        self.error_message: str | None = None
+
+    async def _scripted(self, name: str, *args) -> None:
+        self.calls.append((name, *args))
+        if name in self.delays:
+            await asyncio.sleep(self.delays[name])
+        if name in self.fail:
+            raise self.fail[name]
+
+    async def pause(self) -> None:
+        await self._scripted("pause")
+
+    async def load_weights(self, weights_dir, version: int) -> None:
+        await self._scripted("load_weights", weights_dir, version)
+        self.version = version
+
+    async def resume(self) -> None:
+        await self._scripted("resume")
+
+    def error(self):
+        return self.error_message
+
+    def stats(self) -> dict:
+        now = time.time()
+        return {"time": now, "engine_busy_s": [(now - self.t0) * self.busy_share], "tokens": 0, "groups_failed": 0,
+                "reward_timeouts": 0, "reward": {}}  # fmt: skip
+
+    def pop_validation(self) -> list:
+        return []
+
+    async def snapshot(self) -> dict:
+        return {"cursor": {"epoch": 0}, "ledger": {"version": self.version}, "queue": self.queue.snapshot()}
+
+
 # -- reward functions that misbehave (verl signature), for the RewardAgent's failure handling -------------------
 def hanging_score(data_source, solution_str, ground_truth, extra_info=None):
     """Never returns on its own (a verifier stuck in a loop)."""
@@ -234,3 +284,15 @@ class UnpicklableAgentLoop(SimAgentLoop):
         traj = await super().run(client, sample)
         traj.timings["lock"] = threading.Lock()
         return traj
+
+
+class DiskFullBackend(SimBackend):
+    """The simulated training backend whose checkpoint write fails halfway (a full disk): it writes one file of its
+    state, then raises OSError."""
+
+    def save_checkpoint(self, path, step):
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "half_written.bin").write_bytes(b"\0" * 16)
+        raise OSError(28, "No space left on device (scripted)")

@@ -35,9 +35,11 @@ class AsyncTrainingConfig:
     get_timeout_s: float = 1800.0
     """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
     sync_timeout_s: float = 300.0
-    """Timeout of each weight-sync phase (pause, export, reload, resume); passing it fails the run naming the phase."""
+    """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
     drain_on_sync: bool = False
     """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
+    weight_transport: Literal["disk", "collective", "auto"] = "auto"
+    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (not built yet), auto (= disk)."""
 
     @property
     def groups_per_version(self) -> int:
@@ -61,6 +63,12 @@ class AsyncTrainingConfig:
         )
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
+        require(
+            self.weight_transport != "collective",
+            p + "weight_transport",
+            self.weight_transport,
+            "disk or auto (collective is not built yet; auto means disk until it is)",
+        )
 
 
 @dataclass

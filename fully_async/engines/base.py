@@ -24,15 +24,12 @@ from typing import Any, Literal
 import aiohttp
 
 from fully_async.config import EngineConfig
+from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, tail
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "keep"]
-
-
-class EngineError(RuntimeError):
-    """An engine server failed, or did not answer in time. The message names the server URL and its log file."""
 
 
 @dataclass(frozen=True)

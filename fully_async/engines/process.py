@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+from fully_async.engines.errors import EngineError
+
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
@@ -143,8 +145,6 @@ class ServerProcess:
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until the health endpoint answers 200; raise with the log tail if the process exits or time runs out."""
-        from fully_async.engines.base import EngineError
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.launched and not self.is_alive():

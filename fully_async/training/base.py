@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-    from fully_async.config import AlgorithmConfig, TrainerConfig
     from fully_async.protocol import TrajectoryGroup
 
 
@@ -55,44 +54,3 @@ class TrainingBackend(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and resources. Idempotent."""
-
-
-def build_backend(
-    trainer: TrainerConfig,
-    algorithm: AlgorithmConfig,
-    model_path: str | Path,
-    *,
-    temperature: float = 1.0,
-    use_reference: bool | None = None,
-    device: str | None = None,
-    cpu_set: Sequence[int] | None = None,
-    placement_groups: list | None = None,
-) -> TrainingBackend:
-    """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
-
-    `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
-    defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
-    the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
-    job's trainer groups (fully_async/placement.py); None = the backend reserves its own.
-    Ray must already be initialised by the caller.
-    """
-    from fully_async.config import ConfigError
-
-    if trainer.backend == "verl":
-        from fully_async.training.verl_backend import VerlBackend
-
-        return VerlBackend(
-            trainer,
-            algorithm,
-            model_path,
-            temperature=temperature,
-            use_reference=use_reference,
-            device=device,
-            cpu_set=cpu_set,
-            placement_groups=placement_groups,
-        )
-    if trainer.backend == "sim":
-        from fully_async.training.sim_backend import SimBackend
-
-        return SimBackend(trainer, algorithm, use_reference=use_reference)
-    raise ConfigError(f"trainer.backend must be one of ['verl', 'sim'], got {trainer.backend!r}")

@@ -76,6 +76,8 @@ BAD = [
     (["rollout.n=four"], "rollout.n", "integer"),
     (["async_training.partial_rollout=maybe"], "async_training.partial_rollout", "true or false"),
     (["async_training.sync_every=0"], "async_training.sync_every", ">= 1"),
+    (["async_training.weight_transport=nfs"], "async_training.weight_transport", "one of ['disk', 'collective'"),
+    (["async_training.weight_transport=collective"], "async_training.weight_transport", "not built yet"),
     (["rollout.temperature=0"], "rollout.temperature", "> 0"),
     (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
     (["engine.dtype=fp8"], "engine.dtype", "one of"),

@@ -1,0 +1,74 @@
+"""The weight-transport boundary: what ParamSync asks of whatever moves the trainer's weights into the engines.
+
+ParamSync owns the protocol (pause -> transfer -> set version -> resume, each phase timed, traced and under
+async_training.sync_timeout_s); a transport owns the bytes. It lists the phases that move the backend's current
+weights into every engine server and label them with the new version, and ParamSync runs them between its pause
+and its resume. The version is set by the transport's last phase because on some paths the engines take weights and
+label in one control sequence (disk: reload, reset the prefix cache, set the version).
+
+Transports (`async_training.weight_transport`):
+- disk: the backend writes safetensors under a root (/dev/shm when it exists); every engine reloads that directory.
+  Needs a filesystem shared by the trainer and the engines (one node).
+- collective: not built yet (a torch.distributed broadcast from the trainer's sending rank to every engine worker).
+- auto: disk, until collective is built and tested.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TRANSPORTS = ("disk", "collective", "auto")
+"""Values of async_training.weight_transport."""
+
+Phase = tuple[str, Callable[[], Any]]
+"""(name, blocking call): one timed, traced step of a sync; the name becomes timing_s/param_sync/<name>."""
+
+
+class WeightTransport(abc.ABC):
+    """Moves versions of one training backend's weights into the engine servers one rollouter runs. Calls come from
+    one thread (ParamSync's), never concurrently."""
+
+    name: str = "?"
+
+    @abc.abstractmethod
+    def prepare(self, rollouter: Any) -> None:
+        """Get ready to send to the engine servers that `rollouter` (an actor handle) runs. ParamSync calls it once,
+        as the first phase of its first sync ("connect")."""
+
+    @abc.abstractmethod
+    def phases(self, version: int) -> list[Phase]:
+        """The blocking steps, in order, that put the backend's current weights into every engine server and label
+        them `version`. Run between pause and resume; each one under the sync timeout."""
+
+    @abc.abstractmethod
+    def export(self, version: int) -> Path:
+        """Write the current weights as a directory of safetensors (Hugging Face names) that engine servers can start
+        from, without touching running ones (resume from a checkpoint)."""
+
+    @abc.abstractmethod
+    def close(self, remove: bool = True) -> None:
+        """Release what the transport holds (groups, files it owns when `remove`). Idempotent."""
+
+
+def build_transport(kind: str, rollouter: Any, backend: Any, weights_root: str | Path, dtype: str) -> WeightTransport:
+    """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
+    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport)."""
+    from fully_async.config import ConfigError
+
+    if kind in ("disk", "auto"):
+        from fully_async.weights.disk import DiskTransport
+
+        return DiskTransport(rollouter, backend, weights_root, dtype)
+    if kind == "collective":
+        raise ConfigError(not_built_message())
+    raise ConfigError(f"async_training.weight_transport must be one of {list(TRANSPORTS)}, got {kind!r}")
+
+
+def not_built_message() -> str:
+    return (
+        "async_training.weight_transport=collective is not built yet; use disk (or auto, which means disk until the "
+        "collective transport is built)"
+    )

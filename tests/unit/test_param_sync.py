@@ -1,0 +1,82 @@
+"""ParamSync's protocol without Ray: the simulated training backend, a stub rollouter at the edge (tests/fakes.py)
+run in process through LocalActor. Phase order, per-phase timings and trace spans, a phase that hangs or fails ->
+ParamSyncError naming it, and the weight directories it keeps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fully_async.config import AlgorithmConfig, SimTrainerConfig, TrainerConfig
+from fully_async.handles import LocalActor
+from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.trace import Tracer, load
+from fully_async.training.sim_backend import SimBackend
+from tests.fakes import StubRollouter
+
+
+@pytest.fixture
+def backend():
+    return SimBackend(TrainerConfig(backend="sim", sim=SimTrainerConfig(time_scale=1e4)), AlgorithmConfig())
+
+
+def _sync(stub, backend, tmp_path, timeout_s=5.0, tracer=None):
+    handle = LocalActor(stub)
+    return handle, ParamSync(handle, backend, tmp_path / "weights", "float32", timeout_s, tracer)
+
+
+def test_a_sync_runs_its_phases_in_order_times_and_traces_each(backend, tmp_path):
+    stub = StubRollouter()
+    tracer = Tracer(tmp_path, "trainer")
+    handle, sync = _sync(stub, backend, tmp_path, tracer=tracer)
+    try:
+        first, second = sync.sync(1), sync.sync(2)
+    finally:
+        handle.close()
+        tracer.close()
+    assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
+    assert stub.calls[1] == ("load_weights", str(tmp_path / "weights" / "v1"), 1)
+    assert (tmp_path / "weights" / "v1" / "sim_weights.json").is_file()
+    phases = ["pause", "export", "reload", "resume"]
+    for t, names in ((first, ["connect", *phases]), (second, phases)):  # the transport is prepared once
+        assert sorted(k for k in t if k.startswith("timing_s/param_sync/")) == sorted(
+            f"timing_s/param_sync/{p}" for p in names
+        )
+        assert t["timing_s/param_sync"] >= sum(t[f"timing_s/param_sync/{p}"] for p in names)
+    spans, _ = load(tmp_path)
+    assert [s.name for s in spans if s.lane == "sync"] == ["connect", *phases, *phases]
+
+
+@pytest.mark.parametrize("phase,method", [("pause", "pause"), ("reload", "load_weights"), ("resume", "resume")])
+def test_a_phase_that_hangs_fails_the_sync_naming_it_within_the_timeout(backend, tmp_path, phase, method):
+    handle, sync = _sync(StubRollouter(delays={method: 2.0}), backend, tmp_path, timeout_s=0.2)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ParamSyncError, match=f"phase '{phase}' did not finish within .*sync_timeout_s=0.2s"):
+            sync.sync(1)
+    finally:
+        handle.close()
+        sync.close()
+    assert time.monotonic() - start < 1.5
+
+
+def test_a_phase_that_fails_names_the_phase_and_the_cause(backend, tmp_path):
+    stub = StubRollouter(fail={"load_weights": RuntimeError("vllm-0 answered HTTP 500")})
+    handle, sync = _sync(stub, backend, tmp_path)
+    try:
+        with pytest.raises(ParamSyncError, match="phase 'reload' failed: RuntimeError: vllm-0 answered HTTP 500"):
+            sync.sync(1)
+    finally:
+        handle.close()
+    assert [c[0] for c in stub.calls] == ["pause", "load_weights"]  # nothing resumes on weights that did not load
+
+
+def test_the_previous_version_is_kept_for_a_restarted_server_older_ones_removed(backend, tmp_path):
+    handle, sync = _sync(StubRollouter(), backend, tmp_path)
+    try:
+        for v in (1, 2, 3):
+            sync.sync(v)
+    finally:
+        handle.close()
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3"]

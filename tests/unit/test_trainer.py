@@ -1,0 +1,164 @@
+"""The trainer loop without Ray: the real MessageQueue in process (LocalActor), the simulated training backend, the
+real ParamSync, and a stub rollouter at the edge (tests/fakes.py). The window arithmetic is checked on exact numbers,
+the loop on what it logs, checkpoints on their atomicity and round trip."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from fully_async import trainer as trainer_mod
+from fully_async.config import (
+    AlgorithmConfig,
+    AsyncTrainingConfig,
+    FullyAsyncConfig,
+    LoggerConfig,
+    SimTrainerConfig,
+    TrainerConfig,
+)
+from fully_async.handles import LocalActor, resolve
+from fully_async.message_queue import MessageQueue
+from fully_async.param_sync import ParamSync
+from fully_async.trainer import Trainer, TrainerError, step_window
+from fully_async.training.sim_backend import SimBackend
+from tests.fakes import DiskFullBackend, StubRollouter
+from tests.helpers import make_group
+
+
+def _stats(t: float, busy: list[float], tokens: int = 0) -> dict:
+    return {"time": t, "engine_busy_s": busy, "tokens": tokens, "groups_failed": 0, "reward_timeouts": 0}
+
+
+def test_step_window_idle_ratios_are_shares_of_the_window():
+    groups = [make_group(0, n=2, response_len=8), make_group(1, n=2, response_len=8)]  # 32 response tokens
+    m = step_window(
+        _stats(100.0, [10.0, 20.0], tokens=50),
+        _stats(104.0, [12.0, 21.0], tokens=450),
+        {"size": 3, "dropped_stale": 1},
+        1.0,
+        groups,
+    )
+    assert m["timing_s/step"] == pytest.approx(4.0)
+    assert m["fully_async/trainer/idle_ratio"] == pytest.approx(0.25)  # waited 1 s of a 4 s window
+    assert m["fully_async/rollouter/idle_ratio"] == pytest.approx(1 - 3.0 / (2 * 4.0))  # 3 busy s of 2 x 4 s
+    assert m["perf/generated_tokens_per_s"] == pytest.approx(100.0)
+    assert m["perf/tokens_per_s"] == pytest.approx(8.0)
+    assert m["fully_async/queue/size"] == 3 and m["fully_async/count/dropped_stale"] == 1
+
+
+def test_step_window_clips_to_the_unit_interval_and_counts_one_engine_at_least():
+    m = step_window(_stats(0.0, []), _stats(2.0, []), {"size": 0, "dropped_stale": 0}, 5.0, [make_group(0)])
+    assert m["fully_async/trainer/idle_ratio"] == 1.0  # a wait longer than the window (clock skew) is clipped
+    assert m["fully_async/rollouter/idle_ratio"] == 1.0  # no engines reported: counted as one idle engine
+    m = step_window(_stats(0.0, [0.0]), _stats(2.0, [3.0]), {"size": 0, "dropped_stale": 0}, 0.0, [make_group(0)])
+    assert m["fully_async/rollouter/idle_ratio"] == 0.0 and m["fully_async/trainer/idle_ratio"] == 0.0
+
+
+def _cfg(total_steps: int, sync_every: int = 1, save_every: int = 0) -> FullyAsyncConfig:
+    return FullyAsyncConfig(
+        async_training=AsyncTrainingConfig(groups_per_step=1, sync_every=sync_every, max_staleness=1),
+        trainer=TrainerConfig(
+            backend="sim",
+            total_steps=total_steps,
+            save_every=save_every,
+            resume="auto",
+            sim=SimTrainerConfig(time_scale=1e4),
+        ),
+        logger=LoggerConfig(backends=["jsonl"], trace=False),
+    )
+
+
+@pytest.fixture
+def roles(tmp_path):
+    """(queue handle, in-process queue, stub rollouter, its handle); the handles' threads are stopped after."""
+    queue = MessageQueue(capacity=8, max_staleness=1)
+    stub = StubRollouter(queue)
+    q, r = LocalActor(queue, "queue"), LocalActor(stub, "rollouter")
+    yield q, queue, stub, r
+    q.close()
+    r.close()
+
+
+def _trainer(cfg, roles, tmp_path, backend=None) -> Trainer:
+    q, _, _, r = roles
+    backend = backend or SimBackend(cfg.trainer, AlgorithmConfig())
+    sync = ParamSync(r, backend, tmp_path / "weights", "float32", timeout_s=5.0)
+    return Trainer(cfg, backend, q, r, sync, tmp_path / "run")
+
+
+def test_a_starved_trainer_logs_its_waits_as_idle_and_syncs_every_step(roles, tmp_path):
+    q, _, stub, _ = roles
+    trainer = _trainer(_cfg(total_steps=2), roles, tmp_path)
+
+    def produce():  # one group every 0.3 s: the trainer waits most of each step
+        for i in range(2):
+            time.sleep(0.3)
+            resolve(q.put.remote([make_group(i)]))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    final = trainer.run()
+    producer.join()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and [m["version"] for m in lines] == [0, 1]
+    for m in lines:
+        assert 0.5 < m["fully_async/trainer/idle_ratio"] <= 1.0
+        assert m["timing_s/wait_for_batch"] > 0.15
+        assert m["fully_async/rollouter/idle_ratio"] == pytest.approx(0.75, abs=0.05)  # the stub's busy share
+        assert m["timing_s/param_sync"] > 0
+    assert final["step"] == 2 and trainer.version == 2
+    assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
+    assert [c[2] for c in stub.calls if c[0] == "load_weights"] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_2"  # the last step always saves
+
+
+def test_the_trainer_fails_with_the_rollouters_error_instead_of_waiting(roles, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_mod, "POLL_S", 0.05)
+    _, _, stub, _ = roles
+    stub.error_message = "engine 0 died"
+    trainer = _trainer(_cfg(total_steps=1), roles, tmp_path)
+    with pytest.raises(TrainerError, match="the rollouter stopped: engine 0 died"):
+        trainer.run()
+
+
+def test_a_checkpoint_that_fails_halfway_leaves_the_previous_one_current(roles, tmp_path):
+    cfg = _cfg(total_steps=4)
+    trainer = _trainer(cfg, roles, tmp_path)
+    trainer.step, trainer.version = 1, 1
+    first = trainer.save()
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert first == ckpts / "step_1" and (ckpts / "latest").read_text() == "step_1"
+
+    broken = _trainer(cfg, roles, tmp_path, backend=DiskFullBackend(cfg.trainer, AlgorithmConfig()))
+    broken.step, broken.version = 2, 2
+    with pytest.raises(OSError, match="No space left"):
+        broken.save()
+    assert not (ckpts / "step_2").exists()  # no half checkpoint under a real name
+    assert (ckpts / "latest").read_text() == "step_1"
+    assert broken.find_checkpoint() == ckpts / "step_1"
+
+    trainer.step, trainer.version = 2, 2
+    assert trainer.save() == ckpts / "step_2"  # the leftover temporary directory does not get in the way
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_1", "step_2"]
+    assert not (ckpts / "step_2" / "backend" / "half_written.bin").exists()
+
+
+def test_a_checkpoint_round_trip_restores_step_version_and_queue(roles, tmp_path):
+    q, queue, _, _ = roles
+    cfg = _cfg(total_steps=4)
+    resolve(q.put.remote([make_group(5), make_group(6)]))
+    trainer = _trainer(cfg, roles, tmp_path)
+    trainer.step, trainer.version = 3, 2
+    path = trainer.save()
+    resolve(q.get.remote(2, 0))  # the queue moves on after the checkpoint
+    assert queue.size() == 0
+
+    resumed = _trainer(cfg, roles, tmp_path)
+    assert resumed.find_checkpoint() == path
+    start = resumed.restore(path)
+    assert (resumed.step, resumed.version) == (3, 2)
+    assert queue.size() == 2 and [g.prompt.index for _, g in queue._items] == [5, 6]
+    assert start == {"cursor_state": {"epoch": 0}, "ledger_state": {"version": 0}}
