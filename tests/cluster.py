@@ -71,6 +71,21 @@ class LocalCluster:
         with `env` added to the submitting environment (submit.sh passes what it knows to the job)."""
         return run_script("submit.sh", "--temp-dir", str(self.temp_dir), *args, timeout=timeout, env=script_env(**env))
 
+    def submit_background(self, *args: str, **env: str) -> subprocess.Popen:
+        """submit() without waiting: the caller reads .stdout (stderr merged) while the job runs and waits for it."""
+        return subprocess.Popen(["bash", str(SCRIPTS / "submit.sh"), "--temp-dir", str(self.temp_dir), *args],
+                                env=script_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
+
+    def node_of(self, pid: int) -> str | None:
+        """Which started node a live process runs under: the name of the pid file (head-N, worker-N) of the
+        `ray start` it descends from (through the raylet), or None."""
+        leaders = {int(f.read_text()): f.stem for f in self.state_dir.glob("*.pid")}
+        try:
+            return next((leaders[p.pid] for p in psutil.Process(pid).parents() if p.pid in leaders), None)
+        except psutil.NoSuchProcess:
+            return None
+
     def started_processes(self) -> dict[int, float]:
         """pid -> create time of every live process the start scripts started: each node's `ray start --block`,
         its process group and descendants, and any process naming the temp dir the way Ray's processes do."""
