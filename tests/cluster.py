@@ -48,9 +48,9 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_script(name: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
-    """Run scripts/cluster/NAME with bash; stdout and stderr together in .stdout."""
-    return subprocess.run(["bash", str(SCRIPTS / name), *args], env=env or script_env(), timeout=timeout,
+def run_script(name: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd=None):
+    """Run scripts/cluster/NAME with bash (from `cwd`, default this process's); stdout and stderr together in .stdout."""
+    return subprocess.run(["bash", str(SCRIPTS / name), *args], env=env or script_env(), timeout=timeout, cwd=cwd,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
@@ -143,27 +143,29 @@ def start_cluster(
     head = ["--temp-dir", str(temp_dir), "--node-ip-address", node_ip, "--num-cpus", str(cpus_per_node)]
     try:
         # Every port free, so that this cluster can run next to another one on the machine (Ray's defaults are fixed).
+        # Started from the temp dir, not the repository: a job must not depend on where its head was started.
         out = run_script(
             "start_head.sh", *head, "--num-gpus", str(head_gpus), "--port", str(free_port()),
             "--dashboard-port", str(free_port()), "--", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout
         values = dict(
             line.split("=", 1) for line in (temp_dir / "fully_async" / "cluster.env").read_text().split("\n") if line
         )
         for gpus in worker_gpus:
-            out = run_script(
-                "start_worker.sh", *head, "--num-gpus", str(gpus), "--", f"--dashboard-agent-listen-port={free_port()}"
-            )
+            out = run_script("start_worker.sh", *head, "--num-gpus", str(gpus), "--",
+                             f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir)  # fmt: skip
             assert out.returncode == 0, out.stdout
         nodes, total = 1 + len(worker_gpus), head_gpus + sum(worker_gpus)
         out = run_script("wait.sh", "--temp-dir", str(temp_dir), "--nodes", str(nodes), "--gpus", str(total),
                          "--timeout", "60")  # fmt: skip
         assert out.returncode == 0, out.stdout
     except BaseException:
-        run_script("stop.sh", "--temp-dir", str(temp_dir), "--grace", "10", timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        try:
+            run_script("stop.sh", "--temp-dir", str(temp_dir), "--grace", "10", timeout=60)
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return LocalCluster(temp_dir, values["RAY_ADDRESS"], values["RAY_API_SERVER_ADDRESS"])
 

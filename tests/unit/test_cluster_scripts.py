@@ -1,0 +1,41 @@
+"""scripts/cluster/ without a cluster: every script parses (bash -n), passes shellcheck where it is installed, opens
+with its usage (printed by --help), and rejects an unknown flag by name. The scripts at work on a real 2-node cluster:
+tests/integration/test_launch_scripts.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "cluster"
+RUNNABLE = ["start_head.sh", "start_worker.sh", "wait.sh", "submit.sh", "stop.sh"]
+ALL = [*RUNNABLE, "common.sh", "slurm.sbatch"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_script_parses(name):
+    out = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_is_clean():
+    out = subprocess.run(["shellcheck", "-x", *ALL], cwd=SCRIPTS, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_help_prints_the_usage_header(name):
+    out = subprocess.run(["bash", str(SCRIPTS / name), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert f"bash scripts/cluster/{name}" in out.stdout and "--temp-dir" in out.stdout
+    assert not out.stdout.startswith("#")  # the comment markers are stripped
+
+
+@pytest.mark.parametrize("name", ["start_head.sh", "start_worker.sh", "wait.sh", "stop.sh"])
+def test_an_unknown_flag_is_named(name):
+    out = subprocess.run(["bash", str(SCRIPTS / name), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "unknown flag --bogus" in out.stderr
