@@ -85,10 +85,13 @@ def test_a_submitted_job_sees_both_nodes_the_worker_gpus_and_its_environment(two
     assert "HF_TOKEN" in stdout  # the names are printed
 
 
-def test_submit_exits_with_the_entrypoint_exit_code(two_node_cluster):
-    out = two_node_cluster.submit("--python-c", "import sys; print('failing on purpose'); sys.exit(3)")
-    assert out.returncode == 3, out.stdout
-    assert "failing on purpose" in out.stdout and "FAILED" in out.stdout
+def test_submit_runs_the_runner_and_exits_with_its_exit_status(two_node_cluster, tmp_path):
+    # The default entrypoint (python -m fully_async.runner) with Hydra arguments; a bad value makes the runner exit
+    # 2 with a ConfigError before it starts anything, and submit.sh exits with that status.
+    out = two_node_cluster.submit("rollout.n=0", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stdout
+    assert "ConfigError" in out.stdout and "rollout.n" in out.stdout
+    assert "-m fully_async.runner rollout.n=0" in out.stdout  # the entrypoint it printed
 
 
 def test_wait_times_out_with_what_is_missing(two_node_cluster):
