@@ -14,19 +14,20 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts" / "cluster"
 RUNNABLE = ["start_head.sh", "start_worker.sh", "wait.sh", "submit.sh", "stop.sh"]
 ALL = [*RUNNABLE, "common.sh", "slurm.sbatch"]
+EXAMPLE_RUN = REPO / "examples" / "math_qwen2.5_7b_2x8" / "run.sh"  # the GPU example drives these scripts
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_every_script_parses(name):
-    out = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
+@pytest.mark.parametrize("path", [*(SCRIPTS / n for n in ALL), EXAMPLE_RUN], ids=lambda p: p.name)
+def test_every_script_parses(path):
+    out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck_is_clean():
     # From the repository root: the scripts' `# shellcheck source=scripts/cluster/common.sh` is relative to it.
-    out = subprocess.run(["shellcheck", "-x", *(str(SCRIPTS.relative_to(REPO) / n) for n in ALL)], cwd=REPO,
-                         capture_output=True, text=True)  # fmt: skip
+    paths = [str(p.relative_to(REPO)) for p in (*(SCRIPTS / n for n in ALL), EXAMPLE_RUN)]
+    out = subprocess.run(["shellcheck", "-x", *paths], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 
@@ -42,3 +43,8 @@ def test_help_prints_the_usage_header(name):
 def test_an_unknown_flag_is_named(name):
     out = subprocess.run(["bash", str(SCRIPTS / name), "--bogus"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "unknown flag --bogus" in out.stderr
+
+
+def test_the_example_run_sh_prints_its_usage_without_a_command():
+    out = subprocess.run(["bash", str(EXAMPLE_RUN)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "run.sh head" in out.stderr and "run.sh submit" in out.stderr
