@@ -4,7 +4,9 @@ tests/integration/test_launch_scripts.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -48,3 +50,21 @@ def test_an_unknown_flag_is_named(name):
 def test_the_example_run_sh_prints_its_usage_without_a_command():
     out = subprocess.run(["bash", str(EXAMPLE_RUN)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "run.sh head" in out.stderr and "run.sh submit" in out.stderr
+
+
+def test_wait_gives_up_on_a_head_that_never_answers():
+    # A free port on loopback where nothing listens: wait.sh must end at its timeout with what was missing (ray.init
+    # alone would retry forever).
+    from tests.cluster import free_port, script_env
+
+    proc = subprocess.Popen(["bash", str(SCRIPTS / "wait.sh"), "--address", f"127.0.0.2:{free_port()}", "--timeout",
+                             "2", "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=script_env(), start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:  # hung: end the poller too, not only the shell
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, out + err
+    assert "never reached the head" in err
