@@ -48,9 +48,9 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_script(name: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
-    """Run scripts/cluster/NAME with bash; stdout and stderr together in .stdout."""
-    return subprocess.run(["bash", str(SCRIPTS / name), *args], env=env or script_env(), timeout=timeout,
+def run_script(name: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd=None):
+    """Run scripts/cluster/NAME with bash (from `cwd`, default this process's); stdout and stderr together in .stdout."""
+    return subprocess.run(["bash", str(SCRIPTS / name), *args], env=env or script_env(), timeout=timeout, cwd=cwd,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
@@ -70,6 +70,21 @@ class LocalCluster:
         """submit.sh --temp-dir TEMP ARGS (a run of fully_async.runner by default; `--python-c CODE` for a check),
         with `env` added to the submitting environment (submit.sh passes what it knows to the job)."""
         return run_script("submit.sh", "--temp-dir", str(self.temp_dir), *args, timeout=timeout, env=script_env(**env))
+
+    def submit_background(self, *args: str, **env: str) -> subprocess.Popen:
+        """submit() without waiting: the caller reads .stdout (stderr merged) while the job runs and waits for it."""
+        return subprocess.Popen(["bash", str(SCRIPTS / "submit.sh"), "--temp-dir", str(self.temp_dir), *args],
+                                env=script_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
+
+    def node_of(self, pid: int) -> str | None:
+        """Which started node a live process runs under: the name of the pid file (head-N, worker-N) of the
+        `ray start` it descends from (through the raylet), or None."""
+        leaders = {int(f.read_text()): f.stem for f in self.state_dir.glob("*.pid")}
+        try:
+            return next((leaders[p.pid] for p in psutil.Process(pid).parents() if p.pid in leaders), None)
+        except psutil.NoSuchProcess:
+            return None
 
     def started_processes(self) -> dict[int, float]:
         """pid -> create time of every live process the start scripts started: each node's `ray start --block`,
@@ -128,27 +143,29 @@ def start_cluster(
     head = ["--temp-dir", str(temp_dir), "--node-ip-address", node_ip, "--num-cpus", str(cpus_per_node)]
     try:
         # Every port free, so that this cluster can run next to another one on the machine (Ray's defaults are fixed).
+        # Started from the temp dir, not the repository: a job must not depend on where its head was started.
         out = run_script(
             "start_head.sh", *head, "--num-gpus", str(head_gpus), "--port", str(free_port()),
             "--dashboard-port", str(free_port()), "--", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout
         values = dict(
             line.split("=", 1) for line in (temp_dir / "fully_async" / "cluster.env").read_text().split("\n") if line
         )
         for gpus in worker_gpus:
-            out = run_script(
-                "start_worker.sh", *head, "--num-gpus", str(gpus), "--", f"--dashboard-agent-listen-port={free_port()}"
-            )
+            out = run_script("start_worker.sh", *head, "--num-gpus", str(gpus), "--",
+                             f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir)  # fmt: skip
             assert out.returncode == 0, out.stdout
         nodes, total = 1 + len(worker_gpus), head_gpus + sum(worker_gpus)
         out = run_script("wait.sh", "--temp-dir", str(temp_dir), "--nodes", str(nodes), "--gpus", str(total),
                          "--timeout", "60")  # fmt: skip
         assert out.returncode == 0, out.stdout
     except BaseException:
-        run_script("stop.sh", "--temp-dir", str(temp_dir), "--grace", "10", timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        try:
+            run_script("stop.sh", "--temp-dir", str(temp_dir), "--grace", "10", timeout=60)
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return LocalCluster(temp_dir, values["RAY_ADDRESS"], values["RAY_API_SERVER_ADDRESS"])
 

@@ -41,5 +41,6 @@ fi
 [[ -n "$address" ]] || die "no cluster address: pass --address IP:PORT or --temp-dir of a head started here"
 
 say "waiting up to ${timeout_s}s for $nodes nodes and $gpus GPUs at $address"
-exec "$FA_PYTHON" "$FA_REPO/scripts/cluster/wait_cluster.py" --address "$address" --nodes "$nodes" --gpus "$gpus" \
-    --timeout "$timeout_s" --interval "$interval"
+# `timeout` is the backstop should a connection attempt hang past the poller's own deadline.
+exec timeout --kill-after=10 "$((${timeout_s%.*} + 60))" "$FA_PYTHON" "$FA_REPO/scripts/cluster/wait_cluster.py" \
+    --address "$address" --nodes "$nodes" --gpus "$gpus" --timeout "$timeout_s" --interval "$interval"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import time
 
@@ -22,6 +23,15 @@ def _summary(nodes: list[dict]) -> tuple[int, float, list[str]]:
         for n in alive
     ]
     return len(alive), gpus, lines
+
+
+def _port_open(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def main() -> int:
@@ -41,6 +51,14 @@ def main() -> int:
     n_alive, gpus, lines = 0, 0.0, []
     while time.monotonic() < deadline:
         if not connected:
+            # ray.init against an address where no GCS listens retries forever, past any timeout of ours: knock on
+            # the port first and connect only once something accepts there.
+            if not _port_open(args.address):
+                if not failed_connects:
+                    print(f"cluster: waiting for the head at {args.address} (nothing listens there yet)", flush=True)
+                failed_connects += 1
+                time.sleep(args.interval)
+                continue
             try:
                 ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False,
                          configure_logging=False)  # fmt: skip
