@@ -34,6 +34,8 @@ from fully_async.config.sections import (
     TinyModelConfig,
     TrainerConfig,
 )
+from fully_async.config.verl_keys import translate as translate_verl_keys
+from fully_async.config.verl_keys import verl_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent
 PRIMARY_CONFIG = "fully_async"
@@ -157,11 +159,25 @@ def group_options(group: str) -> list[str]:
 
 
 _LOGGER_LIST = re.compile(r"^logger=(\[.*\])$")
+_TILDE_ITEM = re.compile(r"(^|[\[,])\s*(~[^,\]'\"]*)")
+
+
+def _quote_tilde(override: str) -> str:
+    """`key=~/x` and `key=[~/x,/y]` -> the `~` items quoted: Hydra's grammar refuses an unquoted `~` in a value, and
+    the shell does not expand it after `data.train_files=` (not a variable name), so verl scripts' paths reach us as
+    written. The key part (where `~key` deletes) is left alone."""
+    key, sep, value = override.partition("=")
+    if not sep or "~" not in value:
+        return override
+    return key + sep + _TILDE_ITEM.sub(lambda m: f"{m.group(1)}'{m.group(2).strip()}'", value)
 
 
 def expand_overrides(overrides: list[str]) -> list[str]:
     """`logger=[console,wandb]` (a list of sinks) -> `logger.backends=[console,wandb]`; `logger=wandb` still picks the
-    shipped option logger/wandb.yaml. Everything else is returned unchanged."""
+    shipped option logger/wandb.yaml. verl keys with the same meaning as ours (`actor_rollout_ref.rollout.n=8`) are
+    rewritten to ours (config/verl_keys.py), with a line on stderr; a `~` path is quoted for Hydra. Everything else is
+    returned unchanged."""
+    overrides = [_quote_tilde(o) for o in translate_verl_keys(overrides)]
     return [
         _LOGGER_LIST.sub(r"logger.backends=\1", o.strip()) if o.strip().startswith("logger=") else o for o in overrides
     ]
@@ -193,6 +209,9 @@ def check_overrides(overrides: list[str]) -> None:
             continue
         _, err = schema_node(FullyAsyncConfig, key.split("."))
         if err:
+            hint = verl_hint(key)
+            if hint:  # a verl key: its replacement instead of the nearest spelling
+                raise ConfigError(f"unknown config key '{key}'{hint}")
             raise ConfigError(err)
 
 

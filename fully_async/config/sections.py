@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fully_async.config.base import ConfigError, require
+from fully_async.config.base import PATH, PATHS, ConfigError, require
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -148,7 +148,7 @@ class EngineConfig:
     """Inference engine adapter; sim = emulated engines in the rollouter's process (engine.sim)."""
     num_servers: int = 1
     """Engine server processes (one model replica each)."""
-    python: str | None = None
+    python: str | None = field(default=None, metadata=PATH)
     """Interpreter of the engine environment; null = .venv-engine/bin/python at the repository root."""
     host: str = "127.0.0.1"
     """Address the engine servers bind to."""
@@ -241,11 +241,11 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = None
+    path: str | None = field(default=None, metadata=PATH)
     """Hugging Face model directory; null = build the tiny model (model.tiny) locally and cache it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Settings of the locally built tiny model (used when path is null)."""
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default=None, metadata=PATH)
     """Where built tiny models are cached; null = ~/.cache/fully_async/models."""
 
 
@@ -458,7 +458,7 @@ class JudgeConfig:
     """Most tokens the judge may generate (also the output part of the TPM estimate)."""
     temperature: float = 0.0
     """Judge sampling temperature."""
-    tokenizer: str | None = None
+    tokenizer: str | None = field(default=None, metadata=PATH)
     """Tokenizer directory for TPM estimates; null = the policy model's tokenizer."""
 
     def validate_section(self, p: str) -> None:
@@ -488,15 +488,15 @@ class JudgeConfig:
 
 @dataclass
 class RewardModelConfig:
-    urls: list[str] = field(default_factory=list)
-    """Service mode: base URLs of the vLLM / SGLang servers hosting the reward model (requests go to the least busy)."""
+    urls: list[str] = field(default_factory=list, metadata={"paths": True})
+    """Service mode: base URLs of the vLLM / SGLang servers hosting the reward model (a list, or one URL as a string; requests go to the least busy)."""
     endpoint: Literal["classify", "pooling", "chat"] = "classify"
     """Service API: /classify or /pooling (a score head), or chat = a generative judge prompt (judge settings)."""
     model: str | None = None
     """Model name sent to the service; null = the server's only model."""
     label: int = 0
     """Which output of a classify / pooling head is the score."""
-    path: str | None = None
+    path: str | None = field(default=None, metadata=PATH)
     """Local mode (no urls): a Hugging Face sequence-classification model loaded in a Ray worker of our own."""
     max_batch: int = 16
     """Local mode: most items per forward pass."""
@@ -594,10 +594,10 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Training data: verl-layout parquet or jsonl files; empty = the built-in synthetic task."""
-    val_files: list[str] = field(default_factory=list)
-    """Held-out data for validation; empty = a held-out split of the synthetic task."""
+    train_files: list[str] = field(default_factory=list, metadata=PATHS)
+    """Training data: verl-layout parquet or jsonl files (a list, or one path as a string; ~ is expanded); empty = the built-in synthetic task."""
+    val_files: list[str] = field(default_factory=list, metadata=PATHS)
+    """Held-out data for validation (a list, or one path as a string; ~ is expanded); empty = a held-out split of the synthetic task."""
     prompt_key: str = "prompt"
     """Column holding the prompt (chat messages or a string)."""
     max_prompt_length: int = 128
