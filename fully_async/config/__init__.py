@@ -17,6 +17,7 @@ from typing import Any
 
 from fully_async.config.base import ConfigError, field_docs, from_dict, schema_node, suggest, to_dict, validate_tree
 from fully_async.config.sections import (
+    GROUP_ESTIMATORS,
     AlgorithmConfig,
     AsyncTrainingConfig,
     DataConfig,
@@ -108,7 +109,7 @@ class FullyAsyncConfig:
     def validate(self) -> FullyAsyncConfig:
         """Check every section and the cross-section rules; raise ConfigError naming the key. Returns self."""
         validate_tree(self)
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ConfigError(
                 f"rollout.n must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} "
                 f"(a group baseline needs two samples), got {self.rollout.n}"

@@ -35,6 +35,7 @@ MAPPED: dict[str, str] = {
     "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_loss_coef",
     "actor_rollout_ref.actor.entropy_coeff": "algorithm.entropy_coeff",
     "actor_rollout_ref.actor.loss_agg_mode": "algorithm.loss_agg_mode",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "algorithm.policy_loss",
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
     "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
