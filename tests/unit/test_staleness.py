@@ -15,14 +15,15 @@ class Sim:
 
     A group's oldest token is its admission version (no partial continuation lowers or raises it)."""
 
-    def __init__(self, eta, per_step, sync_every, n_prompts):
+    def __init__(self, eta, per_step, sync_every, n_prompts, version=0):
+        """`version`: the run resumes at this weight version (a long run's later part, without its earlier steps)."""
         self.eta, self.per_step, self.sync_every = eta, per_step, sync_every
-        self.ledger = StalenessLedger(eta, per_step * sync_every)
+        self.ledger = StalenessLedger(eta, per_step * sync_every, version=version)
         self.dataset = [PromptRef(0, i) for i in range(n_prompts)]
         self.cursor = 0
         self.running: dict[PromptRef, int] = {}
         self.queue: list[tuple[PromptRef, int]] = []
-        self.trainer_version = 0
+        self.trainer_version = version
         self.steps = 0
         self.trained: list[tuple[PromptRef, int, int]] = []  # (prompt, min_version, trained_version)
 
@@ -84,14 +85,16 @@ def scenario(draw):
     per_step = draw(st.integers(1, 4))
     sync_every = draw(st.integers(1, 3))
     n_prompts = per_step * draw(st.integers(1, 8))
-    return eta, per_step, sync_every, n_prompts
+    # Versions well past the start and past the bound: a resumed run's ledger starts at any version.
+    version = draw(st.one_of(st.just(0), st.integers(1, 20), st.integers(10**5, 10**9)))
+    return eta, per_step, sync_every, n_prompts, version
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario(), st.data())
 def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(params, data):
-    eta, per_step, sync_every, n_prompts = params
-    sim = Sim(eta, per_step, sync_every, n_prompts)
+    eta, per_step, sync_every, n_prompts, version = params
+    sim = Sim(eta, per_step, sync_every, n_prompts, version)
     for _ in range(data.draw(st.integers(0, 120), label="random steps")):
         action = data.draw(st.sampled_from(["admit", "admit", "finish", "fail", "train", "restart"]))
         if action == "admit":
@@ -162,3 +165,55 @@ def test_protocol_violations_raise():
     ledger.on_sync(3)
     with pytest.raises(LedgerError, match="backwards"):
         ledger.on_sync(2)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    trainer_version=st.one_of(st.integers(0, 50), st.integers(0, 10**12)),
+    lag=st.integers(-3, 40),
+    eta=st.integers(0, 30),
+)
+def test_is_fresh_is_exactly_the_bound_at_every_version(trainer_version, lag, eta):
+    # The rule does not depend on how far the run has come: only the lag counts, at version 3 as at 10^12.
+    min_version = trainer_version - lag
+    assert is_fresh(min_version, trainer_version, eta) == (lag <= eta)
+    assert StalenessLedger(eta, 1, version=max(0, trainer_version)).is_fresh(min_version, trainer_version) == (
+        lag <= eta
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    eta=st.integers(0, 4),
+    per_step=st.integers(1, 3),
+    held_for=st.integers(1, 8),
+    start=st.one_of(st.integers(0, 3), st.integers(6, 60), st.integers(10**6, 10**9)),
+)
+def test_a_straggler_is_trained_within_the_bound_or_dropped_and_reissued_at_any_version(eta, per_step, held_for, start):
+    """One group admitted at the resume version `start` is held back while the trainer moves `held_for` versions
+    on; it is trained only if `held_for <= eta`, else dropped, re-issued and trained fresh."""
+    sim = Sim(eta, per_step, 1, n_prompts=per_step * (held_for + eta + 3), version=start)
+    sim.admit()
+    straggler = next(iter(sim.running))
+    for _ in range(held_for):  # the others run normally; the straggler stays running
+        while sim.admit():
+            pass
+        for p in [p for p in sorted(sim.running) if p != straggler]:
+            v = sim.running.pop(p)
+            sim.ledger.finish(p, True)
+            sim.queue.append((p, v))
+        before = sim.trainer_version
+        while sim.train():
+            pass
+        if sim.trainer_version == before:
+            break
+    lag = sim.trainer_version - start
+    sim.finish(sorted(sim.running).index(straggler), ok=True)
+    while not sim.done():
+        sim.round()
+    trained = {p: (v, t) for p, v, t in sim.trained}
+    for p, (v, t) in trained.items():
+        assert t - v <= eta, f"{p.uid} trained {t - v} versions stale at version {t} (bound {eta})"
+    if lag > eta:
+        assert sim.ledger.dropped_stale >= 1 and trained[straggler][0] > start
+    assert sorted(trained) == sim.dataset and len(sim.trained) == len(sim.dataset)
