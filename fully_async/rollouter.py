@@ -31,6 +31,7 @@ from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synth
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
+from fully_async.reward.shaping import overlong_penalty
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 
@@ -257,7 +258,12 @@ class Rollouter:
                     t.cancel()
                 await asyncio.gather(*samples, return_exceptions=True)
                 raise
-            group = TrajectoryGroup(prompt, list(trajs), meta=row.meta())
+            trajs = list(trajs)
+            if self.reward.group is not None:  # reward.group_fn: the whole group, before it is queued
+                with self.tracer.span("reward", "group_fn", group=prompt.uid):
+                    texts = [self.agent.decode(t.response_ids.tolist()) for t in trajs]
+                    await self.reward.group.apply(trajs, texts, reward_meta(row), prompt.uid)
+            group = TrajectoryGroup(prompt, trajs, meta=row.meta())
         except asyncio.CancelledError:
             raise
         except (DataError, RewardFatal) as e:
@@ -314,6 +320,12 @@ class Rollouter:
         with self.tracer.span("reward", "score", sample=_sample_id.get()):
             result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
         traj.reward, traj.reward_info = result.score, result.info
+        shaping = self.cfg.reward
+        if shaping.overlong_buffer:  # DAPO's soft overlong punishment, on top of the sources' score
+            penalty = overlong_penalty(traj.response_length, self.cfg.rollout.response_length,
+                                       shaping.overlong_buffer, shaping.overlong_penalty)  # fmt: skip
+            traj.reward += penalty
+            traj.reward_info["overlong_penalty"] = penalty
         traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
         self._c["samples"] += 1
         self._c["tokens"] += traj.response_length

@@ -120,6 +120,11 @@ class FullyAsyncConfig:
                 f"trainer.sim.time_scale must equal engine.sim.time_scale={self.engine.sim.time_scale:g} "
                 f"(both clocks run at one speed), got {self.trainer.sim.time_scale:g}"
             )
+        if self.reward.overlong_buffer > self.rollout.response_length:
+            raise ConfigError(
+                f"reward.overlong_buffer must be <= rollout.response_length = {self.rollout.response_length} (the "
+                f"penalty ramps up over the last overlong_buffer tokens of the budget), got {self.reward.overlong_buffer}"
+            )
         longest = self.data.max_prompt_length + self.rollout.response_length
         if longest > self.engine.max_model_len:
             raise ConfigError(

@@ -475,6 +475,8 @@ POLICY_LOSS_ARGS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_rati
 
 
 REWARD_KINDS = ("rule", "judge", "reward_model")
+GROUP_FN_NAME = "group_fn"
+"""reward.group_fn's name in reward stats, metrics (fully_async/reward/group_fn/*) and reward info."""
 FAILURE_POLICIES = ("fallback", "drop", "raise")
 JUDGE_FIELDS = ("question", "response", "reference")
 
@@ -651,13 +653,31 @@ class RewardConfig:
     """Processes running synchronous reward functions (shared by every rule / dotted-path source)."""
     limiter_namespace: str = "fully_async"
     """Ray namespace of the per-source limiter actors: processes in one namespace share each source's limits."""
+    group_fn: str | None = None
+    """Dotted path 'pkg.mod:fn' of fn(group) -> rewards or (rewards, info), sync or async, run once all samples of a group are scored and before the group is queued; group = {prompt_uid, data_source, ground_truth, extra_info, question, samples: [{sample_index, response, reward, reward_info, response_length, finish_reason}]}, rewards = one number per sample (its new reward), info = one dict for the group or one per sample (fully_async/reward/group.py); null = off."""
+    group_fn_timeout_s: float = 30.0
+    """Hard timeout of one group_fn call (a sync function's worker is killed when it passes)."""
+    group_fn_on_failure: Literal["fallback", "drop", "raise"] = "fallback"
+    """When group_fn fails or times out: fallback = keep the per-sample scores, flagged; drop = re-issue the group; raise = the run fails."""
+    overlong_buffer: int = 0
+    """DAPO overlong reward shaping: a response longer than rollout.response_length - overlong_buffer tokens loses overlong_penalty x (excess / overlong_buffer), up to overlong_penalty at the budget; 0 = off."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: the penalty at the full response budget (the shaping is linear over the buffer)."""
 
     def validate_section(self, p: str) -> None:
+        _check_dotted(p + "group_fn", self.group_fn)
+        require(self.group_fn_timeout_s > 0, p + "group_fn_timeout_s", self.group_fn_timeout_s, "> 0")
+        require(self.overlong_buffer >= 0, p + "overlong_buffer", self.overlong_buffer, ">= 0 (0 = off)")
+        require(self.overlong_penalty >= 0, p + "overlong_penalty", self.overlong_penalty, ">= 0")
         require(bool(self.sources), p + "sources", self.sources, "a non-empty list of reward sources")
         require(self.num_workers >= 1, p + "num_workers", self.num_workers, ">= 1")
         seen: dict[str, int] = {}
         for i, src in enumerate(self.sources):
             src.validate_section(f"{p}sources[{i}].")
+            if src.label == GROUP_FN_NAME:
+                raise ConfigError(
+                    f"{p}sources[{i}].name: {GROUP_FN_NAME!r} names reward.group_fn's metrics; choose another"
+                )
             if src.label in seen:
                 raise ConfigError(
                     f"{p}sources[{i}].name: {src.label!r} is already the name of sources[{seen[src.label]}]; "

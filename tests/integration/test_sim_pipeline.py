@@ -152,3 +152,25 @@ def test_a_failed_push_to_the_queue_fails_the_run_and_keeps_the_groups(ray_local
     assert "pushing" in error and "message queue failed" in error, error
     assert stats["ledger/failed"] >= 1 and stats["ledger/reissued"] >= 1, stats
     assert stats["ledger/accepted"] == stats["groups_pushed"], stats  # nothing counted that the queue never got
+
+
+def test_group_fn_rescores_whole_groups_before_they_are_queued(ray_local, tmp_path):
+    """reward.group_fn in a real run: every trained reward is the group ranking's, the per-sample score is kept,
+    the call's latency is in the reward metrics and each call is a span on the trace."""
+    cfg = compose([*SMALL, "trainer.total_steps=2", "reward.group_fn=tests.fakes:rank_group"])
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = trajectories(tmp_path)
+    assert len(trajs) == 2 * 4 * 4
+    by_group: dict[str, list[float]] = {}
+    for t in trajs:
+        by_group.setdefault(t["prompt_uid"], []).append(t["reward"])
+    for rewards in by_group.values():  # ranks 0..3 of the group's 4 samples, / 3
+        assert sorted(rewards) == [0.0, 1 / 3, 2 / 3, 1.0], rewards
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["fully_async/reward/group_fn/calls"] for m in metrics) >= 8
+    assert all(
+        m["fully_async/reward/group_fn/errors"] == m["fully_async/reward/group_fn/timeouts"] == 0 for m in metrics
+    )
+    assert any(m["fully_async/reward/group_fn/latency_s"] > 0 for m in metrics)
+    spans = [json.loads(line) for line in (tmp_path / "trace" / "rollouter.jsonl").read_text().splitlines()]
+    assert sum(s.get("name") == "group_fn" and s.get("lane") == "reward" for s in spans) >= 8
