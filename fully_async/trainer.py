@@ -103,6 +103,10 @@ class Trainer:
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
         snap = ray.get(self.rollouter.snapshot.remote())
+        if snap.get("filtered"):  # before the checkpoint exists: a resume from it keeps these records (step <= N)
+            out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+            out.write([{**r, "step": self.step} for r in snap["filtered"]])
+            out.close()
         (tmp / "queue.bin").write_bytes(snap["queue"]["groups"])
         state = {
             "step": self.step,
@@ -206,6 +210,13 @@ class Trainer:
                 with tr.span("trainer", "stats"):
                     now = ray.get(self.rollouter.stats.remote())
                     q = ray.get(self.queue.stats.remote())
+                    # Dynamic sampling's filtered groups; on a checkpoint step save() already wrote those the
+                    # snapshot counts, and later ones wait for the next step (a resume from here re-runs them).
+                    if not saves:
+                        filtered = ray.get(self.rollouter.pop_filtered.remote())
+                        trajs_out.write([{**r, "step": self.step} for r in filtered])
+                new_filtered = now["groups_filtered"] - last.get("groups_filtered", 0)
+                new_pushed = now["groups_pushed"] - last.get("groups_pushed", 0)
                 step_s = max(1e-9, now["time"] - last["time"])
                 engines = max(1, len(now["engine_busy_s"]))
                 busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
@@ -221,6 +232,8 @@ class Trainer:
                         "fully_async/count/dropped_stale": q["dropped_stale"],
                         "fully_async/count/groups_failed": now["groups_failed"],
                         "fully_async/count/reward_timeouts": now["reward_timeouts"],
+                        "fully_async/count/filtered_groups": now["groups_filtered"],
+                        "fully_async/filtered_groups/ratio": new_filtered / max(1, new_filtered + new_pushed),
                         "perf/tokens_per_s": tokens / step_s,
                         "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
                     }

@@ -208,6 +208,14 @@ async def async_mean_group(group):
     return [sum(scores) / len(scores)] * len(scores), {"mean": sum(scores) / len(scores)}
 
 
+async def half_constant_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Constant 1.0 on prompts with an even answer (their groups never vary: dynamic sampling filters them), the sim
+    reward (even response length) on the others (their groups vary 7 times in 8 with rollout.n = 4)."""
+    if int(ground_truth) % 2 == 0:
+        return 1.0
+    return float(solution_str.isdigit() and int(solution_str) % 2 == 0)
+
+
 def slow_group(group):
     """Never returns in time (a pairwise judge stuck on a big group)."""
     while True:

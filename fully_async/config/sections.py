@@ -368,6 +368,19 @@ class TrainerConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal (zero group advantage) is not trained; it frees its staleness slot, is counted (fully_async/count/filtered_groups) and logged in trajectories.jsonl with filtered=true, and the trainer still gets async_training.groups_per_step useful groups per step."""
+    metric: str = "reward"
+    """What must vary within a group: reward, or a numeric key of the reward function's returned dict (e.g. acc)."""
+    reissue: bool = False
+    """Generate a filtered prompt again (a new group of samples) instead of counting it as done; a prompt whose groups are always constant then comes back until one varies."""
+
+    def validate_section(self, p: str) -> None:
+        require(bool(self.metric), p + "metric", self.metric, "'reward' or a reward-info key")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: a name verl's core_algos registers (docs/algorithms.md), checked against the installed verl; not gae (needs the critic) or remax (needs a greedy baseline rollout)."""
@@ -379,6 +392,8 @@ class AlgorithmConfig:
     """adv_estimator=gdpo (required): the reward components normalised one by one, each a reward source's name or a key of the reward function's returned dict."""
     gdpo_reward_weights: list[float] = field(default_factory=list)
     """adv_estimator=gdpo: a weight per gdpo_reward_keys entry; empty = equal weights."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling: leave out groups whose rewards do not vary."""
     norm_adv_by_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
     clip_ratio_low: float = 0.2

@@ -174,3 +174,37 @@ def test_group_fn_rescores_whole_groups_before_they_are_queued(ray_local, tmp_pa
     assert any(m["fully_async/reward/group_fn/latency_s"] > 0 for m in metrics)
     spans = [json.loads(line) for line in (tmp_path / "trace" / "rollouter.jsonl").read_text().splitlines()]
     assert sum(s.get("name") == "group_fn" and s.get("lane") == "reward" for s in spans) >= 8
+
+
+def test_dynamic_sampling_trains_only_varying_groups_within_the_bound_and_each_prompt_once(ray_local, tmp_path):
+    """~Half the prompts always score 1.0: their groups are filtered (logged, counted, never trained, not re-issued),
+    every step still trains groups_per_step groups whose rewards vary, and the staleness bound holds."""
+    steps = 6
+    cfg = compose(
+        [*SMALL, f"trainer.total_steps={steps}", "reward.sources=[{kind: 'tests.fakes:half_constant_score'}]",
+         "algorithm.filter_groups.enable=true", "async_training.max_staleness=1"]
+    )  # fmt: skip
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    records = trajectories(tmp_path)
+    trained = [r for r in records if not r.get("filtered")]
+    filtered = [r for r in records if r.get("filtered")]
+    assert len(trained) == steps * 4 * 4
+    for step in range(1, steps + 1):
+        groups: dict[str, list[float]] = {}
+        for r in trained:
+            if r["step"] == step:
+                groups.setdefault(r["prompt_uid"], []).append(r["reward"])
+        assert len(groups) == 4 and all(len(g) == 4 and len(set(g)) > 1 for g in groups.values()), (step, groups)
+    assert max(r["trained_version"] - r["min_version"] for r in trained) <= 1
+    trained_uids = {r["prompt_uid"] for r in trained}
+    assert len(trained_uids) == steps * 4  # no prompt trained twice
+    filtered_groups: dict[str, list[float]] = {}
+    for r in filtered:
+        filtered_groups.setdefault(r["prompt_uid"], []).append(r["reward"])
+    assert filtered_groups and all(len(g) == 4 and len(set(g)) == 1 for g in filtered_groups.values())
+    assert not trained_uids & set(filtered_groups)  # filtered prompts are not re-issued: trained-or-filtered once
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["fully_async/count/filtered_groups"] >= len(filtered_groups)
+    share = len(filtered_groups) / (len(filtered_groups) + len(trained_uids))
+    assert 0.25 < share < 0.75, share
+    assert any(m["fully_async/filtered_groups/ratio"] > 0 for m in metrics)

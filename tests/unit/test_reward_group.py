@@ -106,3 +106,15 @@ def test_overlong_penalty_ramps_over_the_buffer():
     assert overlong_penalty(32, 32, 8, 0.5) == -0.5
     assert overlong_penalty(40, 32, 8, 1.0) == -1.0
     assert overlong_penalty(40, 32, 0, 1.0) == 0.0
+
+
+def test_dynamic_sampling_compares_the_reward_or_a_reward_info_key():
+    from fully_async.reward.shaping import group_values, is_constant
+
+    trajs = scored_group()  # rewards 0, 1, 0, 1 and acc the same
+    assert group_values(trajs, "reward") == [0.0, 1.0, 0.0, 1.0] and not is_constant(group_values(trajs, "reward"))
+    for t in trajs:
+        t.reward_info["acc"] = 1.0
+    assert is_constant(group_values(trajs, "acc"))
+    assert group_values(trajs, "missing") is None
+    assert is_constant([0.5, 0.5, 0.5]) and not is_constant([0.5, 0.5, 0.5 + 1e-6])

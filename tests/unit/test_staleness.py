@@ -19,6 +19,8 @@ class Sim:
         """`version`: the run resumes at this weight version (a long run's later part, without its earlier steps)."""
         self.eta, self.per_step, self.sync_every = eta, per_step, sync_every
         self.ledger = StalenessLedger(eta, per_step * sync_every, version=version)
+        # The groups accepted before the resume: one version's worth per version, as a real run leaves the ledger.
+        self.ledger.accepted = self.accepted_before = version * per_step * sync_every
         self.dataset = [PromptRef(0, i) for i in range(n_prompts)]
         self.cursor = 0
         self.running: dict[PromptRef, int] = {}
@@ -26,15 +28,18 @@ class Sim:
         self.trainer_version = version
         self.steps = 0
         self.trained: list[tuple[PromptRef, int, int]] = []  # (prompt, min_version, trained_version)
+        self.filtered: list[PromptRef] = []  # prompts dynamic sampling left out (done, not re-issued)
 
     def admit(self) -> bool:
         if not self.ledger.can_admit():
             return False
         p = self.ledger.next_reissue()
         if p is None:
-            if self.cursor >= len(self.dataset):
+            if self.cursor >= len(self.dataset) and not self.filtered:
                 return False
-            p = self.dataset[self.cursor]
+            # Past the dataset, the next epoch's prompts (as the real cursor does): groups filtered at the end of
+            # an epoch leave too few for a last full batch, and the next epoch's fill it.
+            p = self.dataset[self.cursor] if self.cursor < len(self.dataset) else PromptRef(1, self.cursor)
             self.cursor += 1
         assert self.ledger.admit(p)
         self.running[p] = self.ledger.version
@@ -46,6 +51,14 @@ class Sim:
         self.ledger.finish(p, ok)
         if ok:
             self.queue.append((p, v))
+
+    def filter(self, i: int, reissue: bool = False) -> None:
+        """Dynamic sampling left the group out: done (or re-issued), never queued."""
+        p = sorted(self.running)[i % len(self.running)]
+        self.running.pop(p)
+        self.ledger.filter(p, reissue)
+        if not reissue:
+            self.filtered.append(p)
 
     def train(self) -> bool:
         stale = [(p, v) for p, v in self.queue if not is_fresh(v, self.trainer_version, self.eta)]
@@ -67,7 +80,8 @@ class Sim:
         self.running.clear()
 
     def done(self) -> bool:
-        return len(self.trained) == len(self.dataset)
+        first_epoch = [p for p, _, _ in self.trained if p.epoch == 0] + [p for p in self.filtered if p.epoch == 0]
+        return len(first_epoch) == len(self.dataset)
 
     def round(self) -> None:
         """Admit what the bound allows, finish it all in admission order, train what can be trained."""
@@ -96,11 +110,13 @@ def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(para
     eta, per_step, sync_every, n_prompts, version = params
     sim = Sim(eta, per_step, sync_every, n_prompts, version)
     for _ in range(data.draw(st.integers(0, 120), label="random steps")):
-        action = data.draw(st.sampled_from(["admit", "admit", "finish", "fail", "train", "restart"]))
+        action = data.draw(st.sampled_from(["admit", "admit", "finish", "fail", "filter", "train", "restart"]))
         if action == "admit":
             sim.admit()
         elif action in ("finish", "fail") and sim.running:
             sim.finish(data.draw(st.integers(0, 100)), ok=action == "finish")
+        elif action == "filter" and sim.running:
+            sim.filter(data.draw(st.integers(0, 100)), reissue=data.draw(st.booleans()))
         elif action == "train":
             sim.train()
         elif action == "restart" and data.draw(st.integers(0, 9)) == 0:
@@ -115,13 +131,15 @@ def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(para
         sim.round()
     assert sim.done(), f"stalled: {sim.ledger.stats()}, queue={len(sim.queue)}, trained={len(sim.trained)}"
 
-    prompts = [p for p, _, _ in sim.trained]
-    assert sorted(prompts) == sim.dataset, "a prompt was lost or trained twice"
+    prompts = [p for p, _, _ in sim.trained] + sim.filtered
+    assert len(set(prompts)) == len(prompts), "a prompt was trained or filtered twice"
+    assert sorted(p for p in prompts if p.epoch == 0) == sim.dataset, "a prompt was lost"
     for p, min_v, trained_v in sim.trained:
         assert trained_v - min_v <= eta, f"{p.uid} trained {trained_v - min_v} versions stale (bound {eta})"
         if eta == 0:
             assert min_v == trained_v
-    assert not sim.running and sim.ledger.accepted == len(sim.trained)
+    assert sim.ledger.accepted == sim.accepted_before + len(sim.trained) + len(sim.queue)
+    assert sim.ledger.filtered >= len(sim.filtered)
 
 
 def test_in_order_completion_never_drops_anything():
@@ -217,3 +235,16 @@ def test_a_straggler_is_trained_within_the_bound_or_dropped_and_reissued_at_any_
     if lag > eta:
         assert sim.ledger.dropped_stale >= 1 and trained[straggler][0] > start
     assert sorted(trained) == sim.dataset and len(sim.trained) == len(sim.dataset)
+
+
+def test_a_filtered_group_frees_its_slot_and_is_done_or_reissued():
+    ledger = StalenessLedger(max_staleness=0, groups_per_version=2)
+    assert ledger.admit(PromptRef(0, 0)) and ledger.admit(PromptRef(0, 1)) and not ledger.can_admit()
+    ledger.filter(PromptRef(0, 0))
+    assert ledger.can_admit() and ledger.accepted == 0 and not ledger.reissue  # done: the slot goes to new work
+    ledger.filter(PromptRef(0, 1), reissue=True)
+    assert list(ledger.reissue) == [PromptRef(0, 1)]
+    back = StalenessLedger.from_state(ledger.state_dict())
+    assert back.stats()["filtered"] == 2 and list(back.reissue) == [PromptRef(0, 1)]
+    with pytest.raises(LedgerError):
+        ledger.filter(PromptRef(0, 0))
