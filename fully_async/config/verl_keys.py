@@ -68,6 +68,8 @@ REPLACED: dict[str, str] = {
     "custom_reward_function.name": "reward.sources=[{kind: package.module:function}] (the function is named in the "
     "dotted path)",
     "algorithm.use_kl_in_reward": "algorithm.use_kl_loss=true (the KL term is a loss here, not a reward penalty)",
+    "algorithm.filter_groups.max_num_gen_batches": "nothing: a filtered group frees its staleness slot and admission "
+    "keeps generating until async_training.groups_per_step varying groups are queued (algorithm.filter_groups)",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "engine.num_servers (one model replica per server; "
     "engines are not tensor-parallel here)",
 }

@@ -208,3 +208,16 @@ def test_dynamic_sampling_trains_only_varying_groups_within_the_bound_and_each_p
     share = len(filtered_groups) / (len(filtered_groups) + len(trained_uids))
     assert 0.25 < share < 0.75, share
     assert any(m["fully_async/filtered_groups/ratio"] > 0 for m in metrics)
+
+
+def test_overlong_shaping_lowers_the_reward_of_long_responses(ray_local, tmp_path):
+    from fully_async.reward.shaping import overlong_penalty
+
+    cfg = compose([*SMALL, "trainer.total_steps=1", "reward.overlong_buffer=32", "reward.overlong_penalty=0.5",
+                   "engine.sim.length_median=230", "engine.sim.length_sigma=0.2"])  # fmt: skip
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = trajectories(tmp_path)
+    assert any(t["response_length"] > 256 - 32 for t in trajs)  # some responses reached the buffer
+    for t in trajs:
+        score = float(t["response_length"] % 2 == 0)  # fully_async.reward.sim:score
+        assert t["reward"] == pytest.approx(score + overlong_penalty(t["response_length"], 256, 32, 0.5)), t
