@@ -75,7 +75,9 @@ def load_run(run_dir: str | Path) -> Run:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     if not spans and not metrics:
         raise ReportError(f"{run_dir} has neither an event trace (trace/*.jsonl) nor metrics.jsonl")
-    return Run(run_dir, spans, meta, metrics, read_jsonl(run_dir / "trajectories.jsonl"))
+    # Groups dynamic sampling filtered are logged beside the trained ones; the report is about what was trained.
+    trained = [t for t in read_jsonl(run_dir / "trajectories.jsonl") if not t.get("filtered")]
+    return Run(run_dir, spans, meta, metrics, trained)
 
 
 # -- idle ratios from the trace -------------------------------------------------------------------------------------

@@ -31,8 +31,10 @@ from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synth
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.host import pin_all_threads
+from fully_async.metrics import trajectory_records
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
+from fully_async.reward.shaping import group_values, is_constant, overlong_penalty
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 
@@ -103,8 +105,9 @@ class Rollouter:
         self._val_results: deque[dict[str, Any]] = deque()
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
         self._paused_at: float | None = None
+        self._filtered: list[dict[str, Any]] = []
         self._c = {"groups_pushed": 0, "groups_failed": 0, "groups_dropped_by_reward": 0, "samples": 0, "tokens": 0,
-                   "aborted_samples": 0}  # fmt: skip
+                   "aborted_samples": 0, "groups_filtered": 0}  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(
@@ -268,7 +271,13 @@ class Rollouter:
                     t.cancel()
                 await asyncio.gather(*samples, return_exceptions=True)
                 raise
-            group = TrajectoryGroup(prompt, list(trajs), meta=row.meta())
+            trajs = list(trajs)
+            if self.reward.group is not None:  # reward.group_fn: the whole group, before it is queued
+                with self.tracer.span("reward", "group_fn", group=prompt.uid):
+                    texts = [self.agent.decode(t.response_ids.tolist()) for t in trajs]
+                    await self.reward.group.apply(trajs, texts, reward_meta(row), prompt.uid)
+            group = TrajectoryGroup(prompt, trajs, meta=row.meta())
+            constant = self._constant(group)
         except asyncio.CancelledError:
             raise
         except (DataError, RewardFatal) as e:
@@ -281,9 +290,35 @@ class Rollouter:
             self.ledger.finish(prompt, ok=False)
             self._wake.set()
             return
+        if constant:  # dynamic sampling: nothing to learn from it; its slot goes to a new group
+            self.ledger.filter(prompt, reissue=self.cfg.algorithm.filter_groups.reissue)
+            self._c["groups_filtered"] += 1
+            records = trajectory_records([group], step=0, trainer_version=self.ledger.version)
+            self._filtered.extend({**r, "filtered": True} for r in records)
+            self._wake.set()
+            return
         self._outbox.append(group)
         if self._pusher is None or self._pusher.done():
             self._pusher = self._spawn(self._push_outbox())
+
+    def _constant(self, group: TrajectoryGroup) -> bool:
+        """Whether algorithm.filter_groups leaves this group out (its rewards, or its metric, do not vary)."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return False
+        values = group_values(group.trajectories, fg.metric)
+        if values is None:
+            raise DataError(
+                f"algorithm.filter_groups.metric={fg.metric!r} is not a number in the reward info of group "
+                f"{group.prompt.uid} (use 'reward' or a numeric key the reward function returns)"
+            )
+        return is_constant(values)
+
+    def pop_filtered(self) -> list[dict[str, Any]]:
+        """trajectories.jsonl records (filtered=true) of the groups dynamic sampling left out since the last call;
+        the trainer writes them with its current step."""
+        out, self._filtered = self._filtered, []
+        return out
 
     async def _push_outbox(self) -> None:
         """Push finished groups to the queue, all that have finished in one actor call. Groups finish at up to
@@ -325,6 +360,12 @@ class Rollouter:
         with self.tracer.span("reward", "score", sample=_sample_id.get()):
             result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
         traj.reward, traj.reward_info = result.score, result.info
+        shaping = self.cfg.reward
+        if shaping.overlong_buffer:  # DAPO's soft overlong punishment, on top of the sources' score
+            penalty = overlong_penalty(traj.response_length, self.cfg.rollout.response_length,
+                                       shaping.overlong_buffer, shaping.overlong_penalty)  # fmt: skip
+            traj.reward += penalty
+            traj.reward_info["overlong_penalty"] = penalty
         traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
         self._c["samples"] += 1
         self._c["tokens"] += traj.response_length
@@ -404,7 +445,10 @@ class Rollouter:
         async with self._push_lock:
             await self._take_stale_drops()
             queue_snap = await self.queue.snapshot.remote()
-            return {"cursor": self.cursor.state_dict(), "ledger": self.ledger.state_dict(), "queue": queue_snap}
+            # The filtered groups' records go with the ledger that counts them as done: logged at the checkpoint's
+            # step, they are neither lost nor logged twice by a run resumed from it.
+            return {"cursor": self.cursor.state_dict(), "ledger": self.ledger.state_dict(), "queue": queue_snap,
+                    "filtered": self.pop_filtered()}  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """Counters at one instant. `time` (wall clock) and `engine_busy_s` (per engine server: seconds with a

@@ -90,7 +90,7 @@ def summarize(run_dir: str | Path, cfg: FullyAsyncConfig) -> dict[str, Any]:
     run_dir = Path(run_dir)
     scale = cfg.engine.sim.time_scale
     steps = _jsonl(run_dir / "metrics.jsonl")
-    trajs = _jsonl(run_dir / "trajectories.jsonl")
+    trajs = [t for t in _jsonl(run_dir / "trajectories.jsonl") if not t.get("filtered")]  # trained ones only
     # The final checkpoint (written at the last step) is no part of the pipeline's throughput.
     step_s = [(m["timing_s/step"] - m.get("timing_s/save_checkpoint", 0.0)) * scale for m in steps]
     wall = sum(step_s)

@@ -5,7 +5,8 @@ Version v = number of completed weight syncs. With eta = max_staleness and G = g
 
     accepted + running < (eta + version + 1) * G
 
-where `accepted` counts groups that finished generation and were not dropped since the start (queued or trained),
+where `accepted` counts groups that finished generation and were not dropped since the start (queued or trained;
+a group filtered by dynamic sampling is never accepted, so it frees its slot),
 and `running` counts groups generating now. Group number k (in admission order) is then admitted at a version
 >= floor(k / G) - eta, and the trainer trains it at version floor(k / G) when groups arrive in order, so its oldest
 token is at most eta versions old. Groups that finish out of order can still arrive late; the consumer re-checks
@@ -53,6 +54,7 @@ class StalenessLedger:
         self.dropped_stale = 0
         self.failed = 0
         self.reissued = 0
+        self.filtered = 0
 
     # -- admission ---------------------------------------------------------------------------------------------
     @property
@@ -92,6 +94,17 @@ class StalenessLedger:
             self.failed += 1
             self._reissue(prompt)
 
+    def filter(self, prompt: PromptRef, reissue: bool = False) -> None:
+        """Generation of `prompt` ended in a group that will not be trained (dynamic sampling: all rewards equal).
+        Its slot is freed without counting it as accepted, so admission replaces it and the groups that are trained
+        keep the bound's numbering; `reissue` puts the prompt back on the re-issue list, else it is done."""
+        if prompt not in self.running:
+            raise LedgerError(f"filter() for prompt {prompt.uid} that is not running")
+        del self.running[prompt]
+        self.filtered += 1
+        if reissue:
+            self._reissue(prompt)
+
     def drop_stale(self, prompts: Iterable[PromptRef]) -> None:
         """The consumer dropped these accepted groups as too stale: free their slots and re-issue their prompts."""
         for p in prompts:
@@ -125,7 +138,12 @@ class StalenessLedger:
             "version": self.version,
             "accepted": self.accepted,
             "reissue": [p.uid for p in pending],
-            "counters": {"dropped_stale": self.dropped_stale, "failed": self.failed, "reissued": self.reissued},
+            "counters": {
+                "dropped_stale": self.dropped_stale,
+                "failed": self.failed,
+                "reissued": self.reissued,
+                "filtered": self.filtered,
+            },  # fmt: skip
         }
 
     @classmethod
@@ -144,6 +162,7 @@ class StalenessLedger:
         ledger.dropped_stale = int(counters.get("dropped_stale", 0))
         ledger.failed = int(counters.get("failed", 0))
         ledger.reissued = int(counters.get("reissued", 0))
+        ledger.filtered = int(counters.get("filtered", 0))
         return ledger
 
     def stats(self) -> dict[str, int]:
@@ -156,4 +175,5 @@ class StalenessLedger:
             "dropped_stale": self.dropped_stale,
             "failed": self.failed,
             "reissued": self.reissued,
+            "filtered": self.filtered,
         }

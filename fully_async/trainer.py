@@ -106,6 +106,10 @@ class Trainer:
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
         snap = resolve(self.rollouter.snapshot.remote())
+        if snap.get("filtered"):  # before the checkpoint exists: a resume from it keeps these records (step <= N)
+            out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+            out.write([{**r, "step": self.step} for r in snap["filtered"]])
+            out.close()
         (tmp / "queue.bin").write_bytes(snap["queue"]["groups"])
         state = {
             "step": self.step,
@@ -204,6 +208,11 @@ class Trainer:
         with tr.span("trainer", "stats"):
             now = resolve(self.rollouter.stats.remote())
             queue_stats = resolve(self.queue.stats.remote())
+            # Dynamic sampling's filtered groups; on a checkpoint step save() already wrote those the snapshot
+            # counts, and later ones wait for the next step (a resume from here re-runs them).
+            if not saves:
+                filtered = resolve(self.rollouter.pop_filtered.remote())
+                self._trajs_out.write([{**r, "step": self.step} for r in filtered])
         m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
         for v in resolve(self.rollouter.pop_validation.remote()):
             m.update({k: x for k, x in v.items() if k != "version"})
@@ -243,6 +252,8 @@ def step_window(
     engines = max(1, len(now["engine_busy_s"]))
     busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
     tokens = sum(t.response_length for g in groups for t in g.trajectories)
+    new_filtered = now.get("groups_filtered", 0) - last.get("groups_filtered", 0)
+    new_pushed = now.get("groups_pushed", 0) - last.get("groups_pushed", 0)
     m = {
         "timestamp": now["time"],
         "timing_s/step": step_s,
@@ -253,6 +264,8 @@ def step_window(
         "fully_async/count/dropped_stale": queue_stats["dropped_stale"],
         "fully_async/count/groups_failed": now["groups_failed"],
         "fully_async/count/reward_timeouts": now["reward_timeouts"],
+        "fully_async/count/filtered_groups": now.get("groups_filtered", 0),
+        "fully_async/filtered_groups/ratio": new_filtered / max(1, new_filtered + new_pushed),
         "perf/tokens_per_s": tokens / step_s,
         "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
     }

@@ -257,6 +257,44 @@ def sometimes_hanging_score(data_source, solution_str, ground_truth, extra_info=
     return synthetic_score(data_source, solution_str, ground_truth, extra_info)
 
 
+# -- reward.group_fn functions (fully_async/reward/group.py) ----------------------------------------------------
+def rank_group(group):
+    """Ranks the group's responses by length (shortest first): reward = rank / (n - 1); info per sample."""
+    samples = group["samples"]
+    order = sorted(range(len(samples)), key=lambda i: (samples[i]["response_length"], i))
+    rank = {i: r for r, i in enumerate(order)}
+    n = max(1, len(samples) - 1)
+    rewards = [rank[i] / n for i in range(len(samples))]
+    return rewards, [
+        {"rank": rank[i], "group_size": len(samples), "uid": group["prompt_uid"]} for i in range(len(samples))
+    ]
+
+
+async def async_mean_group(group):
+    """Every sample gets the group's mean per-sample score; one info dict for the group."""
+    scores = [s["reward"] for s in group["samples"]]
+    await asyncio.sleep(float((group.get("extra_info") or {}).get("sleep", 0)))
+    return [sum(scores) / len(scores)] * len(scores), {"mean": sum(scores) / len(scores)}
+
+
+async def half_constant_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Constant 1.0 on prompts with an even answer (their groups never vary: dynamic sampling filters them), the sim
+    reward (even response length) on the others (their groups vary 7 times in 8 with rollout.n = 4)."""
+    if int(ground_truth) % 2 == 0:
+        return 1.0
+    return float(solution_str.isdigit() and int(solution_str) % 2 == 0)
+
+
+def slow_group(group):
+    """Never returns in time (a pairwise judge stuck on a big group)."""
+    while True:
+        time.sleep(1)
+
+
+def wrong_size_group(group):
+    return [1.0]
+
+
 if __name__ == "__main__":
     _main()
 

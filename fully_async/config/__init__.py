@@ -17,10 +17,12 @@ from typing import Any
 
 from fully_async.config.base import ConfigError, field_docs, from_dict, schema_node, suggest, to_dict, validate_tree
 from fully_async.config.sections import (
+    GROUP_ESTIMATORS,
     AlgorithmConfig,
     AsyncTrainingConfig,
     DataConfig,
     EngineConfig,
+    FilterGroupsConfig,
     JudgeConfig,
     LoggerConfig,
     ModelConfig,
@@ -35,6 +37,8 @@ from fully_async.config.sections import (
     TinyModelConfig,
     TrainerConfig,
 )
+from fully_async.config.verl_keys import translate as translate_verl_keys
+from fully_async.config.verl_keys import verl_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent
 PRIMARY_CONFIG = "fully_async"
@@ -47,6 +51,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EngineConfig",
+    "FilterGroupsConfig",
     "FullyAsyncConfig",
     "GROUPS",
     "LoggerConfig",
@@ -110,7 +115,7 @@ class FullyAsyncConfig:
     def validate(self) -> FullyAsyncConfig:
         """Check every section and the cross-section rules; raise ConfigError naming the key. Returns self."""
         validate_tree(self)
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ConfigError(
                 f"rollout.n must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} "
                 f"(a group baseline needs two samples), got {self.rollout.n}"
@@ -120,6 +125,11 @@ class FullyAsyncConfig:
             raise ConfigError(
                 f"trainer.sim.time_scale must equal engine.sim.time_scale={self.engine.sim.time_scale:g} "
                 f"(both clocks run at one speed), got {self.trainer.sim.time_scale:g}"
+            )
+        if self.reward.overlong_buffer > self.rollout.response_length:
+            raise ConfigError(
+                f"reward.overlong_buffer must be <= rollout.response_length = {self.rollout.response_length} (the "
+                f"penalty ramps up over the last overlong_buffer tokens of the budget), got {self.reward.overlong_buffer}"
             )
         longest = self.data.max_prompt_length + self.rollout.response_length
         if longest > self.engine.max_model_len:
@@ -161,11 +171,25 @@ def group_options(group: str) -> list[str]:
 
 
 _LOGGER_LIST = re.compile(r"^logger=(\[.*\])$")
+_TILDE_ITEM = re.compile(r"(^|[\[,])\s*(~[^,\]'\"]*)")
+
+
+def _quote_tilde(override: str) -> str:
+    """`key=~/x` and `key=[~/x,/y]` -> the `~` items quoted: Hydra's grammar refuses an unquoted `~` in a value, and
+    the shell does not expand it after `data.train_files=` (not a variable name), so verl scripts' paths reach us as
+    written. The key part (where `~key` deletes) is left alone."""
+    key, sep, value = override.partition("=")
+    if not sep or "~" not in value:
+        return override
+    return key + sep + _TILDE_ITEM.sub(lambda m: f"{m.group(1)}'{m.group(2).strip()}'", value)
 
 
 def expand_overrides(overrides: list[str]) -> list[str]:
     """`logger=[console,wandb]` (a list of sinks) -> `logger.backends=[console,wandb]`; `logger=wandb` still picks the
-    shipped option logger/wandb.yaml. Everything else is returned unchanged."""
+    shipped option logger/wandb.yaml. verl keys with the same meaning as ours (`actor_rollout_ref.rollout.n=8`) are
+    rewritten to ours (config/verl_keys.py), with a line on stderr; a `~` path is quoted for Hydra. Everything else is
+    returned unchanged."""
+    overrides = [_quote_tilde(o) for o in translate_verl_keys(overrides)]
     return [
         _LOGGER_LIST.sub(r"logger.backends=\1", o.strip()) if o.strip().startswith("logger=") else o for o in overrides
     ]
@@ -197,6 +221,9 @@ def check_overrides(overrides: list[str]) -> None:
             continue
         _, err = schema_node(FullyAsyncConfig, key.split("."))
         if err:
+            hint = verl_hint(key)
+            if hint:  # a verl key: its replacement instead of the nearest spelling
+                raise ConfigError(f"unknown config key '{key}'{hint}")
             raise ConfigError(err)
 
 

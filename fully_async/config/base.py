@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import textwrap
 import types
 import typing
@@ -133,18 +134,44 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
 
+PATHS = {"paths": True}
+"""Field metadata of a list-of-paths key: a single string is taken as a one-item list (as verl's scripts pass
+`data.train_files=~/data/gsm8k/train.parquet`) and a leading `~` of every item is expanded."""
+PATH = {"path": True}
+"""Field metadata of a single-path key (or null): a leading `~` is expanded."""
+
+
+def _expand(value: Any) -> Any:
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+def _paths_value(value: Any, meta: Mapping[str, Any]) -> Any:
+    """Apply a field's PATHS / PATH metadata to a raw value before type conversion."""
+    if meta.get("paths"):
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, typing.Sequence) and not isinstance(value, (str, bytes)):
+            value = [_expand(v) for v in value]
+    elif meta.get("path"):
+        value = _expand(value)
+    return value
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    """Build dataclass `cls` from a mapping, rejecting unknown keys (with the nearest valid key) and wrong types."""
+    """Build dataclass `cls` from a mapping, rejecting unknown keys (with the nearest valid key, or the replacement
+    of a verl key) and wrong types."""
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    names = list(fields)
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in names:
-            raise ConfigError(
-                f"unknown config key '{key}'{suggest(str(name), names)}; valid keys here: {', '.join(names)}"
-            )
-        kwargs[name] = _convert(value, hints[name], key)
+            from fully_async.config.verl_keys import verl_hint
+
+            hint = verl_hint(key) or suggest(str(name), names)
+            raise ConfigError(f"unknown config key '{key}'{hint}; valid keys here: {', '.join(names)}")
+        kwargs[name] = _convert(_paths_value(value, fields[name].metadata), hints[name], key)
     return cls(**kwargs)
 
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fully_async.config.base import ConfigError, require
+from fully_async.config.base import PATH, PATHS, ConfigError, require
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -158,7 +158,7 @@ class EngineConfig:
     """Engine server processes (one model replica each), each placed by Ray on a node with its GPUs."""
     tensor_parallel_size: int = 1
     """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
-    python: str | None = None
+    python: str | None = field(default=None, metadata=PATH)
     """Interpreter of the engine environment; null = .venv-engine/bin/python at the repository root."""
     host: str = "auto"
     """Address the engine servers listen on; auto = 127.0.0.1 on the Rollouter's node, the node's IP elsewhere (then
@@ -269,11 +269,11 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = None
+    path: str | None = field(default=None, metadata=PATH)
     """Hugging Face model directory; null = build the tiny model (model.tiny) locally and cache it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Settings of the locally built tiny model (used when path is null)."""
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default=None, metadata=PATH)
     """Where built tiny models are cached; null = ~/.cache/fully_async/models."""
 
 
@@ -396,9 +396,32 @@ class TrainerConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal (zero group advantage) is not trained; it frees its staleness slot, is counted (fully_async/count/filtered_groups) and logged in trajectories.jsonl with filtered=true, and the trainer still gets async_training.groups_per_step useful groups per step."""
+    metric: str = "reward"
+    """What must vary within a group: reward, or a numeric key of the reward function's returned dict (e.g. acc)."""
+    reissue: bool = False
+    """Generate a filtered prompt again (a new group of samples) instead of counting it as done; a prompt whose groups are always constant then comes back until one varies."""
+
+    def validate_section(self, p: str) -> None:
+        require(bool(self.metric), p + "metric", self.metric, "'reward' or a reward-info key")
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
-    """Advantage estimator from verl's core_algos."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: a name verl's core_algos registers (docs/algorithms.md), checked against the installed verl; not gae (needs the critic) or remax (needs a greedy baseline rollout)."""
+    policy_loss: str = "vanilla"
+    """Policy loss: a name verl's core_algos registers (docs/algorithms.md), checked against the installed verl; vanilla = the clipped PPO loss on pi_theta / pi_prox."""
+    policy_loss_args: dict = field(default_factory=dict)
+    """Settings of the policy loss, by verl's names: clip_cov_ratio, clip_cov_lb, clip_cov_ub (clip_cov); kl_cov_ratio, ppo_kl_coef (kl_cov); dro_beta (dro, required); tau_pos, tau_neg (sapo); clip_ratio_c (dual clip of vanilla, dppo_*)."""
+    gdpo_reward_keys: list[str] = field(default_factory=list)
+    """adv_estimator=gdpo (required): the reward components normalised one by one, each a reward source's name or a key of the reward function's returned dict."""
+    gdpo_reward_weights: list[float] = field(default_factory=list)
+    """adv_estimator=gdpo: a weight per gdpo_reward_keys entry; empty = equal weights."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling: leave out groups whose rewards do not vary."""
     norm_adv_by_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
     clip_ratio_low: float = 0.2
@@ -421,14 +444,82 @@ class AlgorithmConfig:
     """How token losses are aggregated over the global batch."""
 
     def validate_section(self, p: str) -> None:
+        self._validate_registry_names(p)
         require(0 <= self.clip_ratio_low < 1, p + "clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         require(self.clip_ratio_high >= 0, p + "clip_ratio_high", self.clip_ratio_high, ">= 0")
         require(self.rollout_is_threshold >= 1, p + "rollout_is_threshold", self.rollout_is_threshold, ">= 1")
         require(self.kl_loss_coef >= 0, p + "kl_loss_coef", self.kl_loss_coef, ">= 0")
         require(self.entropy_coeff >= 0, p + "entropy_coeff", self.entropy_coeff, ">= 0")
 
+    def _validate_registry_names(self, p: str) -> None:
+        """Names against the installed verl's registries (read without importing verl: config/verl_registry.py),
+        then what each name needs. Without verl only the second part runs (the sim backend computes no loss)."""
+        from fully_async.config.base import suggest
+        from fully_async.config.verl_registry import registered_names
+
+        names = registered_names()
+        est, loss = self.adv_estimator, self.policy_loss
+        if names is not None:
+            for key, value, valid in (("adv_estimator", est, names[0]), ("policy_loss", loss, names[1])):
+                if value not in valid:
+                    raise ConfigError(
+                        f"{p}{key} must be a name the installed verl's core_algos registers: {list(valid)}, "
+                        f"got {value!r}{suggest(value, valid)}"
+                    )
+        if est in NEEDS_UNBUILT:
+            raise ConfigError(f"{p}adv_estimator={est} needs {NEEDS_UNBUILT[est]}, which is not built yet")
+        if est in NEEDS_PROX and not self.recompute_prox:
+            raise ConfigError(
+                f"{p}adv_estimator={est} needs {p}recompute_prox=true (its baseline uses the trainer's pi_prox and "
+                "sum of pi^2 per token, computed in the same forward pass)"
+            )
+        if est == "gdpo":
+            require(bool(self.gdpo_reward_keys), p + "gdpo_reward_keys", self.gdpo_reward_keys,
+                    "a non-empty list of reward components with adv_estimator=gdpo")  # fmt: skip
+            require(
+                not self.gdpo_reward_weights or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys),
+                p + "gdpo_reward_weights",
+                self.gdpo_reward_weights,
+                f"empty (equal) or one weight per gdpo_reward_keys entry ({len(self.gdpo_reward_keys)})",
+            )
+        if loss == "bypass_mode" and self.recompute_prox:
+            raise ConfigError(
+                f"{p}policy_loss=bypass_mode needs {p}recompute_prox=false (it takes the behaviour log-probs as pi_old "
+                "and computes its own importance weights)"
+            )
+        unknown = sorted(set(self.policy_loss_args) - set(POLICY_LOSS_ARGS))
+        if unknown:
+            raise ConfigError(
+                f"{p}policy_loss_args has unknown keys {unknown}; allowed: {list(POLICY_LOSS_ARGS)}"
+                f"{suggest(unknown[0], POLICY_LOSS_ARGS)}"
+            )
+        for key, value in self.policy_loss_args.items():
+            require(isinstance(value, int | float) and not isinstance(value, bool), f"{p}policy_loss_args.{key}",
+                    value, "a number")  # fmt: skip
+        if loss == "dro" and "dro_beta" not in self.policy_loss_args:
+            raise ConfigError(
+                f"{p}policy_loss=dro needs {p}policy_loss_args.dro_beta (its quadratic log-ratio penalty)"
+            )
+
+
+NEEDS_UNBUILT = {
+    "gae": "a critic (value model and GAE over its values; out of scope so far, see issue 19)",
+    "remax": "a greedy baseline rollout per prompt (verl's reward_baselines)",
+}
+"""Estimators verl registers that need a part fully_async does not build yet."""
+NEEDS_PROX = ("optimal_token_baseline", "tir_optimal_token_baseline")
+"""Estimators whose baseline needs the proximal log-probs and sum of pi^2 per token (verl's OTB)."""
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "gdpo", "grpo_passk", "rloo", "rloo_vectorized", "opo",
+                    "reinforce_plus_plus_baseline", "gpg", *NEEDS_PROX)  # fmt: skip
+"""Estimators with a per-group baseline: they need rollout.n >= 2."""
+POLICY_LOSS_ARGS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta",
+                    "tau_pos", "tau_neg", "clip_ratio_c")  # fmt: skip
+"""verl's policy-loss settings algorithm.policy_loss_args may set (PolicyLossConfig and ActorConfig fields)."""
+
 
 REWARD_KINDS = ("rule", "judge", "reward_model")
+GROUP_FN_NAME = "group_fn"
+"""reward.group_fn's name in reward stats, metrics (fully_async/reward/group_fn/*) and reward info."""
 FAILURE_POLICIES = ("fallback", "drop", "raise")
 JUDGE_FIELDS = ("question", "response", "reference")
 
@@ -486,7 +577,7 @@ class JudgeConfig:
     """Most tokens the judge may generate (also the output part of the TPM estimate)."""
     temperature: float = 0.0
     """Judge sampling temperature."""
-    tokenizer: str | None = None
+    tokenizer: str | None = field(default=None, metadata=PATH)
     """Tokenizer directory for TPM estimates; null = the policy model's tokenizer."""
 
     def validate_section(self, p: str) -> None:
@@ -516,15 +607,15 @@ class JudgeConfig:
 
 @dataclass
 class RewardModelConfig:
-    urls: list[str] = field(default_factory=list)
-    """Service mode: base URLs of the vLLM / SGLang servers hosting the reward model (requests go to the least busy)."""
+    urls: list[str] = field(default_factory=list, metadata={"paths": True})
+    """Service mode: base URLs of the vLLM / SGLang servers hosting the reward model (a list, or one URL as a string; requests go to the least busy)."""
     endpoint: Literal["classify", "pooling", "chat"] = "classify"
     """Service API: /classify or /pooling (a score head), or chat = a generative judge prompt (judge settings)."""
     model: str | None = None
     """Model name sent to the service; null = the server's only model."""
     label: int = 0
     """Which output of a classify / pooling head is the score."""
-    path: str | None = None
+    path: str | None = field(default=None, metadata=PATH)
     """Local mode (no urls): a Hugging Face sequence-classification model loaded in a Ray worker of our own."""
     max_batch: int = 16
     """Local mode: most items per forward pass."""
@@ -605,13 +696,31 @@ class RewardConfig:
     """Processes running synchronous reward functions (shared by every rule / dotted-path source)."""
     limiter_namespace: str = "fully_async"
     """Ray namespace of the per-source limiter actors: processes in one namespace share each source's limits."""
+    group_fn: str | None = None
+    """Dotted path 'pkg.mod:fn' of fn(group) -> rewards or (rewards, info), sync or async, run once all samples of a group are scored and before the group is queued; group = {prompt_uid, data_source, ground_truth, extra_info, question, samples: [{sample_index, response, reward, reward_info, response_length, finish_reason}]}, rewards = one number per sample (its new reward), info = one dict for the group or one per sample (fully_async/reward/group.py); null = off."""
+    group_fn_timeout_s: float = 30.0
+    """Hard timeout of one group_fn call (a sync function's worker is killed when it passes)."""
+    group_fn_on_failure: Literal["fallback", "drop", "raise"] = "fallback"
+    """When group_fn fails or times out: fallback = keep the per-sample scores, flagged; drop = re-issue the group; raise = the run fails."""
+    overlong_buffer: int = 0
+    """DAPO overlong reward shaping: a response longer than rollout.response_length - overlong_buffer tokens loses overlong_penalty x (excess / overlong_buffer), up to overlong_penalty at the budget; 0 = off."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: the penalty at the full response budget (the shaping is linear over the buffer)."""
 
     def validate_section(self, p: str) -> None:
+        _check_dotted(p + "group_fn", self.group_fn)
+        require(self.group_fn_timeout_s > 0, p + "group_fn_timeout_s", self.group_fn_timeout_s, "> 0")
+        require(self.overlong_buffer >= 0, p + "overlong_buffer", self.overlong_buffer, ">= 0 (0 = off)")
+        require(self.overlong_penalty >= 0, p + "overlong_penalty", self.overlong_penalty, ">= 0")
         require(bool(self.sources), p + "sources", self.sources, "a non-empty list of reward sources")
         require(self.num_workers >= 1, p + "num_workers", self.num_workers, ">= 1")
         seen: dict[str, int] = {}
         for i, src in enumerate(self.sources):
             src.validate_section(f"{p}sources[{i}].")
+            if src.label == GROUP_FN_NAME:
+                raise ConfigError(
+                    f"{p}sources[{i}].name: {GROUP_FN_NAME!r} names reward.group_fn's metrics; choose another"
+                )
             if src.label in seen:
                 raise ConfigError(
                     f"{p}sources[{i}].name: {src.label!r} is already the name of sources[{seen[src.label]}]; "
@@ -622,10 +731,10 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Training data: verl-layout parquet or jsonl files; empty = the built-in synthetic task."""
-    val_files: list[str] = field(default_factory=list)
-    """Held-out data for validation; empty = a held-out split of the synthetic task."""
+    train_files: list[str] = field(default_factory=list, metadata=PATHS)
+    """Training data: verl-layout parquet or jsonl files (a list, or one path as a string; ~ is expanded); empty = the built-in synthetic task."""
+    val_files: list[str] = field(default_factory=list, metadata=PATHS)
+    """Held-out data for validation (a list, or one path as a string; ~ is expanded); empty = a held-out split of the synthetic task."""
     prompt_key: str = "prompt"
     """Column holding the prompt (chat messages or a string)."""
     max_prompt_length: int = 128

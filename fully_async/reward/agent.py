@@ -13,6 +13,7 @@ flags, plus the top-level `reward_failed` / `reward_error` when any source fell 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -24,7 +25,9 @@ from typing import Any
 import tenacity
 
 from fully_async.config import RewardConfig, RewardSourceConfig
+from fully_async.config.sections import GROUP_FN_NAME
 from fully_async.data import DataError
+from fully_async.reward.group import GroupScorer
 from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
 from fully_async.reward.limiter import RateLimiter, limiter_actor
 from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
@@ -89,14 +92,19 @@ class RewardAgent:
 
     def __init__(self, cfg: RewardConfig, tokenizer_path: str | None = None) -> None:
         self.cfg = cfg
-        needs_pool = any(s.kind not in ("judge", "reward_model") for s in cfg.sources)
+        group_is_sync = cfg.group_fn is not None and not inspect.iscoroutinefunction(_resolve_group_fn(cfg.group_fn))
+        needs_pool = group_is_sync or any(s.kind not in ("judge", "reward_model") for s in cfg.sources)
         self.pool = ScoringPool(cfg.num_workers) if needs_pool else None
         self._tokenizer_path = tokenizer_path
         self.sources: list[_Guarded] = []
+        self.group: GroupScorer | None = None
+        """reward.group_fn, when set: `await agent.group.apply(trajs, responses, meta, uid)` once per group."""
         try:
             for i, src in enumerate(cfg.sources):
                 source = self._build(src, f"reward.sources[{i}]")
                 self.sources.append(_Guarded(source, self._limiter(src)))
+            if cfg.group_fn is not None:
+                self.group = GroupScorer(cfg, self.pool)
         except BaseException:
             self.close()
             raise
@@ -296,6 +304,8 @@ class RewardAgent:
                      "limiter_actor_calls": g.limiter.actor_calls, "limiter_rate_calls": g.limiter.rate_calls, "realized_rpm": rpm, "realized_tpm": tpm}
                 )  # fmt: skip
             out[g.source.name] = s
+        if self.group is not None:
+            out[GROUP_FN_NAME] = self.group.stats()
         return out
 
     def close(self) -> None:
@@ -320,6 +330,13 @@ class RewardAgent:
         self.sources = []
         if self.pool is not None:
             self.pool.close()
+
+
+def _resolve_group_fn(path: str):
+    try:
+        return resolve(path)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise DataError(f"reward.group_fn={path!r} cannot be loaded: {e}") from e
 
 
 _OWN_KEYS = ("score", "latency_s", "attempts", "limiter_wait_s", "failed", "error", "parse_failed")

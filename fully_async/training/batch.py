@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fully_async.protocol import NO_VERSION, TrajectoryGroup, flatten
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+if TYPE_CHECKING:
+    from fully_async.config import AlgorithmConfig
 
 
 @dataclass
@@ -148,20 +150,71 @@ def token_level_rewards(batch: PaddedBatch) -> torch.Tensor:
     return out
 
 
-def compute_advantages(batch: PaddedBatch, estimator: str, norm_adv_by_std: bool = True) -> torch.Tensor:
-    """(B, R) advantages from verl's `core_algos` estimator registry (outcome rewards, gamma = 1), 0 off the mask."""
+def reward_components(groups: Sequence[TrajectoryGroup], keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """Per-trajectory reward components (in `flatten` order) for verl's gdpo: each key is a reward function's own
+    output (top level of reward info, one source) or a reward source's name (its score)."""
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for t in flatten(groups):
+        info = t.reward_info or {}
+        for k in keys:
+            value = info.get(k)
+            if not isinstance(value, int | float):
+                value = (info.get("sources", {}).get(k) or {}).get("score")
+            if not isinstance(value, int | float):
+                raise ValueError(
+                    f"algorithm.gdpo_reward_keys: {k!r} is neither a numeric output of the reward function nor a "
+                    f"reward source's name in trajectory {t.prompt_uid} (reward info keys: {sorted(info)})"
+                )
+            out[k].append(float(value))
+    return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def compute_advantages(
+    batch: PaddedBatch,
+    algorithm: AlgorithmConfig,
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    components: dict[str, np.ndarray] | None = None,
+) -> torch.Tensor:
+    """(B, R) advantages from verl's `core_algos` estimator `algorithm.adv_estimator` (outcome rewards, gamma = 1),
+    0 off the mask. Called the way verl's own trainer calls each estimator: every input below that the estimator's
+    signature names is passed. `old_log_probs` / `sum_pi_squared` (the proximal pass) are required by the optimal
+    token baselines, `components` (from `reward_components`) by gdpo."""
+    import inspect
+
     from verl.trainer.config.algorithm import AlgoConfig
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"advantage estimator must be one of {list(ADV_ESTIMATORS)}, got {estimator!r}")
-    fn = get_adv_estimator_fn(estimator)
+    fn = get_adv_estimator_fn(algorithm.adv_estimator)
     mask = batch.response_mask.float()
-    kwargs = dict(token_level_rewards=token_level_rewards(batch), response_mask=mask, index=batch.group_index)
-    if estimator == "grpo":
-        adv, _ = fn(**kwargs, norm_adv_by_std_in_grpo=norm_adv_by_std)
-    else:
-        adv, _ = fn(**kwargs, config=AlgoConfig(gamma=1.0, lam=1.0))
+    config = AlgoConfig(
+        gamma=1.0,
+        lam=1.0,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std,
+        gdpo_reward_keys=list(algorithm.gdpo_reward_keys) or None,
+        gdpo_reward_weights=list(algorithm.gdpo_reward_weights) or None,
+    )
+    available = dict(
+        token_level_rewards=token_level_rewards(batch),
+        response_mask=mask,
+        index=batch.group_index,
+        config=config,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        non_tensor_batch=components,
+        batch={"prompts": batch.prompts, "attention_mask": batch.attention_mask},
+    )
+    params = inspect.signature(fn).parameters
+    for name in ("old_log_probs", "sum_pi_squared"):
+        if name in params and available[name] is None:
+            raise ValueError(f"advantage estimator {algorithm.adv_estimator} needs {name}")
+    if "non_tensor_batch" in params and components is None:
+        raise ValueError(f"advantage estimator {algorithm.adv_estimator} needs its reward components")
+    adv, _ = fn(**{k: v for k, v in available.items() if k in params})
     return (adv * mask).float()
 
 

@@ -30,6 +30,7 @@ import ray
 import torch
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+from fully_async.config.sections import NEEDS_PROX
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training.base import TrainingBackend
@@ -112,6 +113,7 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         actor_cls, placement = vc.FSDPActorConfig, {"strategy": "fsdp2", "fsdp_config": engine}
     actor = actor_cls(
         rollout_n=1,
+        **_loss_configs(algorithm),
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
         optim=optim,
@@ -132,6 +134,28 @@ def _engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pa
         checkpoint_config=actor.checkpoint,
     )
     return twc, actor
+
+
+_ACTOR_LOSS_ARGS = ("tau_pos", "tau_neg", "clip_ratio_c")
+"""algorithm.policy_loss_args that are fields of verl's ActorConfig (the rest are PolicyLossConfig fields)."""
+
+
+def _loss_configs(algorithm: AlgorithmConfig) -> dict:
+    """ActorConfig keyword arguments selecting verl's policy loss `algorithm.policy_loss` with its settings.
+    bypass_mode reads its importance-weight settings from policy_loss.rollout_correction: ours."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import PolicyLossConfig
+
+    args = algorithm.policy_loss_args
+    correction = RolloutCorrectionConfig(
+        rollout_is=algorithm.rollout_is, rollout_is_threshold=algorithm.rollout_is_threshold
+    )
+    policy_loss = PolicyLossConfig(
+        loss_mode=algorithm.policy_loss,
+        rollout_correction=correction,
+        **{k: v for k, v in args.items() if k not in _ACTOR_LOSS_ARGS},
+    )
+    return {"policy_loss": policy_loss, **{k: v for k, v in args.items() if k in _ACTOR_LOSS_ARGS}}
 
 
 def _reference_config(twc):
@@ -198,14 +222,21 @@ class VerlBackend(TrainingBackend):
             self._make_group("policy", twc)
             if use_reference:
                 self._make_group("reference", _reference_config(twc))
-            from verl.workers.utils.losses import ppo_loss
-
-            self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
+            self.set_algorithm(algorithm)
         except BaseException:
             # Protects the Ray cluster from orphaned ranks when a later group fails to start; the error propagates.
             log.error("training backend failed to start; stopping the ranks already started")
             self.shutdown()
             raise
+
+    def set_algorithm(self, algorithm: AlgorithmConfig) -> None:
+        """Use `algorithm` (estimator, policy loss and their settings) from the next update on: the ranks get the
+        loss function built from it. Model and optimizer are untouched (the estimator runs here, in the driver)."""
+        from verl.workers.utils.losses import ppo_loss
+
+        _, self.actor_config = _engine_configs(self.trainer, algorithm, str(self.model_path), self.cpu)
+        self.algorithm = algorithm
+        self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
 
     # ----------------------------------------------------------------- plumbing
     def _make_group(self, role: str, twc):
@@ -309,16 +340,21 @@ class VerlBackend(TrainingBackend):
         return td
 
     # ----------------------------------------------------------------- log-probs
-    def _log_probs(self, role: str, batch: B.PaddedBatch) -> torch.Tensor:
-        """(B, R) log-probs of `batch` (already laid out for DP) under `role`'s weights."""
+    def _log_probs(self, role: str, batch: B.PaddedBatch, sum_pi_squared: bool = False):
+        """(B, R) log-probs of `batch` (already laid out for DP) under `role`'s weights; with `sum_pi_squared`, the
+        pair (log-probs, sum over the vocabulary of pi^2 per token) from the same forward pass."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
         td = self._engine_td(batch)
-        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, calculate_sum_pi_squared=sum_pi_squared)
         outs, chunks = self._data_call(role, "infer_batch", td)
-        parts = [no_padding_2_padding(tu.get(o, "log_probs"), c) for o, c in zip(outs, chunks, strict=True)]
-        return torch.cat(parts, dim=0).float()
+
+        def gather(key: str) -> torch.Tensor:
+            parts = [no_padding_2_padding(tu.get(o, key), c) for o, c in zip(outs, chunks, strict=True)]
+            return torch.cat(parts, dim=0).float()
+
+        return (gather("log_probs"), gather("sum_pi_squared")) if sum_pi_squared else gather("log_probs")
 
     def compute_log_probs(self, groups: Sequence[TrajectoryGroup], *, reference: bool = False) -> list[np.ndarray]:
         role = "reference" if reference else "policy"
@@ -351,23 +387,32 @@ class VerlBackend(TrainingBackend):
             self.step += 1
             metrics["trainer/skipped"] = 1.0
             return metrics
-        advantages = B.compute_advantages(full, algo.adv_estimator, algo.norm_adv_by_std)
         rows, num_mini = B.dp_layout(full.size, self.dp_size, self.trainer.num_mini_batches)
         laid = full.select(rows)
-        adv = advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
-        extra = {"advantages": adv.float()}
+        extra: dict[str, torch.Tensor] = {}
         mask = laid.response_mask.bool()
         t1 = time.perf_counter()
+        by_prox: dict[str, torch.Tensor] = {}  # inputs of the estimator that come from the proximal pass, full order
         if algo.recompute_prox:
-            prox = self._log_probs("policy", laid)
+            otb = algo.adv_estimator in NEEDS_PROX
+            prox = self._log_probs("policy", laid, sum_pi_squared=otb)
+            if otb:
+                prox, spsq = prox
+                by_prox["sum_pi_squared"] = _unlay(spsq, laid.source, full.size)
             weights, corr = B.importance_weights(
                 prox, laid.behaviour_logprobs, mask, algo.rollout_is, algo.rollout_is_threshold
             )
             extra["rollout_is_weights"] = weights * laid.response_mask
             metrics.update(corr)
+            by_prox["old_log_probs"] = _unlay(prox, laid.source, full.size)
+            by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, full.size)
         else:  # bypass: pi_prox is the behaviour policy, so the importance weight is 1
             prox = laid.behaviour_logprobs
         extra["old_log_probs"] = prox
+        # Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows).
+        components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
+        advantages = B.compute_advantages(full, algo, components=components, **by_prox)
+        extra["advantages"] = (advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask).float()
         if "reference" in self._groups and algo.use_kl_loss:
             extra["ref_log_prob"] = self._log_probs("reference", laid)
         t2 = time.perf_counter()
@@ -454,6 +499,14 @@ def _require_patch(name: str, module: str, marker: str) -> None:
             f"verl patch patches/{name}.patch is not applied to the installed verl (needed here); "
             "run scripts/apply_verl_patches.sh"
         )
+
+
+def _unlay(laid: torch.Tensor, source: np.ndarray, size: int) -> torch.Tensor:
+    """Rows of a DP-laid-out (B, R) tensor back in `flatten` order (padding rows left out)."""
+    out = torch.zeros((size, laid.shape[1]), dtype=laid.dtype)
+    real = torch.from_numpy(source >= 0)
+    out[torch.from_numpy(source[source >= 0])] = laid[real]
+    return out
 
 
 def _mean(value) -> float:

@@ -152,3 +152,72 @@ def test_a_failed_push_to_the_queue_fails_the_run_and_keeps_the_groups(ray_local
     assert "pushing" in error and "message queue failed" in error, error
     assert stats["ledger/failed"] >= 1 and stats["ledger/reissued"] >= 1, stats
     assert stats["ledger/accepted"] == stats["groups_pushed"], stats  # nothing counted that the queue never got
+
+
+def test_group_fn_rescores_whole_groups_before_they_are_queued(ray_local, tmp_path):
+    """reward.group_fn in a real run: every trained reward is the group ranking's, the per-sample score is kept,
+    the call's latency is in the reward metrics and each call is a span on the trace."""
+    cfg = compose([*SMALL, "trainer.total_steps=2", "reward.group_fn=tests.fakes:rank_group"])
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = trajectories(tmp_path)
+    assert len(trajs) == 2 * 4 * 4
+    by_group: dict[str, list[float]] = {}
+    for t in trajs:
+        by_group.setdefault(t["prompt_uid"], []).append(t["reward"])
+    for rewards in by_group.values():  # ranks 0..3 of the group's 4 samples, / 3
+        assert sorted(rewards) == [0.0, 1 / 3, 2 / 3, 1.0], rewards
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["fully_async/reward/group_fn/calls"] for m in metrics) >= 8
+    assert all(
+        m["fully_async/reward/group_fn/errors"] == m["fully_async/reward/group_fn/timeouts"] == 0 for m in metrics
+    )
+    assert any(m["fully_async/reward/group_fn/latency_s"] > 0 for m in metrics)
+    spans = [json.loads(line) for line in (tmp_path / "trace" / "rollouter.jsonl").read_text().splitlines()]
+    assert sum(s.get("name") == "group_fn" and s.get("lane") == "reward" for s in spans) >= 8
+
+
+def test_dynamic_sampling_trains_only_varying_groups_within_the_bound_and_each_prompt_once(ray_local, tmp_path):
+    """~Half the prompts always score 1.0: their groups are filtered (logged, counted, never trained, not re-issued),
+    every step still trains groups_per_step groups whose rewards vary, and the staleness bound holds."""
+    steps = 6
+    cfg = compose(
+        [*SMALL, f"trainer.total_steps={steps}", "reward.sources=[{kind: 'tests.fakes:half_constant_score'}]",
+         "algorithm.filter_groups.enable=true", "async_training.max_staleness=1"]
+    )  # fmt: skip
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    records = trajectories(tmp_path)
+    trained = [r for r in records if not r.get("filtered")]
+    filtered = [r for r in records if r.get("filtered")]
+    assert len(trained) == steps * 4 * 4
+    for step in range(1, steps + 1):
+        groups: dict[str, list[float]] = {}
+        for r in trained:
+            if r["step"] == step:
+                groups.setdefault(r["prompt_uid"], []).append(r["reward"])
+        assert len(groups) == 4 and all(len(g) == 4 and len(set(g)) > 1 for g in groups.values()), (step, groups)
+    assert max(r["trained_version"] - r["min_version"] for r in trained) <= 1
+    trained_uids = {r["prompt_uid"] for r in trained}
+    assert len(trained_uids) == steps * 4  # no prompt trained twice
+    filtered_groups: dict[str, list[float]] = {}
+    for r in filtered:
+        filtered_groups.setdefault(r["prompt_uid"], []).append(r["reward"])
+    assert filtered_groups and all(len(g) == 4 and len(set(g)) == 1 for g in filtered_groups.values())
+    assert not trained_uids & set(filtered_groups)  # filtered prompts are not re-issued: trained-or-filtered once
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["fully_async/count/filtered_groups"] >= len(filtered_groups)
+    share = len(filtered_groups) / (len(filtered_groups) + len(trained_uids))
+    assert 0.25 < share < 0.75, share
+    assert any(m["fully_async/filtered_groups/ratio"] > 0 for m in metrics)
+
+
+def test_overlong_shaping_lowers_the_reward_of_long_responses(ray_local, tmp_path):
+    from fully_async.reward.shaping import overlong_penalty
+
+    cfg = compose([*SMALL, "trainer.total_steps=1", "reward.overlong_buffer=32", "reward.overlong_penalty=0.5",
+                   "engine.sim.length_median=230", "engine.sim.length_sigma=0.2"])  # fmt: skip
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = trajectories(tmp_path)
+    assert any(t["response_length"] > 256 - 32 for t in trajs)  # some responses reached the buffer
+    for t in trajs:
+        score = float(t["response_length"] % 2 == 0)  # fully_async.reward.sim:score
+        assert t["reward"] == pytest.approx(score + overlong_penalty(t["response_length"], 256, 32, 0.5)), t

@@ -54,7 +54,7 @@ def be2(ray_local, tiny_model, tmp_path_factory):
 
 def _reset(be, **algo):
     be.load_checkpoint(be.fa_init)
-    be.algorithm = AlgorithmConfig(**algo)
+    be.set_algorithm(AlgorithmConfig(**algo))
     be.trainer = dataclasses.replace(be.trainer, max_token_len_per_gpu=512)
 
 
@@ -273,3 +273,37 @@ def test_cpu_set_pins_each_rank_and_sizes_its_threads(ray_local, tiny_model):
         be.shutdown()
     assert info["cpus"] == [core] and info["torch_threads"] == 1
     assert np.isfinite(metrics["actor/pg_loss"])
+
+
+def _registry_cases():
+    from fully_async.config.sections import NEEDS_UNBUILT
+    from fully_async.config.verl_registry import registered_names
+
+    estimators, losses = registered_names()
+    cases = [[f"algorithm.adv_estimator={e}"] for e in estimators if e not in NEEDS_UNBUILT]
+    cases += [[f"algorithm.policy_loss={name}"] for name in losses]
+    extra = {
+        "algorithm.adv_estimator=gdpo": ["algorithm.gdpo_reward_keys=[acc,rule]"],
+        "algorithm.policy_loss=dro": ["+algorithm.policy_loss_args.dro_beta=0.1"],
+        "algorithm.policy_loss=bypass_mode": ["algorithm.recompute_prox=false"],
+    }
+    return [c + extra.get(c[0], []) for c in cases]
+
+
+@pytest.mark.parametrize("overrides", _registry_cases(), ids=lambda o: o[0].split(".")[1])
+def test_every_registered_estimator_and_loss_runs_an_update(be1, overrides, tmp_path):
+    from fully_async.config import compose
+
+    algorithm = compose(overrides).algorithm
+    be1.load_checkpoint(be1.fa_init)
+    be1.set_algorithm(algorithm)
+    groups = make_groups(2, 4, seed=11)
+    for t in flatten(groups):  # reward components for gdpo: the function's own output and the source's score
+        t.reward_info = {"acc": float(t.sample_index % 2), "sources": {"rule": {"score": t.reward}}}
+    before = _weights(be1, tmp_path / "before")
+    m = be1.update(groups)
+    assert be1.actor_config.policy_loss.loss_mode == algorithm.policy_loss
+    assert np.isfinite(m["actor/pg_loss"]), m
+    after = _weights(be1, tmp_path / "after")
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
+    be1.set_algorithm(AlgorithmConfig())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def test_every_example_config_validates(path):
                 assert len(actual) == len(value), f"{path}: {where}{key}"
                 for i, (a, v) in enumerate(zip(actual, value)):
                     check(a, v, f"{where}{key}[{i}].")
+            elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                # Lists of paths are expanded (~) on validation.
+                assert actual == [os.path.expanduser(v) for v in value], f"{path}: {where}{key}"
             else:
                 assert actual == value, f"{path}: {where}{key}"
 
@@ -82,6 +86,26 @@ BAD = [
     (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
     (["engine.dtype=fp8"], "engine.dtype", "one of"),
     (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "did you mean 'grpo'"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "registers: ['gae', 'grpo', "),
+    (["algorithm.policy_loss=ppo"], "algorithm.policy_loss", "registers: ['vanilla', "),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae", "a critic"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax", "greedy baseline rollout"),
+    (
+        ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.recompute_prox=false"],
+        "recompute_prox=true",
+        "pi_prox",
+    ),
+    (["algorithm.adv_estimator=gdpo"], "algorithm.gdpo_reward_keys", "non-empty list"),
+    (
+        ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],
+        "algorithm.gdpo_reward_weights",
+        "one weight per",
+    ),
+    (["algorithm.policy_loss=bypass_mode"], "algorithm.policy_loss=bypass_mode", "recompute_prox=false"),
+    (["algorithm.policy_loss=dro"], "algorithm.policy_loss_args.dro_beta", "quadratic"),
+    (["+algorithm.policy_loss_args.dro_bta=0.1"], "algorithm.policy_loss_args", "did you mean 'dro_beta'"),
+    (["+algorithm.policy_loss_args.dro_beta=x"], "algorithm.policy_loss_args.dro_beta", "a number"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n", "group baseline"),
     (["engine=vlm"], "engine=vlm", "did you mean 'vllm'"),
     (["logger.backends=[console,wandbb]"], "logger.backends[1]", "did you mean 'wandb'"),
     (["reward.sources=[{kind: not a path}]"], "reward.sources[0].kind", "dotted path"),
@@ -168,3 +192,109 @@ def test_runner_prints_composed_config_and_rejects_bad_keys(tmp_path):
     assert bad.returncode == 2
     assert "did you mean 'rollout.temperature'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_list_of_paths_keys_take_one_string_or_a_list_and_expand_home():
+    home = str(Path.home())
+    cfg = compose(["data.train_files=~/data/gsm8k/train.parquet", "data.val_files=[~/a.parquet,/b.jsonl]"])
+    assert cfg.data.train_files == [f"{home}/data/gsm8k/train.parquet"]
+    assert cfg.data.val_files == [f"{home}/a.parquet", "/b.jsonl"]
+    cfg = build_config({"data": {"train_files": "/x.parquet"}, "reward": {"sources": [
+        {"kind": "reward_model", "reward_model": {"urls": "http://127.0.0.1:1"}}]}})  # fmt: skip
+    assert cfg.data.train_files == ["/x.parquet"]
+    assert cfg.reward.sources[0].reward_model.urls == ["http://127.0.0.1:1"]
+    assert compose(["model.path=~/m"]).model.path == f"{home}/m"
+    with pytest.raises(ConfigError, match=r"data.train_files\[0\] must be a string"):
+        build_config({"data": {"train_files": [3]}})
+
+
+# verl key -> (value, our key, our value): each mapped verl key is read as ours.
+VERL_MAPPED = [
+    ("actor_rollout_ref.rollout.n", "8", "rollout.n", 8),
+    ("actor_rollout_ref.rollout.temperature", "0.7", "rollout.temperature", 0.7),
+    ("actor_rollout_ref.rollout.top_p", "0.9", "rollout.top_p", 0.9),
+    ("actor_rollout_ref.rollout.top_k", "5", "rollout.top_k", 5),
+    ("actor_rollout_ref.rollout.response_length", "64", "rollout.response_length", 64),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization", "0.5", "engine.gpu_memory_utilization", 0.5),
+    ("actor_rollout_ref.rollout.max_model_len", "600", "engine.max_model_len", 600),
+    ("actor_rollout_ref.rollout.enforce_eager", "false", "engine.enforce_eager", False),
+    ("actor_rollout_ref.actor.optim.lr", "1e-5", "trainer.lr", 1e-5),
+    ("actor_rollout_ref.actor.optim.weight_decay", "0.01", "trainer.weight_decay", 0.01),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps", "3", "trainer.lr_warmup_steps", 3),
+    ("actor_rollout_ref.actor.optim.lr_scheduler_type", "cosine", "trainer.lr_schedule", "cosine"),
+    ("actor_rollout_ref.actor.optim.clip_grad", "0.5", "trainer.grad_clip", 0.5),
+    ("actor_rollout_ref.actor.grad_clip", "0.25", "trainer.grad_clip", 0.25),
+    ("actor_rollout_ref.actor.ppo_epochs", "2", "trainer.ppo_epochs", 2),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "2048", "trainer.max_token_len_per_gpu", 2048),
+    ("actor_rollout_ref.actor.clip_ratio_low", "0.1", "algorithm.clip_ratio_low", 0.1),
+    ("actor_rollout_ref.actor.clip_ratio_high", "0.3", "algorithm.clip_ratio_high", 0.3),
+    ("actor_rollout_ref.actor.use_kl_loss", "true", "algorithm.use_kl_loss", True),
+    ("actor_rollout_ref.actor.kl_loss_coef", "0.01", "algorithm.kl_loss_coef", 0.01),
+    ("actor_rollout_ref.actor.entropy_coeff", "0.001", "algorithm.entropy_coeff", 0.001),
+    ("actor_rollout_ref.actor.loss_agg_mode", "seq-mean-token-mean", "algorithm.loss_agg_mode", "seq-mean-token-mean"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", "gspo", "algorithm.policy_loss", "gspo"),
+    ("actor_rollout_ref.model.path", "/models/m", "model.path", "/models/m"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", "true", "trainer.gradient_checkpointing", True),
+    ("algorithm.norm_adv_by_std_in_grpo", "false", "algorithm.norm_adv_by_std", False),
+    ("algorithm.rollout_correction.rollout_is", "sequence", "algorithm.rollout_is", "sequence"),
+    ("algorithm.rollout_correction.rollout_is_threshold", "3.0", "algorithm.rollout_is_threshold", 3.0),
+    ("data.max_response_length", "48", "rollout.response_length", 48),
+    ("data.train_batch_size", "16", "async_training.groups_per_step", 16),
+    ("trainer.total_training_steps", "7", "trainer.total_steps", 7),
+    ("trainer.save_freq", "5", "trainer.save_every", 5),
+    ("trainer.project_name", "p", "logger.project", "p"),
+    ("trainer.experiment_name", "e", "logger.run_name", "e"),
+    ("trainer.logger", "[console,jsonl]", "logger.backends", ["console", "jsonl"]),
+    ("trainer.resume_from_path", "/ckpt/step_3", "trainer.resume", "/ckpt/step_3"),
+]
+
+
+def test_every_mapped_verl_key_is_tested():
+    from fully_async.config.verl_keys import MAPPED
+
+    assert sorted(MAPPED) == sorted(k for k, _, _, _ in VERL_MAPPED)
+
+
+@pytest.mark.parametrize(("verl_key", "value", "ours", "expected"), VERL_MAPPED, ids=lambda x: str(x))
+def test_a_verl_key_with_our_meaning_is_read_as_ours(verl_key, value, ours, expected, capsys):
+    cfg = compose([f"{verl_key}={value}"])
+    node = cfg
+    for part in ours.split("."):
+        node = getattr(node, part)
+    assert node == expected
+    assert f"verl key {verl_key} read as {ours}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "replacement"),
+    [
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.num_mini_batches=<data.train_batch_size / "),
+        ("trainer.total_epochs=3", "trainer.total_steps=<epochs x dataset rows"),
+        ("trainer.test_freq=5", "trainer.val_every=<test_freq / async_training.sync_every>"),
+        ("trainer.resume_mode=auto", "trainer.resume=auto"),
+        ("+custom_reward_function.path=r.py", "reward.sources=[{kind: package.module:function}]"),
+        ("actor_rollout_ref.rollout.name=vllm", "engine=vllm"),
+        ("+actor_rollout_ref.actor.fsdp_config.param_offload=true", "docs/migration-from-verl.md"),
+    ],
+)
+def test_a_verl_key_with_another_meaning_is_refused_with_its_replacement(override, replacement):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert override.lstrip("+").split("=")[0] in str(err.value)
+    assert replacement in str(err.value)
+
+
+def test_a_verl_section_in_a_yaml_mapping_names_the_migration_table():
+    with pytest.raises(ConfigError, match="unknown config key 'actor_rollout_ref' \\(a verl section"):
+        build_config({"actor_rollout_ref": {"rollout": {"n": 4}}})
+
+
+def test_runner_reads_a_verl_command_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_async.runner", "--cfg", "job", "data.train_files=~/data/gsm8k/train.parquet",
+         "actor_rollout_ref.rollout.n=8"],
+        capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    printed = yaml.safe_load(out.stdout)
+    assert printed["data"]["train_files"] == "~/data/gsm8k/train.parquet" and printed["rollout"]["n"] == 8
+    assert "verl key actor_rollout_ref.rollout.n read as rollout.n" in out.stderr

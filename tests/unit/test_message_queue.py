@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fully_async.message_queue import MessageQueue, QueueClosed, QueueTimeout
 from fully_async.protocol import PromptRef
@@ -110,3 +112,31 @@ def test_gc_tuning_only_where_asked(tune_gc):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     default, now, young, frozen = out.stdout.split()
     assert (now, frozen) == ((young, "True") if tune_gc else (default, "False"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    eta=st.integers(0, 4),
+    trainer_version=st.one_of(st.integers(0, 10), st.integers(6, 10**9)),
+    lags=st.lists(st.integers(0, 8), min_size=1, max_size=12),
+)
+def test_get_hands_out_only_groups_within_the_bound_at_any_version(eta, trainer_version, lags):
+    """Groups lagging 0..8 versions behind a trainer at version 0..10^9: get returns exactly the fresh ones, oldest
+    first; every stale one is dropped and handed back for re-issue, none is lost."""
+
+    async def run():
+        q = MessageQueue(capacity=len(lags), max_staleness=eta)
+        groups = [make_group(i, version=max(0, trainer_version - lag)) for i, lag in enumerate(lags)]
+        await q.put(groups)
+        fresh = [g for g in groups if trainer_version - g.min_version <= eta]
+        if fresh:
+            got = await q.get(len(fresh), trainer_version, timeout=0.01)
+        else:  # nothing to hand out: the get times out, having dropped the stale groups on the way
+            with pytest.raises(QueueTimeout):
+                await q.get(1, trainer_version, timeout=0.001)
+            got = []
+        return groups, fresh, got, q.take_reissue()
+
+    groups, fresh, got, reissued = asyncio.run(run())
+    assert [g.prompt for g in got] == [g.prompt for g in fresh]
+    assert sorted(reissued) == sorted(g.prompt for g in groups if trainer_version - g.min_version > eta)

@@ -15,25 +15,31 @@ class Sim:
 
     A group's oldest token is its admission version (no partial continuation lowers or raises it)."""
 
-    def __init__(self, eta, per_step, sync_every, n_prompts):
+    def __init__(self, eta, per_step, sync_every, n_prompts, version=0):
+        """`version`: the run resumes at this weight version (a long run's later part, without its earlier steps)."""
         self.eta, self.per_step, self.sync_every = eta, per_step, sync_every
-        self.ledger = StalenessLedger(eta, per_step * sync_every)
+        self.ledger = StalenessLedger(eta, per_step * sync_every, version=version)
+        # The groups accepted before the resume: one version's worth per version, as a real run leaves the ledger.
+        self.ledger.accepted = self.accepted_before = version * per_step * sync_every
         self.dataset = [PromptRef(0, i) for i in range(n_prompts)]
         self.cursor = 0
         self.running: dict[PromptRef, int] = {}
         self.queue: list[tuple[PromptRef, int]] = []
-        self.trainer_version = 0
+        self.trainer_version = version
         self.steps = 0
         self.trained: list[tuple[PromptRef, int, int]] = []  # (prompt, min_version, trained_version)
+        self.filtered: list[PromptRef] = []  # prompts dynamic sampling left out (done, not re-issued)
 
     def admit(self) -> bool:
         if not self.ledger.can_admit():
             return False
         p = self.ledger.next_reissue()
         if p is None:
-            if self.cursor >= len(self.dataset):
+            if self.cursor >= len(self.dataset) and not self.filtered:
                 return False
-            p = self.dataset[self.cursor]
+            # Past the dataset, the next epoch's prompts (as the real cursor does): groups filtered at the end of
+            # an epoch leave too few for a last full batch, and the next epoch's fill it.
+            p = self.dataset[self.cursor] if self.cursor < len(self.dataset) else PromptRef(1, self.cursor)
             self.cursor += 1
         assert self.ledger.admit(p)
         self.running[p] = self.ledger.version
@@ -45,6 +51,14 @@ class Sim:
         self.ledger.finish(p, ok)
         if ok:
             self.queue.append((p, v))
+
+    def filter(self, i: int, reissue: bool = False) -> None:
+        """Dynamic sampling left the group out: done (or re-issued), never queued."""
+        p = sorted(self.running)[i % len(self.running)]
+        self.running.pop(p)
+        self.ledger.filter(p, reissue)
+        if not reissue:
+            self.filtered.append(p)
 
     def train(self) -> bool:
         stale = [(p, v) for p, v in self.queue if not is_fresh(v, self.trainer_version, self.eta)]
@@ -66,7 +80,8 @@ class Sim:
         self.running.clear()
 
     def done(self) -> bool:
-        return len(self.trained) == len(self.dataset)
+        first_epoch = [p for p, _, _ in self.trained if p.epoch == 0] + [p for p in self.filtered if p.epoch == 0]
+        return len(first_epoch) == len(self.dataset)
 
     def round(self) -> None:
         """Admit what the bound allows, finish it all in admission order, train what can be trained."""
@@ -84,20 +99,24 @@ def scenario(draw):
     per_step = draw(st.integers(1, 4))
     sync_every = draw(st.integers(1, 3))
     n_prompts = per_step * draw(st.integers(1, 8))
-    return eta, per_step, sync_every, n_prompts
+    # Versions well past the start and past the bound: a resumed run's ledger starts at any version.
+    version = draw(st.one_of(st.just(0), st.integers(1, 20), st.integers(10**5, 10**9)))
+    return eta, per_step, sync_every, n_prompts, version
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario(), st.data())
 def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(params, data):
-    eta, per_step, sync_every, n_prompts = params
-    sim = Sim(eta, per_step, sync_every, n_prompts)
+    eta, per_step, sync_every, n_prompts, version = params
+    sim = Sim(eta, per_step, sync_every, n_prompts, version)
     for _ in range(data.draw(st.integers(0, 120), label="random steps")):
-        action = data.draw(st.sampled_from(["admit", "admit", "finish", "fail", "train", "restart"]))
+        action = data.draw(st.sampled_from(["admit", "admit", "finish", "fail", "filter", "train", "restart"]))
         if action == "admit":
             sim.admit()
         elif action in ("finish", "fail") and sim.running:
             sim.finish(data.draw(st.integers(0, 100)), ok=action == "finish")
+        elif action == "filter" and sim.running:
+            sim.filter(data.draw(st.integers(0, 100)), reissue=data.draw(st.booleans()))
         elif action == "train":
             sim.train()
         elif action == "restart" and data.draw(st.integers(0, 9)) == 0:
@@ -112,13 +131,15 @@ def test_random_interleavings_respect_the_bound_and_train_every_prompt_once(para
         sim.round()
     assert sim.done(), f"stalled: {sim.ledger.stats()}, queue={len(sim.queue)}, trained={len(sim.trained)}"
 
-    prompts = [p for p, _, _ in sim.trained]
-    assert sorted(prompts) == sim.dataset, "a prompt was lost or trained twice"
+    prompts = [p for p, _, _ in sim.trained] + sim.filtered
+    assert len(set(prompts)) == len(prompts), "a prompt was trained or filtered twice"
+    assert sorted(p for p in prompts if p.epoch == 0) == sim.dataset, "a prompt was lost"
     for p, min_v, trained_v in sim.trained:
         assert trained_v - min_v <= eta, f"{p.uid} trained {trained_v - min_v} versions stale (bound {eta})"
         if eta == 0:
             assert min_v == trained_v
-    assert not sim.running and sim.ledger.accepted == len(sim.trained)
+    assert sim.ledger.accepted == sim.accepted_before + len(sim.trained) + len(sim.queue)
+    assert sim.ledger.filtered >= len(sim.filtered)
 
 
 def test_in_order_completion_never_drops_anything():
@@ -162,3 +183,68 @@ def test_protocol_violations_raise():
     ledger.on_sync(3)
     with pytest.raises(LedgerError, match="backwards"):
         ledger.on_sync(2)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    trainer_version=st.one_of(st.integers(0, 50), st.integers(0, 10**12)),
+    lag=st.integers(-3, 40),
+    eta=st.integers(0, 30),
+)
+def test_is_fresh_is_exactly_the_bound_at_every_version(trainer_version, lag, eta):
+    # The rule does not depend on how far the run has come: only the lag counts, at version 3 as at 10^12.
+    min_version = trainer_version - lag
+    assert is_fresh(min_version, trainer_version, eta) == (lag <= eta)
+    assert StalenessLedger(eta, 1, version=max(0, trainer_version)).is_fresh(min_version, trainer_version) == (
+        lag <= eta
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    eta=st.integers(0, 4),
+    per_step=st.integers(1, 3),
+    held_for=st.integers(1, 8),
+    start=st.one_of(st.integers(0, 3), st.integers(6, 60), st.integers(10**6, 10**9)),
+)
+def test_a_straggler_is_trained_within_the_bound_or_dropped_and_reissued_at_any_version(eta, per_step, held_for, start):
+    """One group admitted at the resume version `start` is held back while the trainer moves `held_for` versions
+    on; it is trained only if `held_for <= eta`, else dropped, re-issued and trained fresh."""
+    sim = Sim(eta, per_step, 1, n_prompts=per_step * (held_for + eta + 3), version=start)
+    sim.admit()
+    straggler = next(iter(sim.running))
+    for _ in range(held_for):  # the others run normally; the straggler stays running
+        while sim.admit():
+            pass
+        for p in [p for p in sorted(sim.running) if p != straggler]:
+            v = sim.running.pop(p)
+            sim.ledger.finish(p, True)
+            sim.queue.append((p, v))
+        before = sim.trainer_version
+        while sim.train():
+            pass
+        if sim.trainer_version == before:
+            break
+    lag = sim.trainer_version - start
+    sim.finish(sorted(sim.running).index(straggler), ok=True)
+    while not sim.done():
+        sim.round()
+    trained = {p: (v, t) for p, v, t in sim.trained}
+    for p, (v, t) in trained.items():
+        assert t - v <= eta, f"{p.uid} trained {t - v} versions stale at version {t} (bound {eta})"
+    if lag > eta:
+        assert sim.ledger.dropped_stale >= 1 and trained[straggler][0] > start
+    assert sorted(trained) == sim.dataset and len(sim.trained) == len(sim.dataset)
+
+
+def test_a_filtered_group_frees_its_slot_and_is_done_or_reissued():
+    ledger = StalenessLedger(max_staleness=0, groups_per_version=2)
+    assert ledger.admit(PromptRef(0, 0)) and ledger.admit(PromptRef(0, 1)) and not ledger.can_admit()
+    ledger.filter(PromptRef(0, 0))
+    assert ledger.can_admit() and ledger.accepted == 0 and not ledger.reissue  # done: the slot goes to new work
+    ledger.filter(PromptRef(0, 1), reissue=True)
+    assert list(ledger.reissue) == [PromptRef(0, 1)]
+    back = StalenessLedger.from_state(ledger.state_dict())
+    assert back.stats()["filtered"] == 2 and list(back.reissue) == [PromptRef(0, 1)]
+    with pytest.raises(LedgerError):
+        ledger.filter(PromptRef(0, 0))

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fully_async.config import AlgorithmConfig
 from fully_async.protocol import NO_VERSION, PromptRef, Trajectory, TrajectoryGroup
 from fully_async.training import batch as B
 from tests.training_data import make_groups
@@ -87,7 +88,7 @@ def _outcome_batch(rewards_by_group):
 
 def test_grpo_matches_hand_computation():
     b = _outcome_batch([[1.0, 0.0, 0.0, 1.0], [2.0, 5.0]])
-    adv = B.compute_advantages(b, "grpo", norm_adv_by_std=True)
+    adv = B.compute_advantages(b, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=True))
     r0 = np.array([1.0, 0.0, 0.0, 1.0])
     want0 = (r0 - r0.mean()) / (r0.std(ddof=1) + 1e-6)
     r1 = np.array([2.0, 5.0])
@@ -95,13 +96,13 @@ def test_grpo_matches_hand_computation():
     want = np.concatenate([want0, want1])
     np.testing.assert_allclose(adv[:, 0].numpy(), want, rtol=1e-5)
     assert torch.equal(adv[:, 0:1].expand(-1, 3), adv)  # the same advantage on every response token
-    adv_nostd = B.compute_advantages(b, "grpo", norm_adv_by_std=False)
+    adv_nostd = B.compute_advantages(b, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=False))
     np.testing.assert_allclose(adv_nostd[:, 0].numpy(), np.concatenate([r0 - r0.mean(), r1 - r1.mean()]), rtol=1e-6)
 
 
 def test_rloo_matches_hand_computation():
     b = _outcome_batch([[1.0, 0.0, 3.0]])
-    adv = B.compute_advantages(b, "rloo")
+    adv = B.compute_advantages(b, AlgorithmConfig(adv_estimator="rloo"))
     r = np.array([1.0, 0.0, 3.0])
     want = [r[i] - np.delete(r, i).mean() for i in range(3)]
     np.testing.assert_allclose(adv[:, 0].numpy(), want, rtol=1e-5)
@@ -109,7 +110,7 @@ def test_rloo_matches_hand_computation():
 
 def test_reinforce_plus_plus_whitens_returns_over_the_batch():
     b = _outcome_batch([[1.0, 0.0], [3.0]])
-    adv = B.compute_advantages(b, "reinforce_plus_plus")
+    adv = B.compute_advantages(b, AlgorithmConfig(adv_estimator="reinforce_plus_plus"))
     # gamma = 1: every token's return is the trajectory reward; whitening is over all loss tokens of the batch.
     returns = np.repeat([1.0, 0.0, 3.0], 3)
     mean, var = returns.mean(), returns.var(ddof=1)
@@ -121,13 +122,30 @@ def test_advantages_are_zero_off_the_loss_mask():
     g = TrajectoryGroup(
         PromptRef(0, 0), [_traj(0, 0, [1], [2, 3], reward=1.0, loss_mask=[0, 1]), _traj(0, 1, [1], [2], reward=0.0)]
     )
-    adv = B.compute_advantages(B.assemble([g]), "grpo")
+    adv = B.compute_advantages(B.assemble([g]), AlgorithmConfig())
     assert adv[0, 0] == 0 and adv[0, 1] > 0 and adv[1, 1] == 0
 
 
-def test_unknown_estimator_is_rejected():
-    with pytest.raises(ValueError, match="grpo"):
-        B.compute_advantages(_outcome_batch([[1.0, 0.0]]), "gae")
+def test_an_estimator_without_the_inputs_it_needs_is_a_clear_error():
+    with pytest.raises(ValueError, match="optimal_token_baseline needs old_log_probs"):
+        B.compute_advantages(_outcome_batch([[1.0, 0.0]]), AlgorithmConfig(adv_estimator="optimal_token_baseline"))
+    with pytest.raises(ValueError, match="gdpo needs its reward components"):
+        B.compute_advantages(_outcome_batch([[1.0, 0.0]]), AlgorithmConfig(adv_estimator="gdpo"))
+
+
+def test_gdpo_reads_reward_components_from_the_function_output_or_a_source_score():
+    def traj(i, info):
+        t = _traj(0, i, [1], [2], reward=0.0)
+        t.reward_info = info
+        return t
+
+    g = TrajectoryGroup(PromptRef(0, 0), [traj(0, {"acc": 1.0, "sources": {"fmt": {"score": 0.5}}}),
+                                          traj(1, {"acc": 0.0, "sources": {"fmt": {"score": 1.0}}})])  # fmt: skip
+    comps = B.reward_components([g], ["acc", "fmt"])
+    np.testing.assert_array_equal(comps["acc"], [1.0, 0.0])
+    np.testing.assert_array_equal(comps["fmt"], [0.5, 1.0])
+    with pytest.raises(ValueError, match="'len' is neither"):
+        B.reward_components([g], ["len"])
 
 
 def test_token_importance_weights_are_truncated_ratios():
