@@ -15,6 +15,8 @@ import time
 from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
+from fully_async.agents.tool import ToolAgentLoop
+from fully_async.agents.toolkit import parse_tool_calls
 from fully_async.engines.vllm import REPO_ROOT, VLLMServers
 
 
@@ -302,3 +304,19 @@ class VerlStyleTool:
 
     async def release(self, instance_id, **kwargs):
         self.released.append(instance_id)
+
+
+class ForcedToolAgentLoop(ToolAgentLoop):
+    """A ToolAgentLoop whose turn k calls the tools parsed from `script[k]` (none after the script), whatever the
+    model wrote: untrained test models never write a tool call. The model's tokens are still what the engine
+    sampled; only the decision to call is forced. The default script calls echo_tool once, in the first turn."""
+
+    script: list[str] = ['<tool_call>{"name": "echo_tool", "arguments": {"text": "AB"}}</tool_call>']
+
+    def tool_calls(self, turn, text):
+        return parse_tool_calls(self.script[turn]) if turn < len(self.script) else []
+
+
+def tool_seen_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1.0 when the response holds echo_tool's answer to ForcedToolAgentLoop's default call as a tool turn."""
+    return 1.0 if "tool\nAB" in solution_str else 0.0

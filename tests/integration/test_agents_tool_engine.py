@@ -4,9 +4,9 @@ tool failures (a hang cut at its timeout, malformed calls, an unknown tool) are 
 during a tool call labels each turn with the weights that produced it (partial rollout on) or restarts the episode
 (partial rollout off).
 
-What is forced: the tiny untrained model never writes a tool call, so `ForcedCalls` parses a scripted call text for
-each turn instead of the model's own text. Every model token is still what the engine sampled, and every tool runs
-for real; only the decision to call a tool is the test's.
+What is forced: the tiny untrained model never writes a tool call, so tests/fakes.py:ForcedToolAgentLoop parses a
+scripted call text for each turn instead of the model's own text. Every model token is still what the engine sampled,
+and every tool runs for real; only the decision to call a tool is the test's.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from fully_async.agents import Sample
-from fully_async.agents.tool import ToolAgentLoop
-from fully_async.agents.toolkit import function_tool, parse_tool_calls
+from fully_async.agents.toolkit import function_tool
 from fully_async.config import EngineConfig, MultiTurnConfig, TinyModelConfig
 from fully_async.data import PromptRow
 from fully_async.engines import EngineClient, Sampling, build_engine
@@ -43,15 +42,6 @@ HANG = '<tool_call>{"name": "hanging_tool", "arguments": {}}</tool_call>'
 GATE = '<tool_call>{"name": "gate", "arguments": {}}</tool_call>'
 BUDGET = 420
 """Response tokens per episode: byte-level tool messages are long (one token per character)."""
-
-
-class ForcedCalls(ToolAgentLoop):
-    """Turn k's tool calls are parsed from `script[k]` (no calls after the script), not from the model's text."""
-
-    script: list[str] = []
-
-    def tool_calls(self, turn, text):
-        return parse_tool_calls(self.script[turn]) if turn < len(self.script) else []
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +78,7 @@ def teacher_forced(net, prompt, response):
 def agent(tok, script, *, continue_on_abort=True, extra_tools=(), **cfg):
     stop = (tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>"))
     tools = {t.name: t for t in map(function_tool, [fakes.echo_tool, fakes.hanging_tool, *extra_tools])}
-    loop = ForcedCalls(
+    loop = fakes.ForcedToolAgentLoop(
         tok, Sampling(temperature=1.0, seed=7, stop_token_ids=stop), BUDGET, continue_on_abort=continue_on_abort,
         multi_turn=MultiTurnConfig(max_tokens_per_turn=6, tool_timeout_s=0.5, **cfg), tools=tools,
     )  # fmt: skip
