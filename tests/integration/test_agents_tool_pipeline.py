@@ -1,6 +1,6 @@
 """ToolAgentLoop inside a whole simulated run (engine=sim, trainer=sim, the real Rollouter, queue and Trainer on local
 Ray): the rollout.multi_turn section reaches the loop (its tools, its per-turn limit), tool turns end up in the
-trained trajectories and the reward sees them. The call is forced (tests/fakes.py:ForcedToolAgentLoop)."""
+trained trajectories, the reward sees them and the step metrics count them. The call is forced (tests/fakes.py:ForcedToolAgentLoop)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,7 @@ def test_a_run_trains_on_multi_turn_tool_trajectories(ray_local, tmp_path):
     assert all(t["reward"] == 1.0 for t in trajs)  # every trained response held the echo tool's turn
     # Two model turns of 8 tokens (the configured cap) around the inserted tool turn, within the budget.
     assert all(16 < t["response_length"] <= 96 for t in trajs)
+    # The agent's reward info survived scoring: the step metrics count its turns and tool calls.
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["num_turns/mean"] == 2 and s["agent/tool_calls/mean"] == 1 for s in steps if "num_turns/mean" in s)
+    assert sum("num_turns/mean" in s for s in steps) == 2
