@@ -16,16 +16,20 @@ turn, never an assistant turn, because templates render the last assistant turn 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from fully_async.protocol import NO_VERSION, Trajectory
 
+log = logging.getLogger(__name__)
+
 PREFIX_MESSAGES = (
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Hi."},
 )
-"""The fixed conversation new messages are rendered after (its tokens are cut off again)."""
+"""The fixed conversation new messages are rendered after (its tokens are cut off again); without the system turn
+for templates that refuse one."""
 
 
 class TemplateError(ValueError):
@@ -51,8 +55,14 @@ class ChatDelta:
     def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self._prefix_text = self.render_text(list(PREFIX_MESSAGES), add_generation_prompt=False)
-        self._prefix_ids = self.render_ids(list(PREFIX_MESSAGES), add_generation_prompt=False)
+        try:
+            self.prefix = list(PREFIX_MESSAGES)
+            self._prefix_text = self.render_text(self.prefix, add_generation_prompt=False)
+        except Exception as e:  # jinja's raise_exception (e.g. "System role not supported"): try without it
+            log.info("chat template refused a system turn (%s); tool turns are rendered after a user turn only", e)
+            self.prefix = list(PREFIX_MESSAGES[1:])
+            self._prefix_text = self.render_text(self.prefix, add_generation_prompt=False)
+        self._prefix_ids = self.render_ids(self.prefix, add_generation_prompt=False)
         self.end_of_turn_id, after = self._end_of_turn()
         self._after_end = self.encode(after)
 
@@ -91,7 +101,7 @@ class ChatDelta:
     def delta(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids that `messages` (tool / user / environment turns) add after a finished turn, with the next
         assistant header when add_generation_prompt. Raises TemplateError when the template rewrites the prefix."""
-        full = list(PREFIX_MESSAGES) + list(messages)
+        full = self.prefix + list(messages)
         ids = self.render_ids(full, add_generation_prompt=add_generation_prompt)
         n = len(self._prefix_ids)
         if ids[:n] == self._prefix_ids:

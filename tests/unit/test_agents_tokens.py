@@ -176,6 +176,18 @@ def test_a_merge_across_the_seam_falls_back_to_the_text_difference():
     assert chat.delta(TOOLS[:1], add_generation_prompt=False) == enc(tok, "\n[tool] 42<|im_end|>\n")
 
 
+def test_a_template_that_refuses_a_system_turn_gets_a_user_only_prefix():
+    from fully_async.models.tiny import CHAT_TEMPLATE
+
+    tok = qwen_like_tokenizer(
+        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
+        + CHAT_TEMPLATE
+    )
+    chat = ChatDelta(tok)
+    assert [m["role"] for m in chat.prefix] == ["user"]
+    assert chat.delta(TOOLS[:1]) == enc(tok, "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_template_that_rewrites_the_prefix_is_refused():
     tok = qwen_like_tokenizer("{{- messages|length }}" + QWEN25)
     with pytest.raises(TemplateError, match="not append-only"):
