@@ -3,7 +3,8 @@
 One episode: the prompt (the row's messages rendered with the tools' schemas), then up to `max_turns` model turns
 (each at most `max_tokens_per_turn` tokens when set; a turn cut there is closed by an inserted end-of-turn token).
 After each turn the model's text is searched for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
-none ends the episode (the model answered). Otherwise the first `max_parallel_calls` calls run concurrently, each
+none ends the episode (the model answered) unless `environment_turn` answers it (verl's "interaction": an
+environment, not a tool, replies, e.g. "higher"; override it). Otherwise the first `max_parallel_calls` calls run concurrently, each
 under `tool_timeout_s`, and their responses (each cut to `max_tool_response_tokens`) become tool messages whose tokens
 are appended as inserted tokens (loss mask 0, NO_VERSION), with the template's turn boundary and the next assistant
 header; then the model continues from the exact token list (fully_async/agents/tokens.py).
@@ -89,7 +90,7 @@ class ToolAgentLoop(AgentLoop):
         cfg = self.multi_turn
         episode = f"{sample.prompt.uid}#{sample.sample_index}"
         tr = Transcript(self.prompt_ids(sample))
-        info: dict[str, Any] = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
+        info: dict[str, Any] = {"turns": 0, "env_turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
         info.update({f"tool_errors/{k}": 0 for k in ERROR_KINDS})
         info["tool_truncated"] = 0
         timings = {"generate_s": 0.0, "tool_s": 0.0}
@@ -112,27 +113,22 @@ class ToolAgentLoop(AgentLoop):
                 if out.finish_reason == "length" and len(tr) >= self.response_length:
                     finish = "length"
                     break
-                calls = self.tool_calls(turn, self.tokenizer.decode(list(out.token_ids), skip_special_tokens=False))
-                if not calls:
-                    finish = out.finish_reason  # 'length' when the turn was cut at max_tokens_per_turn
-                    break
-                if turn == cfg.max_turns - 1:
+                text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
+                calls = self.tool_calls(turn, text)
+                last = turn == cfg.max_turns - 1
+                if calls and last:
                     info["max_turns_reached"] = True
                     break
-                run = calls[: cfg.max_parallel_calls]
-                info["tool_calls_skipped"] += len(calls) - len(run)
-                t0 = time.monotonic()
-                results = await asyncio.gather(
-                    *(run_call(self.tools, c, episode, cfg.tool_timeout_s) for c in run)
-                )  # fmt: skip
-                timings["tool_s"] += time.monotonic() - t0
-                messages = []
-                for call, res in zip(run, results):
-                    info["tool_calls"] += 1
-                    self.counts["tool_calls"] += 1
-                    if res.error is not None:
-                        self._count_error(call.name, res.error, res.text, info)
-                    messages.append({"role": "tool", "content": self._cut(res.text, info)})
+                if calls:
+                    t0 = time.monotonic()
+                    messages = await self._run_tools(calls, episode, info)
+                    timings["tool_s"] += time.monotonic() - t0
+                else:
+                    messages = None if last else await self.environment_turn(sample, turn, text)
+                    if not messages:
+                        finish = out.finish_reason  # 'length' when the turn was cut at max_tokens_per_turn
+                        break
+                    info["env_turns"] += 1
                 inserted = self.chat.boundary(tr.last_token) + self.chat.delta(messages)
                 if len(tr) + len(inserted) >= self.response_length:  # no room left for a model token after it
                     info["budget_stop"] = True
@@ -151,6 +147,27 @@ class ToolAgentLoop(AgentLoop):
             reward_info=info,
             timings=timings,
         )
+
+    async def _run_tools(self, calls: list[ToolCall], episode: str, info: dict[str, Any]) -> list[dict[str, str]]:
+        """Run the first max_parallel_calls calls concurrently; their tool messages, in call order."""
+        cfg = self.multi_turn
+        run = calls[: cfg.max_parallel_calls]
+        info["tool_calls_skipped"] += len(calls) - len(run)
+        results = await asyncio.gather(*(run_call(self.tools, c, episode, cfg.tool_timeout_s) for c in run))
+        messages = []
+        for call, res in zip(run, results):
+            info["tool_calls"] += 1
+            self.counts["tool_calls"] += 1
+            if res.error is not None:
+                self._count_error(call.name, res.error, res.text, info)
+            messages.append({"role": "tool", "content": self._cut(res.text, info)})
+        return messages
+
+    async def environment_turn(self, sample: Sample, turn: int, text: str) -> list[dict[str, str]] | None:
+        """The environment's answer to model turn `turn` (decoded `text`) that made no tool call, as chat messages
+        (e.g. [{"role": "user", "content": "higher"}]); None or [] ends the episode. Inserted like tool turns (mask
+        0, no version, the template's own rendering). Not asked after the last allowed turn. Default: None."""
+        return None
 
     def tool_calls(self, turn: int, text: str) -> list[ToolCall]:
         """The calls in model turn `turn` (0-based) whose decoded text is `text`: hermes-style parsing. Override for

@@ -232,3 +232,27 @@ def test_multi_turn_config_validation():
             compose([f"rollout.multi_turn.{key}={bad}"])
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.tools\[0\] must be a dotted path"):
         compose(["rollout.multi_turn.tools=[not-a-path]"])
+
+
+class GuessTheDigit(ToolAgentLoop):
+    """An environment (no tool) answers each guess with higher / lower until the guess is 5."""
+
+    async def environment_turn(self, sample, turn, text):
+        guess = int(text.replace("<|im_end|>", "").strip())
+        return None if guess == 5 else [{"role": "user", "content": "higher" if guess < 5 else "lower"}]
+
+
+def test_environment_turns_go_through_the_same_machinery(tok):
+    agent = GuessTheDigit(tok, Sampling(), 400, multi_turn=MultiTurnConfig(), tools={})
+    client = fakes.ScriptedClient(tok, ["3", "7", "5", "never"], end=im_end(tok))
+    t = asyncio.run(agent.run(client, sample()))
+    assert t.reward_info["turns"] == 3 and t.reward_info["env_turns"] == 2 and t.reward_info["tool_calls"] == 0
+    want = "3<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n7<|im_end|>\n<|im_start|>user\n"
+    want += "lower<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    assert tok.decode(t.response_ids.tolist()) == want
+    model = [tok.decode([i]) for i in t.response_ids[t.loss_mask == 1].tolist()]
+    assert model == ["3", "<|im_end|>", "7", "<|im_end|>", "5", "<|im_end|>"]
+    # Not asked after the last allowed turn: the episode just ends there.
+    agent.multi_turn.max_turns = 2
+    t = asyncio.run(agent.run(fakes.ScriptedClient(tok, ["3", "7"], end=im_end(tok)), sample()))
+    assert t.reward_info["turns"] == 2 and t.reward_info["env_turns"] == 1 and "max_turns_reached" not in t.reward_info
