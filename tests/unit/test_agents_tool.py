@@ -256,3 +256,25 @@ def test_environment_turns_go_through_the_same_machinery(tok):
     agent.multi_turn.max_turns = 2
     t = asyncio.run(agent.run(fakes.ScriptedClient(tok, ["3", "7"], end=im_end(tok)), sample()))
     assert t.reward_info["turns"] == 2 and t.reward_info["env_turns"] == 1 and "max_turns_reached" not in t.reward_info
+
+
+def test_qwen25_style_episode_reads_as_the_template_renders_the_whole_chat():
+    """Under an append-only (Qwen2.5-style) template the exact token list decodes to the template's render of the
+    whole chat: the prompt carries the tools' schemas, the tool turn is grouped in a user turn of tool responses."""
+    from tests.unit.test_agents_tokens import QWEN25, qwen_like_tokenizer
+
+    qtok = qwen_like_tokenizer(QWEN25)
+    end = qtok.convert_tokens_to_ids("<|im_end|>")
+    agent = ToolAgentLoop(
+        qtok, Sampling(), 600, multi_turn=MultiTurnConfig(), tools={"echo_tool": function_tool(fakes.echo_tool)}
+    )
+    turn1 = call("echo_tool", text="hi", times=3)
+    t = asyncio.run(agent.run(fakes.ScriptedClient(qtok, [turn1, "done"], end=end), sample()))
+    chat = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": turn1},
+        {"role": "tool", "content": "hihihi"},
+    ]
+    rendered = qtok.apply_chat_template(chat, tools=agent.tool_schemas, tokenize=False, add_generation_prompt=True)
+    assert qtok.decode(t.prompt_ids.tolist() + t.response_ids.tolist()) == rendered + "done<|im_end|>"
+    assert '"name": "echo_tool"' in qtok.decode(t.prompt_ids.tolist())
