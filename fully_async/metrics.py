@@ -56,6 +56,20 @@ def batch_metrics(groups: Sequence[TrajectoryGroup], trainer_version: int) -> di
     slowest = max(trajs, key=lambda t: t.timings.get("generate_s", 0.0) + t.timings.get("reward_s", 0.0))
     out["timing_s/agent_loop/slowest/generate"] = float(slowest.timings.get("generate_s", 0.0))
     out["timing_s/agent_loop/slowest/reward"] = float(slowest.timings.get("reward_s", 0.0))
+    out.update(_agent_metrics(trajs))
+    return out
+
+
+def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """Turns and tool calls of multi-turn trajectories (those whose agent loop recorded `turns`, ToolAgentLoop)."""
+    multi = [t for t in trajs if "turns" in t.reward_info]
+    if not multi:
+        return {}
+    out = _stats("num_turns", [t.reward_info["turns"] for t in multi])
+    out["agent/tool_calls/mean"] = float(np.mean([t.reward_info.get("tool_calls", 0) for t in multi]))
+    out["agent/tool_error_ratio"] = float(np.mean([bool(t.reward_info.get("tool_error")) for t in multi]))
+    out["agent/tool_timeouts"] = float(sum(t.reward_info.get("tool_errors/timeout", 0) for t in multi))
+    out.update(_stats("timing_s/agent_loop/tool_calls", [t.timings.get("tool_s", 0.0) for t in multi]))
     return out
 
 

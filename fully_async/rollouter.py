@@ -144,9 +144,14 @@ class Rollouter:
             sampling,
             self.cfg.rollout.response_length,
             continue_on_abort=self.cfg.async_training.partial_rollout,
+            multi_turn=self.cfg.rollout.multi_turn,
         )
         self.val_agent = build_agent_loop(
-            self.cfg.rollout.agent_loop, tokenizer, sampling, self.cfg.rollout.response_length
+            self.cfg.rollout.agent_loop,
+            tokenizer,
+            sampling,
+            self.cfg.rollout.response_length,
+            multi_turn=self.cfg.rollout.multi_turn,
         )
         device = self.cfg.trainer.device if self.cfg.trainer.device != "auto" else None
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
@@ -359,14 +364,16 @@ class Rollouter:
             )
         with self.tracer.span("reward", "score", sample=_sample_id.get()):
             result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
-        traj.reward, traj.reward_info = result.score, result.info
+        reward_s = result.info.pop("reward_s", 0.0)
+        # The agent's own info (turns, tool errors) stays beside the reward's.
+        traj.reward, traj.reward_info = result.score, {**traj.reward_info, **result.info}
         shaping = self.cfg.reward
         if shaping.overlong_buffer:  # DAPO's soft overlong punishment, on top of the sources' score
             penalty = overlong_penalty(traj.response_length, self.cfg.rollout.response_length,
                                        shaping.overlong_buffer, shaping.overlong_penalty)  # fmt: skip
             traj.reward += penalty
             traj.reward_info["overlong_penalty"] = penalty
-        traj.timings["reward_s"] = result.info.pop("reward_s", 0.0)
+        traj.timings["reward_s"] = reward_s
         self._c["samples"] += 1
         self._c["tokens"] += traj.response_length
         self._c["aborted_samples"] += traj.num_aborts > 0

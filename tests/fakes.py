@@ -15,6 +15,8 @@ import time
 from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
+from fully_async.agents.tool import ToolAgentLoop
+from fully_async.agents.toolkit import parse_tool_calls
 from fully_async.engines.vllm import REPO_ROOT, VLLMServers
 from fully_async.training.sim_backend import SimBackend
 
@@ -212,9 +214,13 @@ class StubRollouter:
     def stats(self) -> dict:
         now = time.time()
         return {"time": now, "engine_busy_s": [(now - self.t0) * self.busy_share], "tokens": 0, "groups_failed": 0,
-                "reward_timeouts": 0, "reward": {}}  # fmt: skip
+                "reward_timeouts": 0, "reward": {}, "groups_pushed": 0, "groups_filtered": 0}  # fmt: skip
 
     def pop_validation(self) -> list:
+        return []
+
+    def pop_filtered(self) -> list:
+        """Dynamic sampling's filtered groups since the last call (none: this stub filters nothing)."""
         return []
 
     async def snapshot(self) -> dict:
@@ -334,3 +340,87 @@ class DiskFullBackend(SimBackend):
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "half_written.bin").write_bytes(b"\0" * 16)
         raise OSError(28, "No space left on device (scripted)")
+
+
+class ScriptedClient:
+    """Stands in for EngineClient in agent-loop unit tests: turn k of every request sequence answers `turns[k]` (a
+    string, encoded with `tokenizer`, plus `end` when given), cut to max_tokens like the real client; log-probs are
+    -0.1 * (position + 1) and every token carries `versions[k]` (default 0). `prompts` records what each call sent.
+    `before_turn(k)` (optional coroutine function) runs before turn k answers (e.g. a weight sync)."""
+
+    def __init__(self, tokenizer, turns, end=None, versions=None, before_turn=None):
+        self.tokenizer = tokenizer
+        self.turns = list(turns)
+        self.end = end
+        self.versions = list(versions or [0] * len(self.turns))
+        self.before_turn = before_turn
+        self.prompts: list[list[int]] = []
+        self.budgets: list[int] = []
+
+    async def generate(self, prompt_ids, max_tokens, sampling=None, continue_on_abort=True):
+        from fully_async.engines.base import GenerationResult
+
+        k = len(self.prompts)
+        if self.before_turn is not None:
+            await self.before_turn(k)
+        self.prompts.append(list(prompt_ids))
+        self.budgets.append(max_tokens)
+        ids = list(self.tokenizer.encode(self.turns[k], add_special_tokens=False))
+        ids += [self.end] if self.end is not None else []
+        finish = "length" if len(ids) > max_tokens else "stop"
+        ids = ids[:max_tokens]
+        v = self.versions[k]
+        return GenerationResult(ids, [-0.1 * (i + 1) for i in range(len(ids))], [v] * len(ids), finish, start_version=v)
+
+
+async def echo_tool(text: str, times: int = 1) -> str:
+    """Repeat the text."""
+    return text * times
+
+
+async def hanging_tool(seconds: float = 3600.0) -> str:
+    """Sleep, then answer."""
+    await asyncio.sleep(seconds)
+    return "woke up"
+
+
+def sync_upper(text: str) -> str:
+    """Upper-case the text (a plain, synchronous tool)."""
+    return text.upper()
+
+
+class VerlStyleTool:
+    """A tool class in verl's BaseTool shape: (config, tool_schema) constructor, create/execute/release."""
+
+    def __init__(self, config, tool_schema):
+        self.config = config
+        self.tool_schema = tool_schema
+        self.instances: dict[str, int] = {}
+        self.released: list[str] = []
+
+    async def create(self, instance_id, **kwargs):
+        self.instances[instance_id] = 0
+        return instance_id
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.instances[instance_id] += 1
+        return f"{self.config.get('prefix', '')}{parameters['q']}#{self.instances[instance_id]}", 0.0, {}
+
+    async def release(self, instance_id, **kwargs):
+        self.released.append(instance_id)
+
+
+class ForcedToolAgentLoop(ToolAgentLoop):
+    """A ToolAgentLoop whose turn k calls the tools parsed from `script[k]` (none after the script), whatever the
+    model wrote: untrained test models never write a tool call. The model's tokens are still what the engine
+    sampled; only the decision to call is forced. The default script calls echo_tool once, in the first turn."""
+
+    script: list[str] = ['<tool_call>{"name": "echo_tool", "arguments": {"text": "AB"}}</tool_call>']
+
+    def tool_calls(self, turn, text):
+        return parse_tool_calls(self.script[turn]) if turn < len(self.script) else []
+
+
+def tool_seen_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1.0 when the response holds echo_tool's answer to ForcedToolAgentLoop's default call as a tool turn."""
+    return 1.0 if "tool\nAB" in solution_str else 0.0

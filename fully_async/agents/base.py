@@ -16,6 +16,7 @@ from fully_async.data import PromptRow
 from fully_async.protocol import PromptRef, Trajectory
 
 if TYPE_CHECKING:
+    from fully_async.config import MultiTurnConfig
     from fully_async.engines import EngineClient, Sampling
 
 
@@ -29,13 +30,22 @@ class Sample:
 
 
 class AgentLoop(ABC):
-    def __init__(self, tokenizer: Any, sampling: Sampling, response_length: int, continue_on_abort: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampling: Sampling,
+        response_length: int,
+        continue_on_abort: bool = True,
+        multi_turn: MultiTurnConfig | None = None,
+    ):
         """`continue_on_abort`: after a pause, keep the tokens so far and continue under the new weights (partial
-        rollout); false restarts the sample from its prompt."""
+        rollout); false restarts the sample from its prompt. `multi_turn`: the rollout.multi_turn section (tools and
+        turn limits), for loops that use it."""
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.response_length = response_length
         self.continue_on_abort = continue_on_abort
+        self.multi_turn = multi_turn
 
     @abstractmethod
     async def run(self, client: EngineClient, sample: Sample) -> Trajectory: ...

@@ -72,6 +72,35 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    tools: list[str] = field(default_factory=list)
+    """Tools of fully_async.agents.tool:ToolAgentLoop as dotted paths 'pkg.mod:fn' of (async) functions; the schema comes from the signature or fn.tool_schema."""
+    tool_config_path: str | None = None
+    """YAML file of more tools in verl's format: a `tools:` list of {class_name, config, tool_schema} (OpenAI schema)."""
+    max_turns: int = 4
+    """Most assistant turns per episode; the episode ends after that many even if the last one called tools."""
+    max_tokens_per_turn: int = 0
+    """Most tokens of one assistant turn; a turn cut there is closed by an inserted end-of-turn token and the episode goes on; 0 = only the response budget limits it."""
+    max_parallel_calls: int = 4
+    """Most tool calls run per assistant turn (the first ones); further calls in that turn are skipped and counted."""
+    max_tool_response_tokens: int = 256
+    """Most tokens of one tool response; a longer one is cut and marked '...(truncated)'."""
+    tool_timeout_s: float = 30.0
+    """Timeout of one tool call; a call past it is cut and the model is told it timed out."""
+
+    def validate_section(self, p: str) -> None:
+        for i, path in enumerate(self.tools):
+            _check_dotted(f"{p}tools[{i}]", path)
+        require(self.max_turns >= 1, p + "max_turns", self.max_turns, ">= 1")
+        require(self.max_tokens_per_turn >= 0, p + "max_tokens_per_turn", self.max_tokens_per_turn, ">= 0 (0 = off)")
+        require(self.max_parallel_calls >= 1, p + "max_parallel_calls", self.max_parallel_calls, ">= 1")
+        require(
+            self.max_tool_response_tokens >= 1, p + "max_tool_response_tokens", self.max_tool_response_tokens, ">= 1"
+        )
+        require(self.tool_timeout_s > 0, p + "tool_timeout_s", self.tool_timeout_s, "> 0")
+
+
+@dataclass
 class RolloutConfig:
     n: int = 4
     """Samples per prompt; the n samples of one prompt form a TrajectoryGroup."""
@@ -93,6 +122,8 @@ class RolloutConfig:
     """Most validation samples generating at once (they share the engines with training rollouts)."""
     ignore_eos: bool = False
     """Generate exactly response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Tools and turn limits of multi-turn agent loops (fully_async.agents.tool:ToolAgentLoop)."""
 
     def effective_start_concurrent(self) -> int:
         return self.start_concurrent or max(1, self.max_concurrent // 2)

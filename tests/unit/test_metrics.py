@@ -28,3 +28,21 @@ def test_reward_source_metrics_are_per_step_deltas():
     assert m[f"{p}/in_flight"] == 2 and m[f"{p}/realized_rpm"] == 60.0 and m[f"{p}/realized_tpm"] == 1000.0
     rule = reward_source_metrics({"rule": {"calls": 3, "in_flight": 0}}, {})
     assert "fully_async/reward/rule/limiter_wait_s" not in rule and rule["fully_async/reward/rule/calls"] == 3
+
+
+def test_multi_turn_metrics_only_for_multi_turn_batches():
+    groups = [make_group(0), make_group(1)]
+    assert not any(k.startswith(("num_turns", "agent/")) for k in batch_metrics(groups, trainer_version=0))
+    infos = [
+        {"turns": 1, "tool_calls": 0, "tool_error": False},
+        {"turns": 3, "tool_calls": 2, "tool_error": True, "tool_errors/timeout": 1},
+        {"turns": 2, "tool_calls": 1, "tool_error": True, "tool_errors/timeout": 1},
+        {"turns": 2, "tool_calls": 1, "tool_error": False},
+    ]
+    for t, info, tool_s in zip([t for g in groups for t in g.trajectories], infos, [0.0, 1.5, 0.5, 0.25]):
+        t.reward_info.update(info)
+        t.timings["tool_s"] = tool_s
+    m = batch_metrics(groups, trainer_version=0)
+    assert (m["num_turns/min"], m["num_turns/mean"], m["num_turns/max"]) == (1, 2, 3)
+    assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_error_ratio"] == 0.5 and m["agent/tool_timeouts"] == 2
+    assert m["timing_s/agent_loop/tool_calls/max"] == 1.5 and m["timing_s/agent_loop/tool_calls/mean"] == 0.5625

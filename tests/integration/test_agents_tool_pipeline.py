@@ -1,0 +1,47 @@
+"""ToolAgentLoop inside a whole simulated run (engine=sim, trainer=sim, the real Rollouter, queue and Trainer on local
+Ray): the rollout.multi_turn section reaches the loop (its tools, its per-turn limit), tool turns end up in the
+trained trajectories, the reward sees them and the step metrics count them. The call is forced (tests/fakes.py:ForcedToolAgentLoop)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fully_async.config import compose
+from fully_async.models import resolve_model_path
+from fully_async.simulation import run_schedule
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_run_trains_on_multi_turn_tool_trajectories(ray_local, tmp_path):
+    cfg = compose(
+        [
+            "engine=sim",
+            "trainer=sim",
+            "rollout.agent_loop=tests.fakes:ForcedToolAgentLoop",
+            "rollout.multi_turn.tools=[tests.fakes:echo_tool]",
+            "rollout.multi_turn.max_tokens_per_turn=8",
+            "reward.sources=[{kind: 'tests.fakes:tool_seen_score'}]",
+            "rollout.n=2",
+            "rollout.response_length=96",
+            "engine.max_model_len=256",
+            "engine.num_servers=1",
+            "engine.sim.length_median=30",
+            "engine.sim.decode_step_s=0.001",
+            "async_training.groups_per_step=2",
+            "trainer.total_steps=2",
+            "trainer.sim.optimizer_step_s=0.05",
+        ]
+    )
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 2 * 2 * 2
+    assert all(t["reward"] == 1.0 for t in trajs)  # every trained response held the echo tool's turn
+    # Two model turns of 8 tokens (the configured cap) around the inserted tool turn, within the budget.
+    assert all(16 < t["response_length"] <= 96 for t in trajs)
+    # The agent's reward info survived scoring: the step metrics count its turns and tool calls.
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["num_turns/mean"] == 2 and s["agent/tool_calls/mean"] == 1 for s in steps if "num_turns/mean" in s)
+    assert sum("num_turns/mean" in s for s in steps) == 2
