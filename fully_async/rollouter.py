@@ -30,6 +30,7 @@ from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.gc_tuning import tune_for_throughput
+from fully_async.host import device as run_device
 from fully_async.host import pin_all_threads
 from fully_async.metrics import trajectory_records
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
@@ -153,7 +154,7 @@ class Rollouter:
             self.cfg.rollout.response_length,
             multi_turn=self.cfg.rollout.multi_turn,
         )
-        device = self.cfg.trainer.device if self.cfg.trainer.device != "auto" else None
+        device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
         await asyncio.to_thread(self.servers.start)
         if weights is not None:

@@ -25,7 +25,7 @@ import aiohttp
 
 from fully_async.config import EngineConfig
 from fully_async.engines.errors import EngineError
-from fully_async.engines.process import ServerProcess, tail
+from fully_async.engines.process import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +145,12 @@ class EngineServers(abc.ABC):
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
         fully_async.host.device; None = this machine's)."""
-        from fully_async.host import local_cuda
+        from fully_async.host import device as run_device
 
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
-        self.device = device or ("cuda" if local_cuda() else "cpu")
+        self.device = device or run_device("auto")
         self.state = EngineState()
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it."""
@@ -230,8 +230,7 @@ class EngineServers(abc.ABC):
 
     def log_tail(self, index: int, lines: int = 40) -> str:
         """The last lines of server `index`'s log, read on its node."""
-        proc = self.procs[index]
-        return proc.tail(lines) if hasattr(proc, "tail") else tail(proc.log_path, lines)
+        return self.procs[index].tail(lines)
 
     @property
     def addresses(self) -> list[str]:

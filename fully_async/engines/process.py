@@ -130,6 +130,10 @@ class ServerProcess:
         _LIVE.add(self)
         logger.info("launched %s (pid %d) at %s, log %s", self.name, self.popen.pid, self.url, self.log_path)
 
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of this server's log (the same call as RemoteServer.tail, read on the server's node)."""
+        return tail(self.log_path, lines)
+
     def is_alive(self) -> bool:
         """True for a launched process that has not exited; external servers count as alive."""
         if not self.launched:

@@ -210,6 +210,7 @@ class VerlBackend(TrainingBackend):
 
             cpu_platform.use_in_this_process()
         use_reference = algorithm.use_kl_loss if use_reference is None else use_reference
+        self._roles = 2 if use_reference else 1  # worker groups per bundle (placement.trainer_roles)
         if algorithm.use_kl_loss and not use_reference:
             raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
         if use_reference and self.cpu:
@@ -249,14 +250,11 @@ class VerlBackend(TrainingBackend):
         if self.placement_groups is not None:
             # The job's groups: every role's ranks share their bundles (one rank of each role per GPU, verl's
             # colocation), and the job, not this backend, frees them.
-            pgs = self.placement_groups
-            roles = int(pgs[0].bundle_specs[0].get("CPU", 1)) if pgs[0].bundle_specs else 1
-            gpu = "GPU" in (pgs[0].bundle_specs[0] if pgs[0].bundle_specs else {})
             pool = RayResourcePool(
-                process_on_nodes=[n] * len(pgs), use_gpu=gpu and not self.cpu, max_colocate_count=max(1, roles),
-                name_prefix=prefix,
+                process_on_nodes=[n] * len(self.placement_groups), use_gpu=not self.cpu,
+                max_colocate_count=self._roles, name_prefix=prefix,
             )  # fmt: skip
-            pool.pgs = list(pgs)
+            pool.pgs = list(self.placement_groups)
             pool.fa_owned = False
         else:
             # One CPU per rank reserved for placement: verl's default (10) cannot be placed on small CPU machines.
