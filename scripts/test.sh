@@ -17,6 +17,14 @@ set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
 set -e
+# A process the tests started that outlives them while holding this script's output keeps a CI runner (which reads
+# until the output closes) waiting with nothing printed. Name each one (it is a bug to fix) and end it, by pid.
+leftovers="$(.venv/bin/python scripts/leftovers.py --since-pid $$ 2>/dev/null || true)"
+if [ -n "$leftovers" ]; then
+    echo "[test] WARNING: processes started by the tests still hold the test output; ending them:" >&2
+    echo "$leftovers" >&2
+    for pid in $(echo "$leftovers" | awk '{print $1}'); do kill -9 "$pid" 2>/dev/null || true; done
+fi
 if [ "$rc" -eq 5 ]; then
     echo "[test] ERROR: pytest collected no tests" >&2
 fi

@@ -36,3 +36,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+EXIT_GRACE_S = 120
+"""How long this process may take to exit once pytest is done before the exit guard ends it."""
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status.append(int(exitstatus))
+
+
+def pytest_unconfigure(config):
+    """The exit guard: a CI run must end when its tests have. Interpreter exit waits for every non-daemon thread and
+    atexit handler; one that never returns (a thread blocked on a peer that is gone) would hold CI until its time
+    limit with nothing printed. If this process is still alive EXIT_GRACE_S after pytest is done, every thread's
+    stack goes to stderr (what blocked) and the process exits with pytest's status."""
+    import faulthandler
+    import sys
+    import threading
+    import time
+
+    def guard() -> None:
+        time.sleep(EXIT_GRACE_S)
+        sys.stderr.write(f"\ntests: the interpreter did not exit {EXIT_GRACE_S} s after pytest finished; threads:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(_exit_status[-1] if _exit_status else 1)
+
+    threading.Thread(target=guard, name="exit-guard", daemon=True).start()
