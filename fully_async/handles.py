@@ -4,6 +4,9 @@ In a run the rollouter and the queue are Ray actors: `actor.method.remote(...)` 
 waits for it with ray.get. `LocalActor` gives a plain object (the MessageQueue class, a rollouter stand-in) the same
 calling convention inside this process, so the roles run and are tested without Ray: its calls return
 concurrent.futures.Future, which `resolve` waits for without importing Ray.
+
+A running job's Rollouter is also a named actor (`rollouter_name(run_dir)` in the NAMESPACE namespace): operator
+commands (fully_async/ctl.py) find the job through it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,17 @@ import asyncio
 import concurrent.futures
 import inspect
 import threading
+from pathlib import Path
 from typing import Any
+
+NAMESPACE = "fully_async"
+"""Ray namespace of the named Rollouter actors that fully_async.ctl looks up."""
+ROLLOUTER_PREFIX = "rollouter:"
+
+
+def rollouter_name(run_dir: str | Path) -> str:
+    """The Rollouter's actor name for a run: unique per run directory on one cluster."""
+    return ROLLOUTER_PREFIX + str(Path(run_dir).resolve())
 
 
 def resolve(ref: Any, timeout: float | None = None) -> Any:

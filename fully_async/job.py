@@ -65,6 +65,25 @@ def resolve_devices(cfg: FullyAsyncConfig, cluster_gpus: float) -> FullyAsyncCon
     )
 
 
+class TrainerLost(RuntimeError):
+    """A node that held trainer ranks is gone; the run must be resumed from its last checkpoint."""
+
+
+def trainer_lost_message(lost: list[str], ips: dict[str, str], ckpt_root: Path) -> str:
+    """What to tell the user when trainer nodes are lost: which, the last checkpoint, and how to continue."""
+    where = ", ".join(f"{ips.get(n, '?')}/{n[:8]}" for n in lost)
+    latest = ckpt_root / "latest"
+    if latest.exists():
+        last = f"the last checkpoint is {ckpt_root / latest.read_text().strip()}"
+    else:
+        last = f"no checkpoint was written yet under {ckpt_root} (trainer.save_every)"
+    return (
+        f"trainer node(s) lost: {where}; the trainer cannot go on without its ranks' model and optimizer shards. "
+        f"{last}; run the same command again with trainer.resume=auto to continue from it (every prompt trained "
+        f"exactly once)"
+    )
+
+
 class Job:
     def __init__(
         self,
@@ -82,6 +101,7 @@ class Job:
         self.echo = echo or (lambda line: print(f"fully_async: {line}", flush=True))
         self.placement = self.queue = self.rollouter = self.backend = self.sync = self.trainer = None
         self.hosts: list[Any] = []
+        self.host_factory = None
 
     # ------------------------------------------------------------------------------------------------ build
     def plan(self):
@@ -98,6 +118,7 @@ class Job:
         import ray
 
         from fully_async.engines.auth import ensure_token
+        from fully_async.handles import rollouter_name
         from fully_async.host import cpu_split
         from fully_async.message_queue import create_message_queue
         from fully_async.param_sync import ParamSync, default_weights_root
@@ -119,7 +140,7 @@ class Job:
         self.queue = create_message_queue(at.effective_queue_capacity(), at.max_staleness, node_id=driver_node)
         self.rollouter = create_rollouter(
             cfg, self.model_path, str(self.run_dir), self.queue, cpu_set=engine_side, node_id=driver_node,
-            engine_token=token,
+            engine_token=token, name=rollouter_name(self.run_dir),
         )  # fmt: skip
         self.echo(f"data: {ray.get(self.rollouter.prepare.remote())}")
         self.hosts = self._engine_hosts(driver_node, engine_side, token)
@@ -136,35 +157,23 @@ class Job:
         if (ckpt := self.trainer.find_checkpoint()) is not None:
             start_kwargs = self.trainer.restore(ckpt)
             start_kwargs["weights"] = (str(self.sync.export(self.trainer.version)), self.trainer.version)
-        started = ray.get(self.rollouter.start.remote(hosts=self.hosts or None, **start_kwargs))
+        started = ray.get(
+            self.rollouter.start.remote(hosts=self.hosts or None, host_factory=self.host_factory, **start_kwargs)
+        )
         self.echo(f"engines: {started}")
         self._record_where()
         return started
 
     def _engine_hosts(self, driver_node: str, cpu_set: list[int] | None, token: str) -> list[Any]:
-        """One EngineHost actor per engine server, each in its placement group's bundle."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """One EngineHost actor per engine server, each in its placement group's bundle; the factory that made them
+        goes to the Rollouter, which places the hosts of servers added or replaced later the same way."""
+        from fully_async.engines.host import HostFactory
 
-        from fully_async.engines.host import EngineHost
-
-        cfg, hosts = self.cfg, []
-        for i, pg in enumerate(self.placement.engine_pgs):
-            options: dict[str, Any] = {
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                "num_cpus": cfg.placement.engine_cpus,
-                "max_concurrency": 8,  # a health wait must not block is_alive() or tail()
-                "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}},
-            }
-            if self.placement.gpu:
-                options["num_gpus"] = cfg.engine.tensor_parallel_size
-            log_path = self.run_dir / "engines" / f"{cfg.engine.kind}-{i}.log"
-            hosts.append(
-                ray.remote(EngineHost)
-                .options(**options)
-                .remote(f"{cfg.engine.kind}-{i}", str(log_path), cfg.engine.host, driver_node, cpu_set, token)
-            )
-        return hosts
+        groups = self.placement.engine_pgs
+        self.host_factory = HostFactory(
+            self.cfg, str(self.run_dir), driver_node, cpu_set, token, self.placement.gpu, groups
+        )  # fmt: skip
+        return [self.host_factory.spawn(i, pg) for i, pg in enumerate(groups)]
 
     def _record_where(self) -> None:
         """RUN_DIR/placement.json: the plan's rows, and where engine servers and trainer ranks actually run."""
@@ -177,8 +186,20 @@ class Job:
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> dict[str, float]:
-        """The trainer loop; returns the last step's metrics."""
-        return self.trainer.run()
+        """The trainer loop; returns the last step's metrics. A trainer rank's node lost is not survivable in-run
+        (its shard of the model and optimizer is gone): TrainerLost names the node and the checkpoint to resume from."""
+        try:
+            return self.trainer.run()
+        except Exception as e:
+            import ray
+
+            nodes = self.placement.trainer_nodes() if self.placement is not None else []
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+            lost = sorted({n for n in nodes if not alive.get(n, False)})
+            if not lost:
+                raise
+            ips = {n.node_id: n.ip for n in self.placement.nodes}
+            raise TrainerLost(trainer_lost_message(lost, ips, self.trainer.ckpt_root)) from e
 
     def shutdown(self) -> None:
         """Stop engines, reward workers, trainer ranks and actors, and free the placement groups. Safe to call twice

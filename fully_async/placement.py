@@ -136,6 +136,18 @@ def _pack(nodes, key, trainer, engines, unit, nnodes, num_servers) -> str | None
     return None
 
 
+def custom(resources: dict) -> dict[str, float]:
+    """placement.*_resources as Ray bundle entries."""
+    return {str(k): float(v) for k, v in resources.items()}
+
+
+def engine_bundle(cfg: FullyAsyncConfig, gpu: bool) -> dict[str, float]:
+    """The one bundle an engine server reserves: its host's CPUs, its tensor-parallel GPUs (gpu), custom resources."""
+    bundle = {"CPU": cfg.placement.engine_cpus} | ({"GPU": float(cfg.engine.tensor_parallel_size)} if gpu else {})
+    bundle = {k: v for k, v in bundle.items() if v > 0} | custom(cfg.placement.engine_resources)
+    return bundle or {"CPU": 0.001}
+
+
 @dataclass
 class Placement:
     """Granted placement groups and the table of who runs where (see the module docstring)."""
@@ -165,7 +177,9 @@ class Placement:
             if engines_first and needs_engines(cfg):
                 plan.engine_pgs = plan._engine_groups(cfg, gpu)
             if needs_trainer(cfg):
-                bundle = {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {})
+                bundle = (
+                    {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {}) | custom(pl.trainer_resources)
+                )
                 plan.trainer_pgs = [
                     placement_group(
                         [dict(bundle) for _ in range(tr.n_gpus_per_node)],
@@ -183,7 +197,8 @@ class Placement:
             if pending:
                 raise PlacementError(
                     f"Ray granted {len(ready)} of {len(pgs)} placement groups within placement.timeout_s="
-                    f"{pl.timeout_s:g}s; the cluster's free resources changed or other jobs hold them "
+                    f"{pl.timeout_s:g}s; the cluster's free resources changed, other jobs hold them, or no node "
+                    f"declares the custom resources placement.engine_resources / trainer_resources ask for "
                     f"(ray status shows what is in use)"
                 )
             plan._read_back(cfg)
@@ -196,8 +211,7 @@ class Placement:
     def _engine_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
         from ray.util.placement_group import placement_group
 
-        bundle = {"CPU": cfg.placement.engine_cpus} | ({"GPU": float(cfg.engine.tensor_parallel_size)} if gpu else {})
-        bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+        bundle = engine_bundle(cfg, gpu)
         return [
             placement_group([dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}")
             for i in range(cfg.engine.num_servers)

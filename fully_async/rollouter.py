@@ -30,6 +30,7 @@ from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.gc_tuning import tune_for_throughput
+from fully_async.handles import NAMESPACE
 from fully_async.host import device as run_device
 from fully_async.host import pin_all_threads
 from fully_async.metrics import trajectory_records
@@ -40,6 +41,7 @@ from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
+
 
 QUEUE_WAIT_TRACE_S = 0.01
 """A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
@@ -107,6 +109,7 @@ class Rollouter:
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
         self._paused_at: float | None = None
         self._filtered: list[dict[str, Any]] = []
+        self._pool: dict[str, Any] = {"joins": 0, "leaves": 0, "join_s": []}
         self._c = {"groups_pushed": 0, "groups_failed": 0, "groups_dropped_by_reward": 0, "samples": 0, "tokens": 0,
                    "aborted_samples": 0, "groups_filtered": 0}  # fmt: skip
 
@@ -117,12 +120,14 @@ class Rollouter:
         ledger_state: dict | None = None,
         weights: tuple[str, int] | None = None,
         hosts: list[Any] | None = None,
+        host_factory: Any = None,
     ) -> dict[str, Any]:
         """Load data, check reward sources, start the engines (blocks until healthy) and begin generating.
 
         Resuming: `cursor_state` / `ledger_state` from a checkpoint, and `weights` = (directory, version) the engines
         load before the first request. `hosts`: one EngineHost actor per engine server, placed by the job (each
-        server then runs on its host's node); None: the servers are child processes of this actor."""
+        server then runs on its host's node); None: the servers are child processes of this actor. `host_factory`
+        (engines/host.py): places the hosts of servers added or replaced while the run goes on."""
         from transformers import AutoTokenizer
 
         from fully_async.engines import EngineClient, Sampling, build_engine
@@ -156,6 +161,7 @@ class Rollouter:
         )
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
+        self.servers.host_factory = host_factory if hosts else None
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
@@ -412,6 +418,80 @@ class Rollouter:
         if val_every and self.ledger.version % val_every == 0 and self.val_rows:
             self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
 
+    # -- elastic engine pool (fully_async.ctl engines) ------------------------------------------------------------------
+    async def engines(self) -> list[dict[str, Any]]:
+        """One row per server slot: index, url, state (serving, down, removed), requests in flight, seconds busy so
+        far, and the Ray node it runs on (None for a child process of this actor)."""
+        servers, client = getattr(self, "servers", None), getattr(self, "client", None)
+        if servers is None or client is None:
+            return []
+        client._grow()
+        busy = client.busy_seconds()
+
+        async def node(proc: Any) -> str | None:
+            if getattr(proc, "host", None) is None:
+                return None
+            try:
+                return (await asyncio.wait_for(proc.host.where.remote(), 10))["node_id"]
+            except Exception:  # the host (or its node) is gone: that is what the state column says
+                return None
+
+        nodes = await asyncio.gather(*(node(p) for p in servers.procs))
+        rows = []
+        for i, proc in enumerate(servers.procs):
+            state = "removed" if i in servers.retired else "down" if i in client.down else "serving"
+            rows.append({"index": i, "url": proc.url, "state": state, "in_flight": client.outstanding[i],
+                         "busy_s": round(busy[i], 3), "node_id": nodes[i]})  # fmt: skip
+        return rows
+
+    async def add_engines(self, count: int = 1) -> dict[str, Any]:
+        """Start `count` more engine servers; each serves only once it holds the current weights and version.
+        Refused past engine.max_servers."""
+        en = self.cfg.engine
+        live = len(self.servers.live)
+        if count < 1:
+            raise ValueError(f"add needs a count >= 1, got {count}")
+        if en.max_servers and live + count > en.max_servers:
+            raise ValueError(f"the pool has {live} servers; adding {count} passes engine.max_servers={en.max_servers}")
+        start, wall = time.monotonic(), time.time()
+        joined = await self.servers.add(count)
+        took = time.monotonic() - start
+        self._pool["joins"] += len(joined)
+        self._pool["join_s"].append(took)
+        for i in joined:
+            self.tracer.record(f"engine/{i}", "join", wall, time.time(), version=self.servers.state.version)
+        log.warning("engine pool: %d server(s) joined in %.1f s at version %d: %s", len(joined), took,
+                    self.servers.state.version, [self.servers.address(i) for i in joined])  # fmt: skip
+        return {"joined": [self.servers.address(i) for i in joined], "seconds": took, "live": len(self.servers.live)}
+
+    async def remove_engine(self, url: str) -> dict[str, Any]:
+        """Take the server at `url` out of the pool: no new requests; what it runs is aborted and continued on the
+        others (restarted from the prompt with partial rollout off); then it is stopped and its resources freed.
+        Refused below engine.min_servers."""
+        index = next((i for i in self.servers.live if self.servers.address(i) == url), None)
+        if index is None:
+            raise ValueError(
+                f"no engine server at {url} in the pool: {[self.servers.address(i) for i in self.servers.live]}"
+            )
+        if len(self.servers.live) - 1 < self.cfg.engine.min_servers:
+            raise ValueError(f"removing {url} leaves {len(self.servers.live) - 1} servers, below engine.min_servers="
+                             f"{self.cfg.engine.min_servers}")  # fmt: skip
+        wall = time.time()
+        moved = await self.client.remove_server(index, self.cfg.engine.control_timeout_s)
+        self._pool["leaves"] += 1
+        self.tracer.record(f"engine/{index}", "leave", wall, time.time(), moved=moved)
+        log.warning("engine pool: %s removed; %d request(s) continued on the others", url, moved)
+        return {"removed": url, "moved": moved, "live": len(self.servers.live)}
+
+    def _pool_stats(self) -> dict[str, Any]:
+        servers = getattr(self, "servers", None)
+        if servers is None:
+            return {}
+        replacements = sum(1 for e in servers.pool_events if e[0] == "replace")
+        return {"size": len(servers.live), "joins": self._pool["joins"], "leaves": self._pool["leaves"],
+                "replacements": replacements, "join_s": list(self._pool["join_s"]),
+                "moved": self.client.stats.moved if getattr(self, "client", None) else 0}  # fmt: skip
+
     # -- validation --------------------------------------------------------------------------------------------
     async def _validate(self, version: int) -> None:
         """One sample per held-out prompt, all under weights `version` (the next pause waits for this)."""
@@ -473,6 +553,7 @@ class Rollouter:
             "reward_timeouts": getattr(getattr(self, "reward", None), "timeouts", 0),
             "reward_failures": getattr(getattr(self, "reward", None), "failures", 0),
             "reward": self.reward.stats() if getattr(self, "reward", None) is not None else {},
+            "pool": self._pool_stats(),
         }
 
 
@@ -500,10 +581,12 @@ def create_rollouter(
     cpu_set: list[int] | None = None,
     node_id: str | None = None,
     engine_token: str | None = None,
+    name: str | None = None,
 ):
     """Start the Rollouter as an async Ray actor (its reward workers, and engines not given hosts, are child
     processes of it). `cpu_set`: cores for the actor and everything it starts (on a CPU host: the engines' cores),
-    None = any; `node_id`: the node it must run on (the job keeps it on the driver's node)."""
+    None = any; `node_id`: the node it must run on (the job keeps it on the driver's node); `name`: a Ray actor name in
+    the NAMESPACE namespace, by which `python -m fully_async.ctl` finds the running job."""
     import dataclasses
 
     import ray
@@ -515,6 +598,8 @@ def create_rollouter(
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if name:
+        opts.update(name=name, namespace=NAMESPACE)
     return (
         ray.remote(Rollouter)
         .options(**opts)

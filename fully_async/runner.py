@@ -55,14 +55,22 @@ def main(composed: DictConfig) -> None:
 
     from fully_async.data import DataError
     from fully_async.engines import EngineError
-    from fully_async.job import Job, connect_ray
+    from fully_async.job import Job, TrainerLost, connect_ray
     from fully_async.loggers import LoggerError
     from fully_async.models import resolve_run_model
     from fully_async.param_sync import ParamSyncError
     from fully_async.trainer import TrainerError
 
     # Expected failures: the message names the cause, so no traceback is printed for them.
-    run_errors = (DataError, EngineError, LoggerError, TrainerError, ParamSyncError, ray.exceptions.RayError)
+    run_errors = (
+        DataError,
+        EngineError,
+        LoggerError,
+        TrainerError,
+        ParamSyncError,
+        TrainerLost,
+        ray.exceptions.RayError,
+    )
     try:
         connect_ray(cfg)
         with Job(cfg, run_dir, "(not resolved for --plan)" if PLAN_ONLY else resolve_run_model(cfg)) as job:

@@ -249,7 +249,8 @@ def step_window(
     batch. Idle ratios are shares of the window clipped to [0, 1]: trainer = wait / window; rollouter = 1 - engine
     busy seconds / (engines x window), with at least one engine counted (fully_async/metrics.py)."""
     step_s = max(1e-9, now["time"] - last["time"])
-    engines = max(1, len(now["engine_busy_s"]))
+    pool, pool_last = now.get("pool") or {}, last.get("pool") or {}
+    engines = max(1, pool.get("size", len(now["engine_busy_s"])))
     busy = sum(now["engine_busy_s"]) - sum(last["engine_busy_s"])
     tokens = sum(t.response_length for g in groups for t in g.trajectories)
     new_filtered = now.get("groups_filtered", 0) - last.get("groups_filtered", 0)
@@ -270,4 +271,11 @@ def step_window(
         "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
     }
     m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
+    if pool:  # the elastic engine pool (fully_async/ctl.py): its size, and who joined or left since the start
+        m["fully_async/engines/pool_size"] = pool["size"]
+        for key in ("joins", "leaves", "replacements", "moved"):
+            m[f"fully_async/count/engine_{key}"] = pool[key]
+        joins = pool["join_s"][len(pool_last.get("join_s", [])) :]
+        if joins:  # servers that joined during this step: seconds from the add to serving
+            m["timing_s/engines/join"] = max(joins)
     return m

@@ -134,10 +134,22 @@ class LocalCluster:
 
 
 def start_cluster(
-    head_gpus: int = 0, worker_gpus: tuple[int, ...] = (4,), cpus_per_node: int = 8, node_ip: str = NODE_IP
+    head_gpus: int = 0,
+    worker_gpus: tuple[int, ...] = (4,),
+    cpus_per_node: int = 8,
+    node_ip: str = NODE_IP,
+    head_resources: dict | None = None,
+    worker_resources: dict | None = None,
 ) -> LocalCluster:
     """A head and one worker per entry of worker_gpus, started by the scripts in a fresh temp dir, waited for with
-    wait.sh (every node alive, every declared GPU). On failure, whatever was started is stopped before raising."""
+    wait.sh (every node alive, every declared GPU). `head_resources` / `worker_resources`: custom Ray resources the
+    head / every worker declares (ray start --resources). On failure, whatever was started is stopped before
+    raising."""
+    import json
+
+    def extra(resources: dict | None) -> list[str]:
+        return [f"--resources={json.dumps(resources)}"] if resources else []
+
     # Short and private: Ray's socket paths under TEMP/session_*/sockets must stay under the 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="fa-ray-", dir="/tmp"))
     head = ["--temp-dir", str(temp_dir), "--node-ip-address", node_ip, "--num-cpus", str(cpus_per_node)]
@@ -147,7 +159,7 @@ def start_cluster(
         out = run_script(
             "start_head.sh", *head, "--num-gpus", str(head_gpus), "--port", str(free_port()),
             "--dashboard-port", str(free_port()), "--", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir,
+            f"--dashboard-agent-listen-port={free_port()}", *extra(head_resources), cwd=temp_dir,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout
         values = dict(
@@ -155,7 +167,8 @@ def start_cluster(
         )
         for gpus in worker_gpus:
             out = run_script("start_worker.sh", *head, "--num-gpus", str(gpus), "--",
-                             f"--dashboard-agent-listen-port={free_port()}", cwd=temp_dir)  # fmt: skip
+                             f"--dashboard-agent-listen-port={free_port()}", *extra(worker_resources),
+                             cwd=temp_dir)  # fmt: skip
             assert out.returncode == 0, out.stdout
         nodes, total = 1 + len(worker_gpus), head_gpus + sum(worker_gpus)
         out = run_script("wait.sh", "--temp-dir", str(temp_dir), "--nodes", str(nodes), "--gpus", str(total),

@@ -62,6 +62,7 @@ class FakeEngine:
         app.router.add_post("/update_weight_version", self._set_version)
         app.router.add_post("/collective_rpc", self._rpc)
         app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_get("/fake_state", self._state)
         return app
 
     async def start(self, port: int = 0, host: str = "127.0.0.1") -> FakeEngine:
@@ -141,18 +142,23 @@ class FakeEngine:
     async def _reset(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    async def _state(self, request: web.Request) -> web.Response:
+        """What a test asks a fake in another process: its version label, reloads and prompts so far."""
+        return web.json_response({"version": self.version, "reloads": self.reloads, "prompts": len(self.prompts)})
+
 
 class FakeProcessServers(VLLMServers):
     """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes (launched locally or by engine
     hosts): the launcher, watchdog, host and restart paths run for real without vLLM's start-up time."""
 
     mode = "ok"
+    token_delay_s = 0.0
 
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         if self.mode == "exit":
             return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
         return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode,
-                "--host", host or self.local_bind]  # fmt: skip
+                "--host", host or self.local_bind, "--token-delay", str(self.token_delay_s)]  # fmt: skip
 
     def environment(self, index: int) -> dict[str, str]:
         return {"PYTHONPATH": str(REPO_ROOT)}
@@ -164,10 +170,11 @@ def _main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--token-delay", type=float, default=0.0)
     args = parser.parse_args()
 
     async def serve() -> None:
-        await FakeEngine(args.mode).start(args.port, args.host)
+        await FakeEngine(args.mode, token_delay_s=args.token_delay).start(args.port, args.host)
         print(f"fake engine ({args.mode}) on port {args.port}", flush=True)
         await asyncio.Event().wait()
 

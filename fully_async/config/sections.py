@@ -187,6 +187,12 @@ class EngineConfig:
     """Inference engine adapter; sim = emulated engines in the rollouter's process (engine.sim)."""
     num_servers: int = 1
     """Engine server processes (one model replica each), each placed by Ray on a node with its GPUs."""
+    min_servers: int = 1
+    """Elastic pool: `fully_async.ctl engines --remove` refuses to leave fewer servers than this."""
+    max_servers: int = 0
+    """Elastic pool: `fully_async.ctl engines --add` refuses to pass this many servers (0 = as many as fit)."""
+    replace_retry_s: float = 30.0
+    """A server whose node is gone is replaced on another node; when none has room, try again after this many seconds."""
     tensor_parallel_size: int = 1
     """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
     python: str | None = field(default=None, metadata=PATH)
@@ -225,6 +231,11 @@ class EngineConfig:
 
     def validate_section(self, p: str) -> None:
         require(self.num_servers >= 1, p + "num_servers", self.num_servers, ">= 1")
+        require(1 <= self.min_servers <= self.num_servers, p + "min_servers", self.min_servers,
+                f">= 1 and <= engine.num_servers ({self.num_servers})")  # fmt: skip
+        require(self.max_servers == 0 or self.max_servers >= self.num_servers, p + "max_servers", self.max_servers,
+                f"0 (no limit) or >= engine.num_servers ({self.num_servers})")  # fmt: skip
+        require(self.replace_retry_s > 0, p + "replace_retry_s", self.replace_retry_s, "> 0")
         require(self.tensor_parallel_size >= 1, p + "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         require(bool(str(self.host).strip()), p + "host", self.host, "'auto' or an address")
         require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
@@ -251,10 +262,19 @@ class PlacementConfig:
     """How long to wait for Ray to grant the placement groups before failing (a cluster that is still starting)."""
     engine_cpus: float = 1.0
     """Ray CPUs each engine host reserves (its server's tokenizer and API process)."""
+    engine_resources: dict = field(default_factory=dict)
+    """Custom Ray resources each engine server's bundle also reserves, e.g. {inference: 1}: engines then go only to
+    nodes started with `--resources '{"inference": N}'` (scripts/cluster/start_worker.sh passes extra ray flags)."""
+    trainer_resources: dict = field(default_factory=dict)
+    """Custom Ray resources each trainer bundle also reserves (keeps the trainer ranks on the nodes that declare them)."""
 
     def validate_section(self, p: str) -> None:
         require(self.timeout_s > 0, p + "timeout_s", self.timeout_s, "> 0")
         require(self.engine_cpus >= 0, p + "engine_cpus", self.engine_cpus, ">= 0")
+        for name in ("engine_resources", "trainer_resources"):
+            for key, amount in getattr(self, name).items():
+                require(isinstance(amount, int | float) and amount > 0 and key not in ("CPU", "GPU", "memory"),
+                        f"{p}{name}.{key}", amount, "a custom resource (not CPU/GPU/memory) with an amount > 0")  # fmt: skip
 
 
 @dataclass

@@ -155,6 +155,15 @@ class EngineServers(abc.ABC):
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it."""
         self.hosts = hosts
+        self.host_factory: Any = None
+        """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
+        set by the rollouter when the job placed the servers through Ray."""
+        self.retired: set[int] = set()
+        """Indices of servers removed from the pool; slots are never reused, so indices stay stable."""
+        self._membership: asyncio.Lock | None = None
+        self._growing_lock: asyncio.Lock | None = None
+        self.pool_events: list[tuple[str, int, str, str | None]] = []
+        """(event, index, url, new url) for joins, leaves and replacements, in order (the rollouter's metrics)."""
         if addresses is not None:
             self.procs = [ServerProcess.external(url) for url in addresses]
         else:
@@ -209,13 +218,29 @@ class EngineServers(abc.ABC):
         """Bind address of servers started as children of this process ("auto" = loopback)."""
         return "127.0.0.1" if self.cfg.host == "auto" else self.cfg.host
 
-    def _new_process(self, index: int, port: int | None = None) -> ServerProcess:
+    @property
+    def membership(self) -> asyncio.Lock:
+        """Held while the pool's members or their weights change (a sync's reload and version, a join, a rejoin), so a
+        server never joins with weights older than the version it is labelled with."""
+        if self._membership is None:
+            self._membership = asyncio.Lock()
+        return self._membership
+
+    @property
+    def _growing(self) -> asyncio.Lock:
+        if self._growing_lock is None:
+            self._growing_lock = asyncio.Lock()
+        return self._growing_lock
+
+    def _new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:
         name, log_path = f"{self.kind}-{index}", self.run_dir / "engines" / f"{self.kind}-{index}.log"
-        if self.hosts is not None:
+        if host is None and self.hosts is not None and index < len(self.hosts):
+            host = self.hosts[index]
+        if host is not None:
             from fully_async.engines.host import RemoteServer
 
             return RemoteServer(
-                name, self.hosts[index], lambda port, host: self.command(index, port, host),
+                name, host, lambda port, bind: self.command(index, port, bind),
                 self.environment(index), log_path, self.health_path,
             )  # fmt: skip
         return ServerProcess(
@@ -253,9 +278,12 @@ class EngineServers(abc.ABC):
             raise
 
     def stop(self) -> None:
-        """Stop every launched server (and its children); safe to call twice."""
+        """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
+        call twice."""
         for p in self.procs:
             p.stop()
+        if self.host_factory is not None:
+            self.host_factory.close()
 
     def is_alive(self, index: int) -> bool:
         return self.procs[index].is_alive()
@@ -264,12 +292,123 @@ class EngineServers(abc.ABC):
         return self.procs[index].log_path
 
     def restart(self, index: int) -> None:
-        """Restart server `index` on its old address with the latest weights and version. Blocks until healthy."""
+        """Restart server `index` with the latest weights and version (replaced on another node when its engine host
+        is gone; see `relaunch`). Blocks until healthy."""
+        self.relaunch(index)
+        self._run_sync(self._after_start([index]))
+
+    async def restart_async(self, index: int) -> None:
+        """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
+        under `membership`, so a sync's reload and version never interleave with it."""
+        await asyncio.to_thread(self.relaunch, index)
+        async with self.membership:
+            await self._after_start([index])
+
+    def relaunch(self, index: int) -> None:
+        """Start server `index` again and wait until healthy (weights not loaded yet). A server whose engine host is
+        gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
         proc = self.procs[index]
+        if self.replaceable(index) and not proc.host_alive():
+            self._replace(index)
+            return
         proc.stop()
         proc.launch()
         proc.wait_healthy(self.cfg.startup_timeout_s)
-        self._run_sync(self._after_start([index]))
+
+    def replaceable(self, index: int) -> bool:
+        """Whether server `index` can move to a new engine host (hosts placed by Ray and a factory for more)."""
+        return self.host_factory is not None and hasattr(self.procs[index], "host_alive")
+
+    def _replace(self, index: int) -> None:
+        old = self.procs[index]
+        host = self.host_factory.create(index)
+        proc = self._new_process(index, host=host)
+        try:
+            proc.launch()
+            proc.wait_healthy(self.cfg.startup_timeout_s)
+        except BaseException:
+            proc.stop()
+            self.host_factory.release(host)
+            raise
+        self.host_factory.release(old.host)
+        self.procs[index] = proc
+        self.pool_events.append(("replace", index, old.url, proc.url))
+        logger.warning("engine server %s (host lost) replaced by %s", old.url, proc.url)
+
+    # ---- elastic pool ------------------------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        """Indices of the servers in the pool (not removed); control calls go to these."""
+        return [i for i in range(len(self.procs)) if i not in self.retired]
+
+    async def add(self, count: int = 1) -> list[int]:
+        """Start `count` more servers at once (each on a new engine host from `host_factory` when the job placed the
+        servers through Ray, else as child processes), load the current weights and version into them, and only then
+        append them to the pool (the client picks them up from there): their first tokens carry the current version.
+        Returns their indices. Servers that fail to start are stopped and their hosts freed; EngineError names them
+        after the others joined."""
+        async with self._growing:
+            base = len(self.procs)
+            if self.hosts is not None and self.host_factory is None:
+                raise EngineError("this engine pool cannot grow: its servers were placed without a host factory")
+
+            async def start_one(index: int) -> ServerProcess:
+                host = None
+                if self.hosts is not None:
+                    host = await asyncio.to_thread(self.host_factory.create, index)
+                proc = self._new_process(index, host=host)
+                try:
+                    await asyncio.to_thread(proc.launch)
+                    await asyncio.to_thread(proc.wait_healthy, self.cfg.startup_timeout_s)
+                except BaseException:
+                    await asyncio.to_thread(proc.stop)
+                    if host is not None:
+                        self.host_factory.release(host)
+                        self.host_factory.release_slot(index)
+                    raise
+                return proc
+
+            results = await asyncio.gather(*(start_one(base + k) for k in range(count)), return_exceptions=True)
+            started = [r for r in results if not isinstance(r, BaseException)]
+            joined: list[int] = []
+            async with self.membership:
+                urls = [p.url for p in started]
+                if urls:
+                    if self.weights_dir is not None:
+                        await self._call_all("reload weights", self.reload_weights_call(self.weights_dir), urls)
+                    await self._call_all("set version", self.set_version_call(self.state.version), urls)
+                    if self.state.paused:  # joined during a sync: paused like the others until its resume
+                        await self._call_all("pause", self.pause_call("abort"), urls)
+                for proc in started:
+                    joined.append(len(self.procs))
+                    self.procs.append(proc)
+                    self.pool_events.append(("join", joined[-1], proc.url, None))
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise EngineError(
+                    f"{len(failed)} of {count} new {self.kind} servers did not start ({len(joined)} joined): "
+                    + "; ".join(f"{type(e).__name__}: {e}" for e in failed)
+                )
+            return joined
+
+    async def remove(self, index: int, drained: Any = None) -> None:
+        """Take server `index` out of the pool: the caller has stopped sending to it; abort what it still runs (the
+        client continues those requests elsewhere), wait for `drained()` (an awaitable factory: the client's
+        requests on it are done), stop it and free its host."""
+        url = self.procs[index].url
+        async with self.membership:
+            self.retired.add(index)
+        try:
+            await self._call_all("pause", self.pause_call("abort"), [url])
+        except EngineError as e:  # a dead server has nothing to abort
+            logger.warning("aborting the requests of %s on removal: %s", url, e)
+        if drained is not None:
+            await drained()
+        proc = self.procs[index]
+        await asyncio.to_thread(proc.stop)
+        if self.host_factory is not None and getattr(proc, "host", None) is not None:
+            self.host_factory.release(proc.host)
+        self.pool_events.append(("leave", index, url, None))
 
     async def _after_start(self, indices) -> None:
         urls = [self.procs[i].url for i in indices]
@@ -310,16 +449,21 @@ class EngineServers(abc.ABC):
         """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
         Call between pause and resume."""
         weights_dir = Path(weights_dir).resolve()
-        await self._call_all("reload weights", self.reload_weights_call(weights_dir))
-        self.weights_dir = weights_dir
-        try:
-            # KV blocks cached under the old weights must not serve continued prompts.
-            await self.reset_prefix_cache()
-        except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains on its own
-            logger.warning("prefix cache not reset after a weight reload: %s", e)
-        await self.set_version(version)
+        async with self.membership:
+            await self._call_all("reload weights", self.reload_weights_call(weights_dir))
+            self.weights_dir = weights_dir
+            try:
+                # KV blocks cached under the old weights must not serve continued prompts.
+                await self.reset_prefix_cache()
+            except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains alone
+                logger.warning("prefix cache not reset after a weight reload: %s", e)
+            await self._set_version(version)
 
     async def set_version(self, version: int) -> None:
+        async with self.membership:
+            await self._set_version(version)
+
+    async def _set_version(self, version: int) -> None:
         await self._call_all("set version", self.set_version_call(version))
         self.state.version = version
 
@@ -333,7 +477,7 @@ class EngineServers(abc.ABC):
 
     async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
         """Run `call` on every server at once; EngineError naming each failed server (and its log) otherwise."""
-        urls = self.addresses if urls is None else urls
+        urls = [self.procs[i].url for i in self.live] if urls is None else urls
         from fully_async.engines.auth import auth_headers
 
         timeout = aiohttp.ClientTimeout(total=self.cfg.control_timeout_s)

@@ -43,6 +43,8 @@ class ClientStats:
     """Tokens of aborted segments kept and continued under newer weights (partial rollout)."""
     retries: int = 0
     restarts: int = 0
+    moved: int = 0
+    """Requests aborted by a server leaving the pool and continued (or restarted) on the others."""
 
 
 class EngineClient:
@@ -66,6 +68,8 @@ class EngineClient:
         self.outstanding = [0] * len(servers.addresses)
         self.down: set[int] = set()
         """Servers whose process died; skipped until restarted."""
+        self.retired: set[int] = set()
+        """Servers removed from the pool (elastic engines): never picked again; their slot index is not reused."""
         self.stats = ClientStats()
         self._session: aiohttp.ClientSession | None = None
         self._next = 0
@@ -76,6 +80,36 @@ class EngineClient:
         self.on_segment: Callable[[int, float, float, int, str], None] | None = None
         """Called after every generate request with (server index, wall start, wall end, tokens, finish reason);
         the rollouter records it as a trace span."""
+
+    def _grow(self) -> None:
+        """Servers appended to the pool (elastic engines) start taking requests: one slot each."""
+        for _ in range(len(self.servers.procs) - len(self.outstanding)):
+            self.outstanding.append(0)
+            self._busy_s.append(0.0)
+            self._busy_since.append(None)
+
+    def retire(self, idx: int) -> None:
+        """Server `idx` takes no new request from now on; requests it aborts continue on the others."""
+        self.retired.add(idx)
+        self.down.discard(idx)
+
+    async def remove_server(self, idx: int, drain_timeout_s: float) -> int:
+        """Take server `idx` out of the pool (elastic engines): no new requests go to it, what it still runs is
+        aborted and continued on the others (from the prompt when partial rollout is off), then it is stopped and
+        its host freed. Waits up to `drain_timeout_s` for its requests to move. Returns how many moved."""
+        moved = self.stats.moved
+        self.retire(idx)
+
+        async def drained() -> None:
+            deadline = time.monotonic() + drain_timeout_s
+            while self.outstanding[idx] and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if self.outstanding[idx]:
+                logger.warning("%d request(s) still on %s after %g s; stopping it anyway (they retry elsewhere)",
+                               self.outstanding[idx], self.servers.address(idx), drain_timeout_s)  # fmt: skip
+
+        await self.servers.remove(idx, drained)
+        return self.stats.moved - moved
 
     def busy_seconds(self) -> list[float]:
         """Per server: wall seconds with at least one generate request in flight, up to now."""
@@ -101,8 +135,10 @@ class EngineClient:
     # ---- balancing -------------------------------------------------------------------------------------------------
     def pick(self, exclude: int | None = None) -> int:
         """The live server with the fewest outstanding requests (ties rotate); `exclude` only if it is the last one."""
+        if len(self.outstanding) != len(self.servers.procs):
+            self._grow()
         n = len(self.outstanding)
-        if exclude is None and not self.down:
+        if exclude is None and not self.down and not self.retired:
             # The common case in O(n) C-level scans: at hundreds of servers the general path below costs more than
             # the rest of a request. The first least-loaded server at or after _next, as the general path picks.
             least = min(self.outstanding)
@@ -112,7 +148,9 @@ class EngineClient:
                 best = self.outstanding.index(least)
             self._next = (best + 1) % n
             return best
-        order = [(self._next + k) % n for k in range(n)]
+        order = [i for i in ((self._next + k) % n for k in range(n)) if i not in self.retired]
+        if not order:
+            raise EngineError("no engine server left in the pool (all were removed)")
         for avoid in ({exclude} | self.down, self.down, set()):
             candidates = [i for i in order if i not in avoid]
             if candidates:
@@ -155,6 +193,7 @@ class EngineClient:
                         f"last failure on {url}: {e}; log {log}:\n{self.servers.log_tail(idx, 15)}"
                     ) from e
                 logger.warning("retrying a request after a failure on %s: %s", url, e)
+                await self._wait_for_a_server()
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
@@ -186,7 +225,12 @@ class EngineClient:
             self.stats.aborts += 1
             if result.num_aborts > MAX_ABORTS:
                 raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
-            await self._wait_resumed(idx)
+            if idx in self.retired:  # its server left the pool: go on elsewhere now, not after a resume
+                self.stats.moved += 1
+                if state.paused:
+                    await self._wait_resumed(None)
+            else:
+                await self._wait_resumed(idx)
             if not continue_on_abort:
                 del result.token_ids[:], result.logprobs[:], result.versions[:]
                 result.start_version = state.version
@@ -256,8 +300,18 @@ class EngineClient:
             await asyncio.sleep(0.05)
         raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
 
+    async def _wait_for_a_server(self) -> None:
+        """When every server in the pool is down and some are being restarted or replaced, wait for the first to come
+        back (up to engine.startup_timeout_s) instead of spending the retries on dead servers."""
+        pool = [i for i in range(len(self.outstanding)) if i not in self.retired]
+        if self._restarts and all(i in self.down for i in pool):
+            await asyncio.wait(list(self._restarts.values()), timeout=self.servers.cfg.startup_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+
     # ---- failures --------------------------------------------------------------------------------------------------
     async def _on_failure(self, idx: int) -> None:
+        if idx in self.retired:
+            return  # it left the pool on purpose: nothing to restart
         # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
         for _ in range(6):
             # In a thread: for a server on another node this asks its engine host (a Ray call).
@@ -272,12 +326,22 @@ class EngineClient:
             self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
 
     async def _restart(self, idx: int) -> None:
+        """Restart server `idx` in place; when its engine host (or the host's node) is gone, replace it on whatever
+        node has room, trying again every engine.replace_retry_s until one does. Requests go to the others meanwhile."""
         try:
-            await asyncio.to_thread(self.servers.restart, idx)
+            while True:
+                try:
+                    await self.servers.restart_async(idx)
+                    break
+                except Exception as e:  # the server stays down; requests keep going to the others
+                    if idx in self.retired or not self.servers.replaceable(idx):
+                        logger.exception("restarting engine server %s failed", self.servers.addresses[idx])
+                        return
+                    logger.error("replacing engine server %s failed (%s: %s); trying again in %g s",
+                                 self.servers.addresses[idx], type(e).__name__, e, self.servers.cfg.replace_retry_s)  # fmt: skip
+                    await asyncio.sleep(self.servers.cfg.replace_retry_s)
             self.stats.restarts += 1
             self.down.discard(idx)
             logger.info("engine server %s restarted", self.servers.addresses[idx])
-        except Exception:  # the server stays marked down; requests keep going to the others
-            logger.exception("restarting engine server %s failed", self.servers.addresses[idx])
         finally:
             self._restarts.pop(idx, None)

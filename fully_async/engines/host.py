@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,16 @@ class RemoteServer:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.host.stop.remote(), timeout=grace_s + 30)
 
+    def host_alive(self) -> bool:
+        """Whether the engine host actor still answers (False when it, or its node, is gone)."""
+        import ray
+
+        try:
+            ray.get(self.host.where.remote(), timeout=30)
+            return True
+        except ray.exceptions.RayError:
+            return False
+
     def tail(self, lines: int = 40) -> str:
         import ray
 
@@ -204,6 +215,91 @@ class RemoteServer:
         import ray
 
         return ray.get(ref, timeout=120)
+
+
+class HostFactory:
+    """Creates the engine hosts of one run: the job's first ones in the groups its plan reserved, and later ones
+    (servers added, or replacing a server whose node is gone) each in a new one-bundle placement group on whatever node
+    has room, within placement.timeout_s. Lives in the job's driver, then travels to the Rollouter, which grows and
+    heals the pool. Groups it reserved itself are removed by `release_slot` / `close`; the plan's own by the job."""
+
+    def __init__(self, cfg: Any, run_dir: str, client_node_id: str, cpu_set: list[int] | None, token: str | None,
+                 gpu: bool, groups: list[Any] | None = None):  # fmt: skip
+        from fully_async.placement import engine_bundle
+
+        en, pl = cfg.engine, cfg.placement
+        self.kind, self.bind, self.tp = en.kind, en.host, en.tensor_parallel_size
+        self.run_dir, self.client_node_id, self.cpu_set, self.token = run_dir, client_node_id, cpu_set, token
+        self.gpu, self.cpus, self.timeout_s = gpu, pl.engine_cpus, pl.timeout_s
+        self.bundle = engine_bundle(cfg, gpu)
+        self.groups: dict[int, Any] = dict(enumerate(groups or []))
+        self._own: dict[int, Any] = {}
+
+    def spawn(self, index: int, group: Any) -> Any:
+        """An EngineHost actor for server `index` in `group`'s only bundle."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            "num_cpus": self.cpus,
+            "max_concurrency": 8,  # a health wait must not block is_alive() or tail()
+            "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}},
+        }
+        if self.gpu:
+            options["num_gpus"] = self.tp
+        log_path = Path(self.run_dir) / "engines" / f"{self.kind}-{index}.log"
+        return (
+            ray.remote(EngineHost)
+            .options(**options)
+            .remote(f"{self.kind}-{index}", str(log_path), self.bind, self.client_node_id, self.cpu_set, self.token)
+        )
+
+    def create(self, index: int) -> Any:
+        """A host for server `index` in a new placement group (the slot's old group, if any, removed first: a lost
+        node's group would otherwise hold the resources the replacement needs). Blocks until Ray grants it."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from fully_async.placement import PlacementError
+
+        self.release_slot(index)
+        bundle = dict(self.bundle)
+        group = placement_group([bundle], strategy="STRICT_PACK", name=f"fully_async_engine_{index}_{time.time_ns()}")
+        ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
+        if not ready:
+            _remove(group)
+            raise PlacementError(
+                f"no node had room for engine server {index} ({bundle}) within placement.timeout_s={self.timeout_s:g}s"
+            )
+        self.groups[index] = self._own[index] = group
+        return self.spawn(index, group)
+
+    @staticmethod
+    def release(host: Any) -> None:
+        """Kill an engine host (its server dies with it through the watchdog's lifeline)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(host, no_restart=True)
+
+    def release_slot(self, index: int) -> None:
+        group = self.groups.pop(index, None)
+        self._own.pop(index, None)
+        if group is not None:
+            _remove(group)
+
+    def close(self) -> None:
+        """Remove the groups this factory reserved itself. Idempotent."""
+        for index in list(self._own):
+            self.release_slot(index)
+
+
+def _remove(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):  # already removed, or Ray gone at shutdown
+        remove_placement_group(group)
 
 
 def _url_host(bind: str, node_ip: str) -> str:

@@ -294,6 +294,9 @@ class SimServers(VLLMControlCalls, EngineServers):
         self.engines[index] = SimEngine(index, self.cfg.sim, old.lengths.rng)
         self.engines[index].version = self.state.version
 
+    async def restart_async(self, index: int) -> None:
+        self.restart(index)
+
     # ---- generation ----------------------------------------------------------------------------------------------
     async def send_direct(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
         """What a POST of generate_request() to server `idx` would return, without the socket."""

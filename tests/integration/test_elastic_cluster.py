@@ -1,0 +1,138 @@
+"""The elastic engine pool of a running job on a 3-node Ray cluster on loopback, with vLLM-CPU engines, driven by
+`python -m fully_async.ctl` from another process, as an operator would:
+
+head: the driver and the trainer rank (it declares 1 GPU and the custom resource `trainer_node`); two workers with
+2 GPUs and `engine_node` each, where placement.engine_resources keeps the engine servers. While the job trains:
+`--add 1` (the new server serves), `--remove` one (its requests finish elsewhere), then every process of the node of
+a remaining server is killed by pid (its raylet included): the server is replaced on the other worker and the run
+goes on. The job is then stopped with SIGTERM; every trained prompt was trained once, as a whole group, within the
+staleness bound. The mechanisms are tested fast, with fake servers, in tests/integration/test_engine_pool.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import REPO, script_env, start_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+N, GROUPS, ETA = 2, 2, 1
+
+
+def _ctl(cluster, *args: str) -> subprocess.CompletedProcess:
+    env = script_env(RAY_ADDRESS=cluster.gcs_address)
+    return subprocess.run([sys.executable, "-m", "fully_async.ctl", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+def _rows(cluster) -> list[dict]:
+    out = _ctl(cluster, "engines", "--list", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _wait(what: str, check, timeout: float, driver: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := check()) is not None:
+            return value
+        assert driver.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}:\n{log.read_text()[-4000:]}")
+
+
+def _leader_of_node(cluster, node_id: str) -> int:
+    """The `ray start --block` process (leading the node's process group) of the started node with this id."""
+    for pid in cluster.started_processes():
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if any(a == f"--node_id={node_id}" for a in args) and "raylet" in Path(args[0]).name:
+            role = cluster.node_of(pid)
+            assert role and role.startswith("worker-"), role
+            return int((cluster.state_dir / f"{role}.pid").read_text())
+    raise AssertionError(f"no raylet of node {node_id} among the started processes")
+
+
+def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
+    cluster = start_cluster(head_gpus=1, worker_gpus=(2, 2), cpus_per_node=8, head_resources={"trainer_node": 10},
+                            worker_resources={"engine_node": 10})  # fmt: skip
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    driver = None
+    try:
+        with open(log, "w") as out:
+            driver = subprocess.Popen(
+                [sys.executable, "-m", "fully_async.runner", "trainer.device=cpu", "placement.resources=gpu",
+                 "engine.num_servers=2", "trainer.total_steps=100000", f"async_training.groups_per_step={GROUPS}",
+                 f"rollout.n={N}", f"async_training.max_staleness={ETA}", "engine.replace_retry_s=5",
+                 "+placement.engine_resources.engine_node=1", "+placement.trainer_resources.trainer_node=1",
+                 f"hydra.run.dir={run_dir}", "logger=[jsonl]"],
+                env=script_env(RAY_ADDRESS=cluster.gcs_address), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        _wait("two steps", lambda: True if len(_steps(run_dir)) >= 2 else None, 600, driver, log)
+        record = json.loads((run_dir / "placement.json").read_text())
+        workers = {n["node_id"] for n in record["nodes"] if n["gpus"] == 2}
+        rows = _rows(cluster)
+        assert [r["state"] for r in rows] == ["serving", "serving"] and {r["node_id"] for r in rows} <= workers
+
+        # Grow: the new server joins, then takes requests.
+        added = _ctl(cluster, "engines", "--add", "1")
+        assert added.returncode == 0 and "joined in" in added.stdout, added.stdout + added.stderr
+        _wait("the new server to serve", lambda: True if (r := _rows(cluster)) and len(r) == 3 and r[2]["busy_s"] > 0
+              else None, 120, driver, log)  # fmt: skip
+
+        # Shrink: server 0 leaves; its requests go on elsewhere.
+        gone = rows[0]["url"]
+        removed = _ctl(cluster, "engines", "--remove", gone)
+        assert removed.returncode == 0 and f"removed {gone}" in removed.stdout, removed.stdout + removed.stderr
+        rows = _rows(cluster)
+        assert [r["state"] for r in rows] == ["removed", "serving", "serving"]
+        refused = _ctl(cluster, "engines", "--remove", "http://127.0.0.9:1")
+        assert refused.returncode == 1 and "no engine server at http://127.0.0.9:1" in refused.stderr
+
+        # Lose a node: kill every process of the node of server 1 (raylet, workers, engine host, server).
+        victim = rows[1]
+        os.killpg(_leader_of_node(cluster, victim["node_id"]), signal.SIGKILL)
+        lost_at = time.monotonic()
+
+        def replaced():
+            r = _rows(cluster)
+            return r if r[1]["state"] == "serving" and r[1]["url"] != victim["url"] and r[1]["node_id"] else None
+
+        rows = _wait("the lost server's replacement", replaced, 400, driver, log)
+        recovered_s = time.monotonic() - lost_at
+        assert rows[1]["node_id"] in workers - {victim["node_id"]}  # on the other worker
+        at = len(_steps(run_dir))
+        _wait("two more steps", lambda: True if len(_steps(run_dir)) >= at + 2 else None, 300, driver, log)
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=180) == 130, log.read_text()[-4000:]
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        cluster.stop()
+    print(f"replacement after node loss: {recovered_s:.1f} s")
+    steps = _steps(run_dir)
+    last = steps[-1]
+    assert last["fully_async/count/engine_joins"] == 1 and last["fully_async/count/engine_leaves"] == 1
+    assert last["fully_async/count/engine_replacements"] == 1 and last["fully_async/engines/pool_size"] == 2
+    assert any("timing_s/engines/join" in s for s in steps)
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line]
+    per_group = Counter((t["prompt_uid"], t["epoch"]) for t in trajs)
+    assert len(per_group) == len(steps) * GROUPS and set(per_group.values()) == {N}  # whole groups, once each
+    assert len({(t["prompt_uid"], t["epoch"], t["sample_index"]) for t in trajs}) == len(trajs)
+    assert all(t["trained_version"] - t["min_version"] <= ETA for t in trajs)
