@@ -86,6 +86,20 @@ class LocalCluster:
         except psutil.NoSuchProcess:
             return None
 
+    def leader_of_node(self, node_id: str) -> int:
+        """The `ray start --block` process (leading the node's process group) of the started node with this Ray node
+        id, found through its raylet's --node_id flag: killing its group by pid is losing the node."""
+        for pid in self.started_processes():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if f"--node_id={node_id}" in argv and "raylet" in Path(argv[0]).name:
+                role = self.node_of(pid)
+                if role is not None:
+                    return int((self.state_dir / f"{role}.pid").read_text())
+        raise LookupError(f"no raylet of node {node_id} among the started processes")
+
     def started_processes(self) -> dict[int, float]:
         """pid -> create time of every live process the start scripts started: each node's `ray start --block`,
         its process group and descendants, and any process naming the temp dir the way Ray's processes do."""

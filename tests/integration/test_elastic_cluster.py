@@ -56,20 +56,6 @@ def _wait(what: str, check, timeout: float, driver: subprocess.Popen, log: Path)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}:\n{log.read_text()[-4000:]}")
 
 
-def _leader_of_node(cluster, node_id: str) -> int:
-    """The `ray start --block` process (leading the node's process group) of the started node with this id."""
-    for pid in cluster.started_processes():
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if any(a == f"--node_id={node_id}" for a in args) and "raylet" in Path(args[0]).name:
-            role = cluster.node_of(pid)
-            assert role and role.startswith("worker-"), role
-            return int((cluster.state_dir / f"{role}.pid").read_text())
-    raise AssertionError(f"no raylet of node {node_id} among the started processes")
-
-
 def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
     cluster = start_cluster(head_gpus=1, worker_gpus=(2, 2), cpus_per_node=8, head_resources={"trainer_node": 10},
                             worker_resources={"engine_node": 10})  # fmt: skip
@@ -108,7 +94,7 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
 
         # Lose a node: kill every process of the node of server 1 (raylet, workers, engine host, server), the last one.
         victim = rows[1]
-        os.killpg(_leader_of_node(cluster, victim["node_id"]), signal.SIGKILL)
+        os.killpg(cluster.leader_of_node(victim["node_id"]), signal.SIGKILL)
         lost_at = time.monotonic()
 
         def replaced():
