@@ -32,6 +32,7 @@ _HANDLER = "ray_print_logs"  # the name under which ray.init registers its conso
 _OURS = "fully_async_worker_log"
 _ADDRESS = re.compile(r"\w+://[^\s/]+")
 _DIGITS = re.compile(r"\d+")
+_AUTOSCALER_EVENT = ":event_summary:"  # what Ray's own forwarding keeps of the autoscaler's output
 
 
 def line_kind(source: str, line: str) -> tuple[str, str]:
@@ -74,13 +75,16 @@ class WorkerLog:
 
     def handle(self, data: dict[str, Any]) -> None:
         pid = data.get("pid")
+        lines = data.get("lines", [])
         if pid in ("autoscaler", "raylet"):
             source = str(pid)
+            if pid == "autoscaler":  # its periodic status report is not for the console (nor for Ray's own handler)
+                lines = [line for line in lines if _AUTOSCALER_EVENT in line]
         else:
             source = str(data.get("actor_name") or data.get("task_name") or "worker")
         is_err = bool(data.get("is_err"))
         with self._lock:
-            for line in data.get("lines", []):
+            for line in lines:
                 self._file.write(f"({source} pid={pid}) {line}\n")
                 kind = line_kind(source, line)
                 seen = self._seen.get(kind)

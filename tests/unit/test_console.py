@@ -57,3 +57,11 @@ def test_close_reports_what_repeated_since_the_last_report(tmp_path):
     sink.close()
     assert "[4 more like this, 5 in all" in err.getvalue()
     assert sink.counts() == {("Rollouter", "retrying"): 5}
+
+
+def test_the_autoscaler_status_report_is_dropped_its_events_kept(tmp_path):
+    out = io.StringIO()
+    sink = WorkerLog(tmp_path / "w.log", out=out, err=io.StringIO())
+    sink.handle({"lines": ["======== Autoscaler status ========", ":event_summary:Adding 1 node"], "pid": "autoscaler"})
+    assert out.getvalue() == "(autoscaler pid=autoscaler) :event_summary:Adding 1 node\n"
+    sink.close()
