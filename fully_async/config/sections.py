@@ -359,8 +359,8 @@ class TrainerConfig:
     """Megatron context-parallel size (strategy=megatron only)."""
     lr: float = 1e-3
     """Peak learning rate (AdamW)."""
-    critic_lr: float = 1e-5
-    """Peak learning rate of the critic (algorithm.adv_estimator=gae); same warm-up, schedule, decay and clip as the policy."""
+    critic_lr: float | None = None
+    """Peak learning rate of the critic (algorithm.adv_estimator=gae); None = trainer.lr. Same warm-up, schedule, decay and clip as the policy."""
     lr_warmup_steps: int = 0
     """Linear warm-up steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -401,6 +401,7 @@ class TrainerConfig:
         require(self.nnodes >= 1, p + "nnodes", self.nnodes, ">= 1")
         require(self.n_gpus_per_node >= 1, p + "n_gpus_per_node", self.n_gpus_per_node, ">= 1")
         require(self.lr > 0, p + "lr", self.lr, "> 0")
+        require(self.critic_lr is None or self.critic_lr > 0, p + "critic_lr", self.critic_lr, "> 0 or null (= lr)")
         require(self.weight_decay >= 0, p + "weight_decay", self.weight_decay, ">= 0")
         require(self.grad_clip > 0, p + "grad_clip", self.grad_clip, "> 0")
         require(self.max_token_len_per_gpu >= 1, p + "max_token_len_per_gpu", self.max_token_len_per_gpu, ">= 1")

@@ -160,10 +160,10 @@ def _loss_configs(algorithm: AlgorithmConfig) -> dict:
 
 def _critic_config(twc, trainer: TrainerConfig):
     """Engine config for the critic: the policy's model loaded as a value model (verl's `load_valuehead_model`: the
-    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr."""
+    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr (default: trainer.lr)."""
     from verl.workers.config import TrainingWorkerConfig
 
-    optim = dataclasses.replace(twc.optimizer_config, lr=trainer.critic_lr)
+    optim = dataclasses.replace(twc.optimizer_config, lr=trainer.lr if trainer.critic_lr is None else trainer.critic_lr)
     return TrainingWorkerConfig(
         model_type="value_model",
         model_config=dataclasses.replace(twc.model_config),
