@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fully_async import console
 from fully_async.config import FullyAsyncConfig
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ class Job:
         from fully_async.training import build_backend
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
+        # each kind of line once, then counts (fully_async/console.py). Undone by shutdown().
+        console.install(self.run_dir)
         if self.placement is None:
             self.plan()
         cfg, at = self.cfg, self.cfg.async_training
@@ -220,6 +224,7 @@ class Job:
             except Exception as e:  # the remaining parts must still be stopped; this one is reported
                 log.warning("shutdown of %s failed: %s: %s", name, type(e).__name__, e)
         self.hosts, self.rollouter, self.queue, self.backend, self.sync = [], None, None, None, None
+        console.uninstall()
 
     def __enter__(self) -> Job:
         return self

@@ -71,8 +71,11 @@ def uses_gpus(cfg: FullyAsyncConfig, nodes: list[Node]) -> bool:
 
 
 def trainer_roles(cfg: FullyAsyncConfig) -> int:
-    """Worker groups sharing each trainer bundle: the policy, and the reference model when the KL loss needs it."""
-    return 2 if cfg.algorithm.use_kl_loss else 1
+    """Worker groups sharing each trainer bundle: the policy, the reference model when the KL loss needs it, and the
+    critic when the advantage estimator needs one."""
+    from fully_async.config.sections import NEEDS_CRITIC
+
+    return 1 + bool(cfg.algorithm.use_kl_loss) + (cfg.algorithm.adv_estimator in NEEDS_CRITIC)
 
 
 def needs_trainer(cfg: FullyAsyncConfig) -> bool:

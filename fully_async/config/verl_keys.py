@@ -39,6 +39,8 @@ MAPPED: dict[str, str] = {
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
     "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
+    "critic.optim.lr": "trainer.critic_lr",
+    "critic.cliprange_value": "algorithm.value_clip",
     "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "data.max_response_length": "rollout.response_length",

@@ -218,6 +218,47 @@ def compute_advantages(
     return (adv * mask).float()
 
 
+def gae(batch: PaddedBatch, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each (B, R) and 0 off the mask, from verl's `compute_gae_advantage_return` over outcome
+    rewards and the critic's `values` (B, R): the value of the state before each response token. Tokens off the mask
+    (tool output) are skipped: the TD step bridges them. The reward sits on the last loss token (verl's GAE drops a
+    reward that sits on a skipped token, as on a response that ends in tool output). Advantages are whitened over the
+    batch's loss tokens (as verl does); returns = GAE + values are the critic's targets."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    mask = batch.response_mask.float()
+    rewards = torch.zeros_like(mask)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] = batch.rewards[rows]
+    adv, returns = compute_gae_advantage_return(
+        token_level_rewards=rewards,
+        values=values.float() * mask,
+        response_mask=mask,
+        gamma=torch.tensor(float(gamma)),
+        lam=torch.tensor(float(lam)),
+    )
+    return (adv * mask).float(), (returns * mask).float()
+
+
+def value_metrics(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """How well the critic's values (before this step's update) predict the returns, over loss tokens: explained
+    variance 1 - Var(returns - values) / Var(returns) (1 = perfect, 0 = no better than the mean, < 0 worse), the
+    mean squared error and the means."""
+    keep = response_mask > 0
+    if not keep.any():
+        return {}
+    v, r = values[keep].double(), returns[keep].double()
+    var_r = r.var(unbiased=False)
+    return {
+        "critic/vf_explained_var": float(1.0 - (r - v).var(unbiased=False) / (var_r + 1e-8)),
+        "critic/value_mse": float(((v - r) ** 2).mean()),
+        "critic/values_mean": float(v.mean()),
+        "critic/returns_mean": float(r.mean()),
+    }
+
+
 def importance_weights(
     prox_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,

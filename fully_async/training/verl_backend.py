@@ -30,7 +30,7 @@ import ray
 import torch
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
-from fully_async.config.sections import NEEDS_PROX
+from fully_async.config.sections import NEEDS_CRITIC, NEEDS_PROX
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training.base import TrainingBackend
@@ -158,6 +158,35 @@ def _loss_configs(algorithm: AlgorithmConfig) -> dict:
     return {"policy_loss": policy_loss, **{k: v for k, v in args.items() if k in _ACTOR_LOSS_ARGS}}
 
 
+def _critic_config(twc, trainer: TrainerConfig):
+    """Engine config for the critic: the policy's model loaded as a value model (verl's `load_valuehead_model`: the
+    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr (default: trainer.lr)."""
+    from verl.workers.config import TrainingWorkerConfig
+
+    optim = dataclasses.replace(twc.optimizer_config, lr=trainer.lr if trainer.critic_lr is None else trainer.critic_lr)
+    return TrainingWorkerConfig(
+        model_type="value_model",
+        model_config=dataclasses.replace(twc.model_config),
+        engine_config=dataclasses.replace(twc.engine_config),
+        optimizer_config=optim,
+        checkpoint_config=twc.checkpoint_config,
+    )
+
+
+def _value_loss_config(trainer: TrainerConfig, algorithm: AlgorithmConfig):
+    """verl's critic config as its `value_loss` reads it: the value clip and the loss aggregation."""
+    from verl.workers.config import FSDPCriticConfig
+
+    return FSDPCriticConfig(
+        strategy="fsdp2",
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        cliprange_value=algorithm.value_clip,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        ppo_epochs=trainer.ppo_epochs,
+    )
+
+
 def _reference_config(twc):
     """Forward-only engine config for the reference model: same model and precision, no optimizer."""
     from verl.workers.config import TrainingWorkerConfig
@@ -210,7 +239,8 @@ class VerlBackend(TrainingBackend):
 
             cpu_platform.use_in_this_process()
         use_reference = algorithm.use_kl_loss if use_reference is None else use_reference
-        self._roles = 2 if use_reference else 1  # worker groups per bundle (placement.trainer_roles)
+        self.use_critic = algorithm.adv_estimator in NEEDS_CRITIC
+        self._roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         if algorithm.use_kl_loss and not use_reference:
             raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
         if use_reference and self.cpu:
@@ -223,6 +253,8 @@ class VerlBackend(TrainingBackend):
             self._make_group("policy", twc)
             if use_reference:
                 self._make_group("reference", _reference_config(twc))
+            if self.use_critic:
+                self._make_group("critic", _critic_config(twc, trainer))
             self.set_algorithm(algorithm)
         except BaseException:
             # Protects the Ray cluster from orphaned ranks when a later group fails to start; the error propagates.
@@ -233,11 +265,18 @@ class VerlBackend(TrainingBackend):
     def set_algorithm(self, algorithm: AlgorithmConfig) -> None:
         """Use `algorithm` (estimator, policy loss and their settings) from the next update on: the ranks get the
         loss function built from it. Model and optimizer are untouched (the estimator runs here, in the driver)."""
-        from verl.workers.utils.losses import ppo_loss
+        from verl.workers.utils.losses import ppo_loss, value_loss
 
+        if algorithm.adv_estimator in NEEDS_CRITIC and "critic" not in self._groups:
+            raise ConfigError(
+                f"algorithm.adv_estimator={algorithm.adv_estimator} needs the critic, which this backend was built "
+                "without (build the backend with that estimator)"
+            )
         _, self.actor_config = _engine_configs(self.trainer, algorithm, str(self.model_path), self.cpu)
         self.algorithm = algorithm
         self._all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
+        if "critic" in self._groups:
+            self._all("critic", "set_loss_fn", partial(value_loss, config=_value_loss_config(self.trainer, algorithm)))
 
     # ----------------------------------------------------------------- plumbing
     def _make_group(self, role: str, twc):
@@ -354,6 +393,31 @@ class VerlBackend(TrainingBackend):
 
         return (gather("log_probs"), gather("sum_pi_squared")) if sum_pi_squared else gather("log_probs")
 
+    def _values(self, batch: B.PaddedBatch) -> torch.Tensor:
+        """(B, R) critic values of `batch` (laid out for DP): V(state before each response token)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = self._engine_td(batch)
+        tu.assign_non_tensor(td, compute_loss=False)
+        outs, chunks = self._data_call("critic", "infer_batch", td)
+        parts = [no_padding_2_padding(tu.get(o, "values"), c) for o, c in zip(outs, chunks, strict=True)]
+        return torch.cat(parts, dim=0).float()
+
+    def compute_values(self, groups: Sequence[TrajectoryGroup]) -> list[np.ndarray]:
+        """The critic's value per response token, one float32 array per trajectory in `flatten(groups)` order."""
+        if "critic" not in self._groups:
+            raise RuntimeError("this backend was built without a critic")
+        full = B.assemble(groups, self.pad_token_id)
+        rows, _ = B.dp_layout(full.size, self.dp_size, 1)
+        laid = full.select(rows)
+        values = self._values(laid)
+        out: list[np.ndarray] = [None] * full.size  # type: ignore[list-item]
+        for k, src in enumerate(laid.source):
+            if src >= 0:
+                out[src] = values[k, : int(laid.response_lengths[k])].numpy().copy()
+        return out
+
     def compute_log_probs(self, groups: Sequence[TrajectoryGroup], *, reference: bool = False) -> list[np.ndarray]:
         role = "reference" if reference else "policy"
         if role not in self._groups:
@@ -408,15 +472,25 @@ class VerlBackend(TrainingBackend):
             prox = laid.behaviour_logprobs
         extra["old_log_probs"] = prox
         # Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows).
-        components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
-        advantages = B.compute_advantages(full, algo, components=components, **by_prox)
+        critic_td = None
+        if "critic" in self._groups:
+            # GAE with the critic as it is now (before this step's update) on these trajectories, whichever policy
+            # sampled them (docs/algorithms.md, "PPO with a critic under staleness").
+            laid_values = self._values(laid) * laid.response_mask
+            values = _unlay(laid_values, laid.source, full.size)
+            advantages, returns = B.gae(full, values, algo.gamma, algo.lam)
+            metrics.update(B.value_metrics(values, returns, full.response_mask))
+            laid_returns = returns[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
+            critic_td = self._engine_td(laid, values=laid_values, returns=laid_returns)
+        else:
+            components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
+            advantages = B.compute_advantages(full, algo, components=components, **by_prox)
         extra["advantages"] = (advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask).float()
         if "reference" in self._groups and algo.use_kl_loss:
             extra["ref_log_prob"] = self._log_probs("reference", laid)
         t2 = time.perf_counter()
         td = self._engine_td(laid, **extra)
-        tu.assign_non_tensor(
-            td,
+        schedule = dict(
             # Used by the seq-mean loss modes only: sequences per global mini-batch (exact when the batch divides
             # evenly into mini-batches; dp_layout spreads the rows so they differ by at most the DP size).
             global_batch_size=full.size / num_mini,
@@ -424,11 +498,19 @@ class VerlBackend(TrainingBackend):
             epochs=self.trainer.ppo_epochs,
             seed=self.step,
             compute_loss=True,
-            calculate_entropy=algo.entropy_coeff > 0,
         )
+        tu.assign_non_tensor(td, calculate_entropy=algo.entropy_coeff > 0, **schedule)
         outs, _ = self._data_call("policy", "train_mini_batch", td)
         t3 = time.perf_counter()
-        metrics.update({"timing_s/prepare": t1 - t0, "timing_s/log_probs": t2 - t1, "timing_s/train": t3 - t2})
+        if critic_td is not None:  # the critic's step on the same mini-batches, towards this batch's returns
+            tu.assign_non_tensor(critic_td, **schedule)
+            critic_outs, _ = self._data_call("critic", "train_mini_batch", critic_td)
+            for key, value in tu.get(critic_outs[0], "metrics").items():
+                metrics[key if key.startswith("critic/") else f"critic/{key}"] = _mean(value)
+        t4 = time.perf_counter()
+        metrics.update({"timing_s/prepare": t1 - t0, "timing_s/log_probs": t2 - t1, "timing_s/train": t4 - t2})
+        if critic_td is not None:
+            metrics["timing_s/critic_train"] = t4 - t3  # part of timing_s/train
         for key, value in tu.get(outs[0], "metrics").items():
             metrics[key if "/" in key else f"actor/{key}"] = _mean(value)
         self.step += 1
@@ -453,7 +535,9 @@ class VerlBackend(TrainingBackend):
         path = Path(path)
         step = self.step if step is None else step
         self._all("policy", "save_checkpoint", str(path), None, step, None)
-        state = {"step": step, "world_size": self.world_size}
+        if "critic" in self._groups:
+            self._all("critic", "save_checkpoint", str(path / "critic"), None, step, None)
+        state = {"step": step, "world_size": self.world_size, "critic": "critic" in self._groups}
         (path / _STATE_FILE).write_text(json.dumps(state))
 
     def load_checkpoint(self, path: str | Path) -> int:
@@ -466,7 +550,14 @@ class VerlBackend(TrainingBackend):
             raise ValueError(
                 f"checkpoint {path} was written by {state['world_size']} ranks; this backend has {self.world_size}"
             )
+        if state.get("critic", False) != ("critic" in self._groups):
+            raise ValueError(
+                f"checkpoint {path} was written {'with' if state.get('critic') else 'without'} a critic; this backend "
+                f"has {'one' if 'critic' in self._groups else 'none'} (algorithm.adv_estimator must match the run's)"
+            )
         self._all("policy", "load_checkpoint", str(path), None, False)
+        if "critic" in self._groups:
+            self._all("critic", "load_checkpoint", str(path / "critic"), None, False)
         self.step = int(state["step"])
         return self.step
 

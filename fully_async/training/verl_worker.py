@@ -32,6 +32,28 @@ def _init_gloo(timeout_s: float) -> None:
     )
 
 
+def _value_models_with_eager_attention() -> None:
+    """verl's `load_valuehead_model` (which its FSDP engine imports at each model build) asks transformers for
+    flash_attention_2 whatever the config says; on CPU there is none. In this process, load the value model (a token
+    classifier with one output, as verl's first choice) with eager attention instead, like the policy on CPU. The new
+    score head is drawn from a fixed seed, so every rank, world size and run starts from the same critic."""
+    import verl.utils.model as verl_model
+    from transformers import AutoModelForTokenClassification
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return AutoModelForTokenClassification.from_pretrained(
+                pretrained_model_name_or_path=local_path,
+                torch_dtype=torch_dtype,
+                config=model_config,
+                attn_implementation="eager",
+                trust_remote_code=trust_remote_code,
+            )
+
+    verl_model.load_valuehead_model = load_valuehead_model
+
+
 class FullyAsyncTrainingWorker(TrainingWorker):
     """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
 
@@ -52,6 +74,8 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             torch.set_num_threads(cpu_threads or max(1, cores // max(1, local)))
             _init_gloo(dist_timeout_s)
+            if config.model_type == "value_model":
+                _value_models_with_eager_attention()
         super().__init__(config)
 
     def where(self) -> dict:

@@ -88,7 +88,8 @@ BAD = [
     (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "did you mean 'grpo'"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "registers: ['gae', 'grpo', "),
     (["algorithm.policy_loss=ppo"], "algorithm.policy_loss", "registers: ['vanilla', "),
-    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae", "a critic"),
+    (["algorithm.adv_estimator=gae", "algorithm.lam=1.5"], "algorithm.lam", "in [0, 1]"),
+    (["algorithm.adv_estimator=gae", "algorithm.value_clip=0"], "algorithm.value_clip", "> 0"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax", "greedy baseline rollout"),
     (
         ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.recompute_prox=false"],
@@ -236,6 +237,8 @@ VERL_MAPPED = [
     ("actor_rollout_ref.model.path", "/models/m", "model.path", "/models/m"),
     ("actor_rollout_ref.model.enable_gradient_checkpointing", "true", "trainer.gradient_checkpointing", True),
     ("algorithm.norm_adv_by_std_in_grpo", "false", "algorithm.norm_adv_by_std", False),
+    ("critic.optim.lr", "3e-6", "trainer.critic_lr", 3e-6),
+    ("critic.cliprange_value", "0.2", "algorithm.value_clip", 0.2),
     ("algorithm.rollout_correction.rollout_is", "sequence", "algorithm.rollout_is", "sequence"),
     ("algorithm.rollout_correction.rollout_is_threshold", "3.0", "algorithm.rollout_is_threshold", 3.0),
     ("data.max_response_length", "48", "rollout.response_length", 48),

@@ -62,6 +62,13 @@ def test_cpu_mode_counts_logical_cpus_and_the_reference_ranks():
         check_fit(cfg, _nodes(0, cpus=2), gpu=False)
 
 
+def test_cpu_mode_counts_the_critic_ranks_too():
+    cfg = _cfg("algorithm.use_kl_loss=true", "algorithm.adv_estimator=gae", "engine.num_servers=1")
+    check_fit(cfg, _nodes(0, cpus=4), gpu=False)
+    with pytest.raises(PlacementError, match=r"needs 4 CPUs: trainer 3 \(1 x 1 x 3\)"):
+        check_fit(cfg, _nodes(0, cpus=3), gpu=False)
+
+
 def test_sim_engines_and_trainer_reserve_nothing():
     check_fit(_cfg("engine=sim", "trainer=sim", "engine.num_servers=64"), _nodes(0, cpus=1), gpu=False)
 

@@ -186,3 +186,54 @@ def test_version_metrics_measure_token_lag():
     g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [1], [2, 3, 4], versions=[1, 2, -1], loss_mask=[1, 1, 1])])
     m = B.version_metrics(B.assemble([g]), trainer_version=3)
     assert m == {"staleness/token_mean": 1.5, "staleness/token_max": 2.0}
+
+
+def _hand_gae(rewards, values, mask, gamma, lam):
+    """GAE written out for one trajectory: loss tokens only (a masked token is skipped, its reward kept for the next
+    loss token to its left), reward on the last response token, V = 0 past the end."""
+    n = len(values)
+    adv, nxt_v, nxt_a = [0.0] * n, 0.0, 0.0
+    pending = 0.0  # reward on skipped tokens, carried to the loss token before them
+    for t in reversed(range(n)):
+        if not mask[t]:
+            pending += rewards[t]
+            continue
+        delta = rewards[t] + pending + gamma * nxt_v - values[t]
+        nxt_a = delta + gamma * lam * nxt_a
+        adv[t], nxt_v, pending = nxt_a, values[t], 0.0
+    return adv
+
+
+def test_gae_advantages_and_returns_equal_a_hand_computation():
+    g0 = TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [5, 6], [8, 9, 10], reward=1.0),
+                                           _traj(0, 1, [5, 6], [11], reward=-0.5)])  # fmt: skip
+    g1 = TrajectoryGroup(PromptRef(0, 1), [_traj(1, 0, [4], [12, 13, 14, 15], reward=2.0, loss_mask=[1, 0, 1, 0])])
+    b = B.assemble([g0, g1])
+    # Row 2 ends in a tool token: its reward counts at the last loss token. 9 and 7: off the mask.
+    values = torch.tensor([[0.3, -0.2, 0.5, 9.0], [0.1, 9.0, 9.0, 9.0], [0.4, 7.0, -0.6, 7.0]])
+    gamma, lam = 0.9, 0.8
+    adv, returns = B.gae(b, values, gamma, lam)
+    mask = b.response_mask.bool()
+    raw = []
+    for i, (length, reward) in enumerate([(3, 1.0), (1, -0.5), (4, 2.0)]):
+        rewards = [0.0] * length
+        rewards[-1] = reward
+        raw.append(_hand_gae(rewards, values[i, :length].tolist(), mask[i, :length].tolist(), gamma, lam))
+    for i, row in enumerate(raw):
+        for t, a in enumerate(row):
+            if mask[i, t]:
+                assert returns[i, t].item() == pytest.approx(a + values[i, t].item(), abs=1e-6), (i, t)
+    flat = torch.tensor([a for i, row in enumerate(raw) for t, a in enumerate(row) if mask[i, t]], dtype=torch.float64)
+    whitened = (flat - flat.mean()) / torch.sqrt(flat.var(unbiased=True) + 1e-8)  # verl whitens over loss tokens
+    assert adv[mask].double().tolist() == pytest.approx(whitened.tolist(), abs=1e-5)
+    assert not adv[~mask].any() and not returns[~mask].any()
+
+
+def test_value_metrics_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    perfect = B.value_metrics(returns.clone(), returns, mask)
+    assert perfect["critic/vf_explained_var"] == pytest.approx(1.0) and perfect["critic/value_mse"] == 0.0
+    mean_only = B.value_metrics(torch.full_like(returns, 2.0), returns, mask)
+    assert mean_only["critic/vf_explained_var"] == pytest.approx(0.0, abs=1e-6)
+    assert mean_only["critic/value_mse"] == pytest.approx(2 / 3)
