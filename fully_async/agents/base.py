@@ -1,9 +1,11 @@
 """The AgentLoop interface, chosen by dotted path (`rollout.agent_loop=pkg.module:Class`).
 
 Contract: `await loop.run(client, sample)` returns one Trajectory for `sample` without its reward (the rollouter
-scores it). Tokens the policy generated carry the weight version the engine client reports; tokens an environment
-or tool inserted carry `protocol.NO_VERSION` and loss_mask 0, so they are neither trained on nor counted for
-staleness. The response never exceeds `response_length` tokens.
+scores `loop.reward_text(trajectory)`), or a list of Trajectories: the sample's training rows, in order, when one
+episode is not one token sequence (agents/rollout_fn.py splits at history edits); the rows share the sample's reward
+and the last one's advantage (training/batch.py). Tokens the policy generated carry the weight version the engine
+client reports; tokens an environment or tool inserted carry `protocol.NO_VERSION` and loss_mask 0, so they are
+neither trained on nor counted for staleness. A row's response never exceeds `response_length` tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ class AgentLoop(ABC):
         self.multi_turn = multi_turn
 
     @abstractmethod
-    async def run(self, client: EngineClient, sample: Sample) -> Trajectory: ...
+    async def run(self, client: EngineClient, sample: Sample) -> Trajectory | list[Trajectory]: ...
+
+    def reward_text(self, traj: Trajectory) -> str:
+        """What the reward sources score for the sample whose (last) row is `traj`: its decoded response."""
+        return self.decode(traj.response_ids.tolist())
 
     def decode(self, token_ids: list[int]) -> str:
         """Response text as the reward sees it (special tokens removed)."""

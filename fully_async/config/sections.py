@@ -100,6 +100,10 @@ class MultiTurnConfig:
         require(self.tool_timeout_s > 0, p + "tool_timeout_s", self.tool_timeout_s, "> 0")
 
 
+DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
+ROLLOUT_FN_LOOP = "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
+
+
 @dataclass
 class RolloutConfig:
     n: int = 4
@@ -116,8 +120,10 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Top-k sampling; -1 = off."""
-    agent_loop: str = "fully_async.agents.single_turn:SingleTurnAgentLoop"
+    agent_loop: str = DEFAULT_AGENT_LOOP
     """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py)."""
+    rollout_fn: str | None = None
+    """Dotted path 'pkg.mod:fn' of an rLLM-style `async def fn(client, tokenizer, **row)` that writes the episode as OpenAI-shaped chat calls (fully_async/agents/rollout_fn.py; replaces agent_loop); null = off."""
     val_max_concurrent: int = 16
     """Most validation samples generating at once (they share the engines with training rollouts)."""
     ignore_eos: bool = False
@@ -125,11 +131,21 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tools and turn limits of multi-turn agent loops (fully_async.agents.tool:ToolAgentLoop)."""
 
+    def agent_loop_path(self) -> str:
+        """The AgentLoop class that runs: agent_loop, or the rollout-function loop when rollout_fn is set."""
+        return ROLLOUT_FN_LOOP if self.rollout_fn else self.agent_loop
+
     def effective_start_concurrent(self) -> int:
         return self.start_concurrent or max(1, self.max_concurrent // 2)
 
     def validate_section(self, p: str) -> None:
         _check_dotted(p + "agent_loop", self.agent_loop)
+        _check_dotted(p + "rollout_fn", self.rollout_fn)
+        if self.rollout_fn is not None and self.agent_loop != DEFAULT_AGENT_LOOP:
+            raise ConfigError(
+                f"{p}rollout_fn and {p}agent_loop={self.agent_loop!r} both choose how a sample is produced; "
+                f"set only one (agent_loop to its default {DEFAULT_AGENT_LOOP!r} with rollout_fn)"
+            )
         require(self.val_max_concurrent >= 1, p + "val_max_concurrent", self.val_max_concurrent, ">= 1")
         require(self.n >= 1, p + "n", self.n, ">= 1")
         require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")

@@ -45,3 +45,32 @@ def test_a_run_trains_on_multi_turn_tool_trajectories(ray_local, tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(s["num_turns/mean"] == 2 and s["agent/tool_calls/mean"] == 1 for s in steps if "num_turns/mean" in s)
     assert sum("num_turns/mean" in s for s in steps) == 2
+
+
+def test_a_rollout_function_that_edits_history_trains_on_split_rows(ray_local, tmp_path):
+    cfg = compose(
+        [
+            "engine=sim",
+            "trainer=sim",
+            "rollout.rollout_fn=tests.fakes:history_editing_rollout",
+            "rollout.n=2",
+            "rollout.response_length=64",
+            "engine.max_model_len=256",
+            "engine.num_servers=1",
+            "engine.sim.decode_step_s=0.001",
+            "async_training.groups_per_step=2",
+            "trainer.total_steps=2",
+            "trainer.sim.optimizer_step_s=0.05",
+        ]
+    )
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    # Every sample became two rows (before and after the edit) with the same reward: the function's answer scored.
+    assert len(trajs) == 2 * 2 * 2 * 2
+    by_sample: dict = {}
+    for t in trajs:
+        by_sample.setdefault((t["prompt_uid"], t["sample_index"]), []).append(t["reward"])
+    assert len(by_sample) == 8 and all(len(r) == 2 and r[0] == r[1] for r in by_sample.values())
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["agent/split_rows"] for s in steps if "agent/split_rows" in s] == [4.0, 4.0]
+    assert all(s["num_turns/mean"] == 3 for s in steps if "num_turns/mean" in s)
