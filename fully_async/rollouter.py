@@ -153,6 +153,7 @@ class Rollouter:
         self.val_agent = build_agent_loop(
             ro.agent_loop_path(), tokenizer, sampling, ro.response_length, multi_turn=ro.multi_turn, **fn
         )
+        self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
         await asyncio.to_thread(self.servers.start)

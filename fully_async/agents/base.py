@@ -20,6 +20,7 @@ from fully_async.protocol import PromptRef, Trajectory
 if TYPE_CHECKING:
     from fully_async.config import MultiTurnConfig
     from fully_async.engines import EngineClient, Sampling
+    from fully_async.trace import Tracer
 
 
 @dataclass
@@ -32,6 +33,10 @@ class Sample:
 
 
 class AgentLoop(ABC):
+    tracer: Tracer | None = None
+    """The rollouter's event trace (fully_async/trace.py), for spans of the loop's own phases (tool calls on the
+    `tools` lane); None outside a run."""
+
     def __init__(
         self,
         tokenizer: Any,

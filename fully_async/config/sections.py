@@ -87,6 +87,10 @@ class MultiTurnConfig:
     """Most tokens of one tool response; a longer one is cut and marked '...(truncated)'."""
     tool_timeout_s: float = 30.0
     """Timeout of one tool call; a call past it is cut and the model is told it timed out."""
+    tool_limits: RewardLimitsConfig = field(default_factory=lambda: RewardLimitsConfig())
+    """Limits of each tool's calls, the reward sources' kind (max_concurrent, rpm; scope cluster = one named Ray actor per tool for every process); the wait does not count toward tool_timeout_s; tpm must stay 0 (a tool call has no token count)."""
+    limiter_namespace: str = "fully_async"
+    """Ray namespace of the per-tool limiter actors: processes in one namespace share each tool's limits."""
 
     def validate_section(self, p: str) -> None:
         for i, path in enumerate(self.tools):
@@ -98,6 +102,7 @@ class MultiTurnConfig:
             self.max_tool_response_tokens >= 1, p + "max_tool_response_tokens", self.max_tool_response_tokens, ">= 1"
         )
         require(self.tool_timeout_s > 0, p + "tool_timeout_s", self.tool_timeout_s, "> 0")
+        require(self.tool_limits.tpm == 0, p + "tool_limits.tpm", self.tool_limits.tpm, "0 (tool calls have no tokens)")
 
 
 DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
