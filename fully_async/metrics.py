@@ -76,6 +76,9 @@ def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     out["agent/tool_error_ratio"] = float(np.mean([bool(t.reward_info.get("tool_error")) for t in multi]))
     out["agent/tool_timeouts"] = float(sum(t.reward_info.get("tool_errors/timeout", 0) for t in multi))
     out.update(_stats("timing_s/agent_loop/tool_calls", [t.timings.get("tool_s", 0.0) for t in multi]))
+    if any(t.reward_info.get("env_turns") for t in multi):
+        out.update(_stats("timing_s/agent_loop/env_turns", [t.timings.get("env_s", 0.0) for t in multi]))
+        out["agent/env_turns/mean"] = float(np.mean([t.reward_info.get("env_turns", 0) for t in multi]))
     return out
 
 

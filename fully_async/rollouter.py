@@ -63,7 +63,9 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
     if files:
         return load_rows(files, cfg.data.prompt_key)
     size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
-    return synthetic_rows(size, cfg.data.seed, split, cfg.data.synthetic_task)
+    return synthetic_rows(
+        size, cfg.data.seed, split, cfg.data.synthetic_task, env_delay_s=cfg.data.synthetic_env_delay_s
+    )
 
 
 class Rollouter:
@@ -142,7 +144,7 @@ class Rollouter:
         ro = self.cfg.rollout
         fn = {"rollout_fn": ro.rollout_fn} if ro.rollout_fn else {}
         self.agent = build_agent_loop(
-            ro.agent_loop_path(),
+            self.cfg.agent_loop_path(),
             tokenizer,
             sampling,
             ro.response_length,
@@ -151,7 +153,7 @@ class Rollouter:
             **fn,
         )
         self.val_agent = build_agent_loop(
-            ro.agent_loop_path(), tokenizer, sampling, ro.response_length, multi_turn=ro.multi_turn, **fn
+            self.cfg.agent_loop_path(), tokenizer, sampling, ro.response_length, multi_turn=ro.multi_turn, **fn
         )
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job

@@ -108,7 +108,7 @@ class ToolAgentLoop(AgentLoop):
         info: dict[str, Any] = {"turns": 0, "env_turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
         info.update({f"tool_errors/{k}": 0 for k in ERROR_KINDS})
         info["tool_truncated"] = 0
-        timings = {"generate_s": 0.0, "tool_s": 0.0}
+        timings = {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0}
         start_version, num_aborts, finish = None, 0, "stop"
         created = await self._create(episode)
         try:
@@ -139,7 +139,7 @@ class ToolAgentLoop(AgentLoop):
                     messages = await self._run_tools(calls, episode, info)
                     timings["tool_s"] += time.monotonic() - t0
                 else:
-                    messages = None if last else await self.environment_turn(sample, turn, text)
+                    messages = None if last else await self._environment(sample, turn, text, episode, timings)
                     if not messages:
                         finish = out.finish_reason  # 'length' when the turn was cut at max_tokens_per_turn
                         break
@@ -196,6 +196,16 @@ class ToolAgentLoop(AgentLoop):
                 "tools", "tool_call", start, time.time(), tool=call.name, episode=episode, error=res.error
             )
         return res
+
+    async def _environment(
+        self, sample: Sample, turn: int, text: str, episode: str, timings: dict[str, float]
+    ) -> list[dict[str, str]] | None:
+        start, t0 = time.time(), time.monotonic()
+        messages = await self.environment_turn(sample, turn, text)
+        timings["env_s"] += time.monotonic() - t0
+        if self.tracer is not None and messages:
+            self.tracer.record("tools", "env_turn", start, time.time(), episode=episode)
+        return messages
 
     async def environment_turn(self, sample: Sample, turn: int, text: str) -> list[dict[str, str]] | None:
         """The environment's answer to model turn `turn` (decoded `text`) that made no tool call, as chat messages

@@ -107,6 +107,7 @@ class MultiTurnConfig:
 
 DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
 ROLLOUT_FN_LOOP = "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
+GUESS_LOOP = "fully_async.agents.guess:GuessAgentLoop"
 
 
 @dataclass
@@ -797,13 +798,17 @@ class DataConfig:
     """Shuffle seed."""
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
-    synthetic_task: Literal["copy", "add"] = "copy"
-    """Built-in task: copy ('echo 77777' -> '7') or add ('3+4=' -> '7', sums below 10)."""
+    synthetic_task: Literal["copy", "add", "guess"] = "copy"
+    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit, the environment answers higher / lower; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another)."""
+    synthetic_env_delay_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """guess task: each environment answer comes after a delay drawn uniformly from [low, high] seconds (a slow tool or environment)."""
 
     def validate_section(self, p: str) -> None:
         require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")
         require(self.synthetic_size >= 1, p + "synthetic_size", self.synthetic_size, ">= 1")
         require(bool(self.prompt_key), p + "prompt_key", self.prompt_key, "a non-empty column name")
+        d = self.synthetic_env_delay_s
+        require(len(d) == 2 and 0 <= d[0] <= d[1], p + "synthetic_env_delay_s", d, "[low, high] with 0 <= low <= high")
 
 
 LOGGER_BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
