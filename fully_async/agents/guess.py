@@ -1,14 +1,18 @@
-"""The built-in multi-turn task `guess` (data.synthetic_task=guess): find a hidden digit from the environment's answers.
+"""The built-in multi-turn task `guess` (data.synthetic_task=guess): a hidden digit, guessed over turns.
 
 Each row's digit is hidden (every prompt reads the same, data.GUESS_PROMPT). A model turn is one token (with
 `max_tokens_per_turn=1`; the end-of-turn token is inserted); after a wrong guess the environment answers, as a user
-turn inserted through ToolAgentLoop's environment machinery (mask 0, no version): 'higher' or 'lower' (or 'digit'
-when the turn was not a digit). A right guess ends the episode, as does the last allowed turn. The reward sources
-score the last model turn, so a sample scores 1 when it found the digit within `max_turns` guesses.
+turn inserted through ToolAgentLoop's environment machinery (mask 0, no version): 'no, it is 77777' (the digit
+shown REPEATS times). A right guess ends the episode, as does the last allowed turn. The reward sources score the
+last model turn, so a sample scores 1 when one of its `max_turns` guesses is the digit.
 
-Why it needs the earlier turns: without them the best policy is a fixed sequence of distinct guesses, which finds
-the digit with probability max_turns / 10 (0.4 with 4 turns); bisecting on the answers finds every digit in 4.
-Uniformly random guesses find it with 1 - 0.9^turns (0.34 with 4), fewer when a turn is not a digit.
+Why it needs the earlier turns: the digit is only in the environment's answer to the first guess; without it the
+best policy is a fixed sequence of distinct guesses, right with probability max_turns / 10 (0.2 with two turns).
+Repeating the environment's digit is right every time from the second turn on.
+
+Why not 'higher' / 'lower' (bisection, which needs every earlier answer): on this machine the tiny model from random
+init had not moved from its random level (reward 0.06 over steps 30-46, 4 turns) after 46 steps, too slow for the
+results run; the answer-revealing environment learns like the copy task (docs/benchmarks.md, issue 18).
 
 Each answer comes after a delay drawn from the row's `extra_info.env_delay_s` = [low, high] seconds (the config's
 data.synthetic_env_delay_s): a slow environment or tool, the latency fully asynchronous training is meant to hide.
@@ -30,13 +34,15 @@ def guess_of(text: str) -> int | None:
     return int(text[0]) if text[:1].isdigit() else None
 
 
+REPEATS = 5
+"""How often the environment's answer shows the digit (the copy task's lesson, data.COPY_REPEATS)."""
+
+
 def answer(guess: int | None, digit: int) -> str | None:
-    """The environment's answer to a guess: None when it is right."""
-    if guess is None:
-        return "digit"
+    """The environment's answer to a guess (None: a non-digit turn): None when it is right."""
     if guess == digit:
         return None
-    return "higher" if digit > guess else "lower"
+    return f"no, it is {str(digit) * REPEATS}"
 
 
 class GuessAgentLoop(ToolAgentLoop):

@@ -799,7 +799,7 @@ class DataConfig:
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
     synthetic_task: Literal["copy", "add", "guess"] = "copy"
-    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit, the environment answers higher / lower; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another)."""
+    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another)."""
     synthetic_env_delay_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
     """guess task: each environment answer comes after a delay drawn uniformly from [low, high] seconds (a slow tool or environment)."""
 
