@@ -35,3 +35,18 @@ def test_reward_exact_match_f1_and_format():
     assert compute_score("s", "Velmora", "velmora") == {"score": 0.0, "em": 0.0, "f1": 0.0, "format": 0.0}
     two = compute_score("s", "<answer>x</answer> <answer>velmora</answer>", "velmora")
     assert two["em"] == 1.0 and two["format"] == 0.0 and two["score"] == 0.9
+
+
+def test_bm25_scores_match_the_formula():
+    import math
+
+    docs = [{"id": "0", "contents": "a b"}, {"id": "1", "contents": "a c c"}, {"id": "2", "contents": "d"}]
+    (hits,) = BM25(docs).search(["c a"], 3)
+    avgdl, k1, b = 2.0, 1.5, 0.75
+
+    def term(tf, dl, df):
+        idf = math.log(1 + (3 - df + 0.5) / (df + 0.5))
+        return idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl))
+
+    assert [i for i, _ in hits] == [1, 0]  # document 2 shares no term: left out
+    assert abs(hits[0][1] - (term(2, 3, 1) + term(1, 3, 2))) < 1e-9 and abs(hits[1][1] - term(1, 2, 2)) < 1e-9
