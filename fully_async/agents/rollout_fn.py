@@ -224,8 +224,10 @@ class RolloutFnAgentLoop(AgentLoop):
         raise RuntimeError(f"sample {sample.prompt.uid}#{sample.sample_index} restarted {MAX_RESTARTS} times")
 
     def _rows(self, chat: ChatClient, sample: Sample, answer: Any, restarts: int) -> Trajectory | list[Trajectory]:
-        last = chat.transcript or Transcript(self.chat.render_ids(list(sample.row.messages), True))
-        rows = [*chat.rows, last]
+        last = chat.transcript
+        if last is None:  # the function never called the model: one row, the prompt alone
+            last = Transcript(self.chat.render_ids(list(sample.row.messages), True))
+        rows = [*chat.rows, last]  # a new row is only started by a chat call, which generates into it
         start = chat.start_version if chat.start_version is not None else 0
         out = []
         for k, tr in enumerate(rows):
