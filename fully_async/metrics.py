@@ -61,15 +61,24 @@ def batch_metrics(groups: Sequence[TrajectoryGroup], trainer_version: int) -> di
 
 
 def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
-    """Turns and tool calls of multi-turn trajectories (those whose agent loop recorded `turns`, ToolAgentLoop)."""
+    """Turns and tool calls of multi-turn trajectories (those whose agent loop recorded `turns`: ToolAgentLoop, a
+    rollout function's last row per sample), and the rows that history edits split off."""
+    out: dict[str, float] = {}
+    if any("split_rows" in t.reward_info for t in trajs):  # a rollout function's samples (agents/rollout_fn.py)
+        out["agent/split_rows"] = float(
+            sum(t.reward_info.get("split_part", 0) < t.reward_info.get("split_rows", 1) - 1 for t in trajs)
+        )
     multi = [t for t in trajs if "turns" in t.reward_info]
     if not multi:
-        return {}
-    out = _stats("num_turns", [t.reward_info["turns"] for t in multi])
+        return out
+    out.update(_stats("num_turns", [t.reward_info["turns"] for t in multi]))
     out["agent/tool_calls/mean"] = float(np.mean([t.reward_info.get("tool_calls", 0) for t in multi]))
     out["agent/tool_error_ratio"] = float(np.mean([bool(t.reward_info.get("tool_error")) for t in multi]))
     out["agent/tool_timeouts"] = float(sum(t.reward_info.get("tool_errors/timeout", 0) for t in multi))
     out.update(_stats("timing_s/agent_loop/tool_calls", [t.timings.get("tool_s", 0.0) for t in multi]))
+    if any(t.reward_info.get("env_turns") for t in multi):
+        out.update(_stats("timing_s/agent_loop/env_turns", [t.timings.get("env_s", 0.0) for t in multi]))
+        out["agent/env_turns/mean"] = float(np.mean([t.reward_info.get("env_turns", 0) for t in multi]))
     return out
 
 

@@ -2,7 +2,7 @@
 
 Reads the run dir's event trace (trace/*.jsonl), metrics.jsonl and trajectories.jsonl, and writes to RUN_DIR/report/
 (or --out):
-- timeline.png: one lane per engine server, reward scoring, rollouter (pauses, validation), trainer and weight sync,
+- timeline.png: one lane per engine server, reward scoring, tool calls, rollouter (pauses, validation), trainer and weight sync,
   over wall time, with the end of every trainer step marked;
 - reward_staleness.png: reward and staleness per step; staleness_hist.png: staleness of every trained trajectory;
 - summary.txt (also printed): where the time went per lane, and the idle ratios recomputed from the trace next to
@@ -25,6 +25,8 @@ from typing import Any
 from fully_async.metrics import plot_run
 from fully_async.trace import Span, busy_seconds, engine_idle_ratio, load, trainer_idle_ratio, union
 
+LANES = ("reward", "tools", "rollouter", "trainer", "sync")
+"""The lanes after the engines', in timeline order (`tools`: the tool calls of multi-turn agent loops)."""
 TRAINER_TOP = ("wait_for_batch", "update", "param_sync", "save_checkpoint", "stats")
 """Trainer spans that tile a step; the others on the trainer lane (prepare, log_probs, train) are inside `update`."""
 
@@ -130,7 +132,7 @@ def summary(run: Run) -> str:
         idle_engines = run.num_engines - len(engines)
         if idle_engines > 0:
             lines.append(f"  {idle_engines} engine server(s) served no request")
-        for lane in ("reward", "rollouter", "trainer", "sync"):
+        for lane in LANES:
             if lane not in by_lane:
                 continue
             spans = by_lane[lane]
@@ -198,14 +200,14 @@ _COLOURS = {
     "generate": "tab:blue", "score": "tab:orange", "paused": "tab:gray", "validation": "tab:olive",
     "wait_for_batch": "lightgray", "update": "tab:green", "prepare": "tab:cyan", "log_probs": "tab:purple",
     "train": "darkgreen", "param_sync": "tab:red", "save_checkpoint": "tab:brown", "stats": "black",
-    "pause": "salmon", "export": "gold", "reload": "darkred", "resume": "pink",
+    "pause": "salmon", "export": "gold", "reload": "darkred", "resume": "pink", "tool_call": "teal",
 }  # fmt: skip
 
 
 def _lanes(spans: Sequence[Span], num_engines: int) -> list[str]:
     engines = [f"engine/{i}" for i in range(num_engines)]
     extra = sorted({s.lane for s in spans if s.lane.startswith("engine/")} - set(engines))
-    others = [lane for lane in ("reward", "rollouter", "trainer", "sync") if any(s.lane == lane for s in spans)]
+    others = [lane for lane in LANES if any(s.lane == lane for s in spans)]
     return engines + extra + others
 
 
@@ -224,7 +226,7 @@ def render_timeline(run: Run, out: Path) -> Path:
     used: set[str] = set()
     for row, lane in enumerate(reversed(lanes)):
         spans = [s for s in run.spans if s.lane == lane]
-        if lane.startswith("engine/") or lane == "reward":
+        if lane.startswith("engine/") or lane in ("reward", "tools"):
             # Many concurrent requests per lane: draw when the lane had at least one running.
             name = spans[0].name if spans else "generate"
             bars = [(s - t0, e - s) for s, e in union((s.start, s.end) for s in spans)]

@@ -65,7 +65,9 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
     if files:
         return load_rows(files, cfg.data.prompt_key)
     size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
-    return synthetic_rows(size, cfg.data.seed, split, cfg.data.synthetic_task)
+    return synthetic_rows(
+        size, cfg.data.seed, split, cfg.data.synthetic_task, env_delay_s=cfg.data.synthetic_env_delay_s
+    )
 
 
 class Rollouter:
@@ -144,21 +146,21 @@ class Rollouter:
         sampling = Sampling.from_rollout(
             self.cfg.rollout, stop_token_ids=() if ignore_eos else _stop_ids(tokenizer), ignore_eos=ignore_eos
         )
+        ro = self.cfg.rollout
+        fn = {"rollout_fn": ro.rollout_fn} if ro.rollout_fn else {}
         self.agent = build_agent_loop(
-            self.cfg.rollout.agent_loop,
+            self.cfg.agent_loop_path(),
             tokenizer,
             sampling,
-            self.cfg.rollout.response_length,
+            ro.response_length,
             continue_on_abort=self.cfg.async_training.partial_rollout,
-            multi_turn=self.cfg.rollout.multi_turn,
+            multi_turn=ro.multi_turn,
+            **fn,
         )
         self.val_agent = build_agent_loop(
-            self.cfg.rollout.agent_loop,
-            tokenizer,
-            sampling,
-            self.cfg.rollout.response_length,
-            multi_turn=self.cfg.rollout.multi_turn,
+            self.cfg.agent_loop_path(), tokenizer, sampling, ro.response_length, multi_turn=ro.multi_turn, **fn
         )
+        self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
         self.servers.host_factory = host_factory if hosts else None
@@ -283,12 +285,15 @@ class Rollouter:
                     t.cancel()
                 await asyncio.gather(*samples, return_exceptions=True)
                 raise
-            trajs = list(trajs)
             if self.reward.group is not None:  # reward.group_fn: the whole group, before it is queued
                 with self.tracer.span("reward", "group_fn", group=prompt.uid):
-                    texts = [self.agent.decode(t.response_ids.tolist()) for t in trajs]
-                    await self.reward.group.apply(trajs, texts, reward_meta(row), prompt.uid)
-            group = TrajectoryGroup(prompt, trajs, meta=row.meta())
+                    last = [rows[-1] for rows in trajs]  # a sample's own row (earlier ones are split off)
+                    texts = [self.agent.reward_text(t) for t in last]
+                    await self.reward.group.apply(last, texts, reward_meta(row), prompt.uid)
+                    for rows in trajs:
+                        for t in rows[:-1]:
+                            t.reward = rows[-1].reward
+            group = TrajectoryGroup(prompt, [t for rows in trajs for t in rows], meta=row.meta())
             constant = self._constant(group)
         except asyncio.CancelledError:
             raise
@@ -357,20 +362,24 @@ class Rollouter:
                 self._c["groups_pushed"] += len(batch)
             self._wake.set()
 
-    async def _run_sample(self, sample: Sample) -> Trajectory:
+    async def _run_sample(self, sample: Sample) -> list[Trajectory]:
+        """The sample's training rows (one, or several when the agent split the episode), scored."""
         _sample_id.set(f"{sample.prompt.uid}/{sample.sample_index}")
         self._inflight_samples += 1
         try:
-            traj = await self.agent.run(self.client, sample)
+            out = await self.agent.run(self.client, sample)
         finally:
             self._inflight_samples -= 1
-        if len(traj.prompt_ids) > self.cfg.data.max_prompt_length:
-            raise DataError(
-                f"{sample.row.origin}: prompt has {len(traj.prompt_ids)} tokens, more than "
-                f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
-            )
+        rows = out if isinstance(out, list) else [out]
+        for t in rows:
+            if len(t.prompt_ids) > self.cfg.data.max_prompt_length:
+                raise DataError(
+                    f"{sample.row.origin}: prompt has {len(t.prompt_ids)} tokens, more than "
+                    f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
+                )
+        traj = rows[-1]
         with self.tracer.span("reward", "score", sample=_sample_id.get()):
-            result = await self.reward.score(self.agent.decode(traj.response_ids.tolist()), reward_meta(sample.row))
+            result = await self.reward.score(self.agent.reward_text(traj), reward_meta(sample.row))
         reward_s = result.info.pop("reward_s", 0.0)
         # The agent's own info (turns, tool errors) stays beside the reward's.
         traj.reward, traj.reward_info = result.score, {**traj.reward_info, **result.info}
@@ -381,10 +390,12 @@ class Rollouter:
             traj.reward += penalty
             traj.reward_info["overlong_penalty"] = penalty
         traj.timings["reward_s"] = reward_s
+        for t in rows[:-1]:  # split-off rows share the sample's reward (and, in training, its advantage)
+            t.reward, t.reward_info = traj.reward, {**t.reward_info, **result.info}
         self._c["samples"] += 1
-        self._c["tokens"] += traj.response_length
+        self._c["tokens"] += sum(t.response_length for t in rows)
         self._c["aborted_samples"] += traj.num_aborts > 0
-        return traj
+        return rows
 
     def _trace_segment(self, server: int, start: float, end: float, tokens: int, finish: str) -> None:
         sample = _sample_id.get()
@@ -501,8 +512,8 @@ class Rollouter:
         async def one(i: int, row: PromptRow) -> float:
             _sample_id.set(f"val:{version}:{i}")
             async with limit:
-                traj = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
-                text = self.val_agent.decode(traj.response_ids.tolist())
+                out = await self.val_agent.run(self.client, Sample(PromptRef(-1, i), 0, row))
+                text = self.val_agent.reward_text(out[-1] if isinstance(out, list) else out)
                 try:
                     return (await self.reward.score(text, reward_meta(row))).score
                 except RewardDrop:  # a sample a training run would re-issue: left out of the validation mean

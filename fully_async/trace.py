@@ -5,7 +5,7 @@ costs a dict and a list append. Times are wall-clock seconds (`time.time()`): th
 rollouter, trainer and sync processes (on several nodes it is as good as their clock synchronisation).
 
 Lanes: `engine/<i>` (one HTTP generate request on engine server i: a whole sample, or the segment of one between two
-syncs), `reward` (scoring one sample), `rollouter` (paused for a sync, validation runs), `trainer` (wait_for_batch,
+syncs), `reward` (scoring one sample), `tools` (one tool call of a multi-turn agent loop), `rollouter` (paused for a sync, validation runs), `trainer` (wait_for_batch,
 update and its prepare / log_probs / train phases, param_sync, save_checkpoint, stats), `sync` (param-sync phases
 connect (first sync), pause, the transport's (disk: export, reload), resume). A line `{"meta": {...}}` records facts
 the report needs (the number of engine servers). docs/metrics.md describes the format.

@@ -431,3 +431,13 @@ class ForcedToolAgentLoop(ToolAgentLoop):
 def tool_seen_score(data_source, solution_str, ground_truth, extra_info=None):
     """1.0 when the response holds echo_tool's answer to ForcedToolAgentLoop's default call as a tool turn."""
     return 1.0 if "tool\nAB" in solution_str else 0.0
+
+
+async def history_editing_rollout(client, tokenizer, messages, ground_truth, **_):
+    """An rLLM-style rollout function (fully_async/agents/rollout_fn.py) that edits its history once: it asks, then
+    replaces the model's turn by a summary in a fresh user message (a split), asks again and continues that chat."""
+    first = await client.chat(messages, max_tokens=4)
+    edited = [{"role": "user", "content": f"summary: {len(first['content'])} chars. go on"}]
+    second = await client.chat(edited, max_tokens=4)
+    await client.chat([*edited, second, {"role": "user", "content": "answer " + str(ground_truth)}], max_tokens=4)
+    return str(ground_truth)

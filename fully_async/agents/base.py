@@ -1,9 +1,11 @@
 """The AgentLoop interface, chosen by dotted path (`rollout.agent_loop=pkg.module:Class`).
 
 Contract: `await loop.run(client, sample)` returns one Trajectory for `sample` without its reward (the rollouter
-scores it). Tokens the policy generated carry the weight version the engine client reports; tokens an environment
-or tool inserted carry `protocol.NO_VERSION` and loss_mask 0, so they are neither trained on nor counted for
-staleness. The response never exceeds `response_length` tokens.
+scores `loop.reward_text(trajectory)`), or a list of Trajectories: the sample's training rows, in order, when one
+episode is not one token sequence (agents/rollout_fn.py splits at history edits); the rows share the sample's reward
+and the last one's advantage (training/batch.py). Tokens the policy generated carry the weight version the engine
+client reports; tokens an environment or tool inserted carry `protocol.NO_VERSION` and loss_mask 0, so they are
+neither trained on nor counted for staleness. A row's response never exceeds `response_length` tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fully_async.protocol import PromptRef, Trajectory
 if TYPE_CHECKING:
     from fully_async.config import MultiTurnConfig
     from fully_async.engines import EngineClient, Sampling
+    from fully_async.trace import Tracer
 
 
 @dataclass
@@ -30,6 +33,10 @@ class Sample:
 
 
 class AgentLoop(ABC):
+    tracer: Tracer | None = None
+    """The rollouter's event trace (fully_async/trace.py), for spans of the loop's own phases (tool calls on the
+    `tools` lane); None outside a run."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -48,7 +55,11 @@ class AgentLoop(ABC):
         self.multi_turn = multi_turn
 
     @abstractmethod
-    async def run(self, client: EngineClient, sample: Sample) -> Trajectory: ...
+    async def run(self, client: EngineClient, sample: Sample) -> Trajectory | list[Trajectory]: ...
+
+    def reward_text(self, traj: Trajectory) -> str:
+        """What the reward sources score for the sample whose (last) row is `traj`: its decoded response."""
+        return self.decode(traj.response_ids.tolist())
 
     def decode(self, token_ids: list[int]) -> str:
         """Response text as the reward sees it (special tokens removed)."""

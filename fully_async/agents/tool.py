@@ -31,9 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 from fully_async.agents.base import AgentLoop, Sample
 from fully_async.agents.tokens import ChatDelta, Transcript
-from fully_async.agents.toolkit import ERROR_KINDS, Tool, ToolCall, load_tools, parse_tool_calls, run_call
+from fully_async.agents.toolkit import (
+    ERROR_KINDS,
+    Tool,
+    ToolCall,
+    ToolResult,
+    load_tools,
+    parse_tool_calls,
+    run_call,
+)
 from fully_async.config import MultiTurnConfig
 from fully_async.protocol import Trajectory
+from fully_async.reward.limiter import build_limiter
 
 if TYPE_CHECKING:
     from fully_async.engines import EngineClient, Sampling
@@ -64,6 +73,12 @@ class ToolAgentLoop(AgentLoop):
         super().__init__(tokenizer, sampling, response_length, continue_on_abort, multi_turn or MultiTurnConfig())
         cfg = self.multi_turn
         self.tools = tools if tools is not None else load_tools(cfg.tools, cfg.tool_config_path)
+        self.limiters = {
+            name: lim
+            for name in self.tools
+            if (lim := build_limiter(name, cfg.tool_limits, cfg.limiter_namespace, "tool")) is not None
+        }
+        """Per tool, the reward sources' limiter kind (rollout.multi_turn.tool_limits); none when nothing is limited."""
         self.chat = ChatDelta(tokenizer)
         self.counts: Counter[str] = Counter()
         """Over every episode of this loop: tool calls and errors by kind (logged once per tool and kind)."""
@@ -93,7 +108,7 @@ class ToolAgentLoop(AgentLoop):
         info: dict[str, Any] = {"turns": 0, "env_turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
         info.update({f"tool_errors/{k}": 0 for k in ERROR_KINDS})
         info["tool_truncated"] = 0
-        timings = {"generate_s": 0.0, "tool_s": 0.0}
+        timings = {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0}
         start_version, num_aborts, finish = None, 0, "stop"
         created = await self._create(episode)
         try:
@@ -124,7 +139,7 @@ class ToolAgentLoop(AgentLoop):
                     messages = await self._run_tools(calls, episode, info)
                     timings["tool_s"] += time.monotonic() - t0
                 else:
-                    messages = None if last else await self.environment_turn(sample, turn, text)
+                    messages = None if last else await self._environment(sample, turn, text, episode, timings)
                     if not messages:
                         finish = out.finish_reason  # 'length' when the turn was cut at max_tokens_per_turn
                         break
@@ -153,7 +168,7 @@ class ToolAgentLoop(AgentLoop):
         cfg = self.multi_turn
         run = calls[: cfg.max_parallel_calls]
         info["tool_calls_skipped"] += len(calls) - len(run)
-        results = await asyncio.gather(*(run_call(self.tools, c, episode, cfg.tool_timeout_s) for c in run))
+        results = await asyncio.gather(*(self._call(c, episode, info) for c in run))
         messages = []
         for call, res in zip(run, results):
             info["tool_calls"] += 1
@@ -161,6 +176,35 @@ class ToolAgentLoop(AgentLoop):
             if res.error is not None:
                 self._count_error(call.name, res.error, res.text, info)
             messages.append({"role": "tool", "content": self._cut(res.text, info)})
+        return messages
+
+    async def _call(self, call: ToolCall, episode: str, info: dict[str, Any]) -> ToolResult:
+        """One call under its tool's limiter (the wait is outside the timeout), recorded on the trace."""
+        limiter = self.limiters.get(call.name) if call.error is None else None
+        permit = None
+        if limiter is not None:
+            permit = await limiter.acquire()
+            info["tool_limiter_wait_s"] = info.get("tool_limiter_wait_s", 0.0) + permit.wait_s
+        start = time.time()
+        try:
+            res = await run_call(self.tools, call, episode, self.multi_turn.tool_timeout_s)
+        finally:
+            if permit is not None:
+                limiter.release(permit)
+        if self.tracer is not None:
+            self.tracer.record(
+                "tools", "tool_call", start, time.time(), tool=call.name, episode=episode, error=res.error
+            )
+        return res
+
+    async def _environment(
+        self, sample: Sample, turn: int, text: str, episode: str, timings: dict[str, float]
+    ) -> list[dict[str, str]] | None:
+        start, t0 = time.time(), time.monotonic()
+        messages = await self.environment_turn(sample, turn, text)
+        timings["env_s"] += time.monotonic() - t0
+        if self.tracer is not None and messages:
+            self.tracer.record("tools", "env_turn", start, time.time(), episode=episode)
         return messages
 
     async def environment_turn(self, sample: Sample, turn: int, text: str) -> list[dict[str, str]] | None:

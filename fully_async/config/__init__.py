@@ -17,7 +17,9 @@ from typing import Any
 
 from fully_async.config.base import ConfigError, field_docs, from_dict, schema_node, suggest, to_dict, validate_tree
 from fully_async.config.sections import (
+    DEFAULT_AGENT_LOOP,
     GROUP_ESTIMATORS,
+    GUESS_LOOP,
     AlgorithmConfig,
     AsyncTrainingConfig,
     DataConfig,
@@ -92,6 +94,19 @@ class FullyAsyncConfig:
             return section_seed
         digest = hashlib.sha256(f"{self.seed}:{section_seed}".encode()).digest()
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+    def agent_loop_path(self) -> str:
+        """The AgentLoop class the rollouter runs: rollout.agent_loop, the rollout-function loop when
+        rollout.rollout_fn is set, and the guess task's environment loop for data.synthetic_task=guess unless
+        rollout.agent_loop names another."""
+        if (
+            self.data.synthetic_task == "guess"
+            and not self.data.train_files
+            and not self.rollout.rollout_fn
+            and self.rollout.agent_loop == DEFAULT_AGENT_LOOP
+        ):
+            return GUESS_LOOP
+        return self.rollout.agent_loop_path()
 
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Staleness bound, sync cadence, partial rollout, batch size in groups."""

@@ -87,6 +87,10 @@ class MultiTurnConfig:
     """Most tokens of one tool response; a longer one is cut and marked '...(truncated)'."""
     tool_timeout_s: float = 30.0
     """Timeout of one tool call; a call past it is cut and the model is told it timed out."""
+    tool_limits: RewardLimitsConfig = field(default_factory=lambda: RewardLimitsConfig())
+    """Limits of each tool's calls, the reward sources' kind (max_concurrent, rpm; scope cluster = one named Ray actor per tool for every process); the wait does not count toward tool_timeout_s; tpm must stay 0 (a tool call has no token count)."""
+    limiter_namespace: str = "fully_async"
+    """Ray namespace of the per-tool limiter actors: processes in one namespace share each tool's limits."""
 
     def validate_section(self, p: str) -> None:
         for i, path in enumerate(self.tools):
@@ -98,6 +102,12 @@ class MultiTurnConfig:
             self.max_tool_response_tokens >= 1, p + "max_tool_response_tokens", self.max_tool_response_tokens, ">= 1"
         )
         require(self.tool_timeout_s > 0, p + "tool_timeout_s", self.tool_timeout_s, "> 0")
+        require(self.tool_limits.tpm == 0, p + "tool_limits.tpm", self.tool_limits.tpm, "0 (tool calls have no tokens)")
+
+
+DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
+ROLLOUT_FN_LOOP = "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
+GUESS_LOOP = "fully_async.agents.guess:GuessAgentLoop"
 
 
 @dataclass
@@ -116,8 +126,10 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Top-k sampling; -1 = off."""
-    agent_loop: str = "fully_async.agents.single_turn:SingleTurnAgentLoop"
+    agent_loop: str = DEFAULT_AGENT_LOOP
     """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py)."""
+    rollout_fn: str | None = None
+    """Dotted path 'pkg.mod:fn' of an rLLM-style `async def fn(client, tokenizer, **row)` that writes the episode as OpenAI-shaped chat calls (fully_async/agents/rollout_fn.py; replaces agent_loop); null = off."""
     val_max_concurrent: int = 16
     """Most validation samples generating at once (they share the engines with training rollouts)."""
     ignore_eos: bool = False
@@ -125,11 +137,21 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tools and turn limits of multi-turn agent loops (fully_async.agents.tool:ToolAgentLoop)."""
 
+    def agent_loop_path(self) -> str:
+        """The AgentLoop class that runs: agent_loop, or the rollout-function loop when rollout_fn is set."""
+        return ROLLOUT_FN_LOOP if self.rollout_fn else self.agent_loop
+
     def effective_start_concurrent(self) -> int:
         return self.start_concurrent or max(1, self.max_concurrent // 2)
 
     def validate_section(self, p: str) -> None:
         _check_dotted(p + "agent_loop", self.agent_loop)
+        _check_dotted(p + "rollout_fn", self.rollout_fn)
+        if self.rollout_fn is not None and self.agent_loop != DEFAULT_AGENT_LOOP:
+            raise ConfigError(
+                f"{p}rollout_fn and {p}agent_loop={self.agent_loop!r} both choose how a sample is produced; "
+                f"set only one (agent_loop to its default {DEFAULT_AGENT_LOOP!r} with rollout_fn)"
+            )
         require(self.val_max_concurrent >= 1, p + "val_max_concurrent", self.val_max_concurrent, ">= 1")
         require(self.n >= 1, p + "n", self.n, ">= 1")
         require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")
@@ -809,13 +831,17 @@ class DataConfig:
     """Shuffle seed."""
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
-    synthetic_task: Literal["copy", "add"] = "copy"
-    """Built-in task: copy ('echo 77777' -> '7') or add ('3+4=' -> '7', sums below 10)."""
+    synthetic_task: Literal["copy", "add", "guess"] = "copy"
+    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another)."""
+    synthetic_env_delay_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """guess task: each environment answer comes after a delay drawn uniformly from [low, high] seconds (a slow tool or environment)."""
 
     def validate_section(self, p: str) -> None:
         require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")
         require(self.synthetic_size >= 1, p + "synthetic_size", self.synthetic_size, ">= 1")
         require(bool(self.prompt_key), p + "prompt_key", self.prompt_key, "a non-empty column name")
+        d = self.synthetic_env_delay_s
+        require(len(d) == 2 and 0 <= d[0] <= d[1], p + "synthetic_env_delay_s", d, "[low, high] with 0 <= low <= high")
 
 
 LOGGER_BACKENDS = ("console", "jsonl", "wandb", "tensorboard")

@@ -29,7 +29,7 @@ from fully_async.config.sections import GROUP_FN_NAME
 from fully_async.data import DataError
 from fully_async.reward.group import GroupScorer
 from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
-from fully_async.reward.limiter import RateLimiter, limiter_actor
+from fully_async.reward.limiter import RateLimiter, build_limiter
 from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
 from fully_async.reward.sources import VERL_SCORER, JudgeSource, RuleSource, Source, compute_score_kwargs
 
@@ -123,15 +123,7 @@ class RewardAgent:
         return token_counter(path or self._tokenizer_path)
 
     def _limiter(self, src: RewardSourceConfig) -> RateLimiter | None:
-        if not src.limits.active():
-            return None
-        if src.limits.scope == "cluster":
-            import ray
-
-            if ray.is_initialized():
-                return RateLimiter(src.limits, limiter_actor(src.label, src.limits, self.cfg.limiter_namespace))
-            log.info("reward source %s: Ray is not running; its limits hold for this process only", src.label)
-        return RateLimiter(src.limits)
+        return build_limiter(src.label, src.limits, self.cfg.limiter_namespace, "reward")
 
     async def check_sources(self, rows: Iterable[Any]) -> None:
         """Fail fast on limits that disagree with the cluster's limiter, and on a data_source no rule scorer knows

@@ -141,18 +141,33 @@ class LimiterActor:
         return self.server.stats()
 
 
-def limiter_actor(source: str, limits: RewardLimitsConfig, namespace: str):
-    """The named limiter actor of `source` in `namespace`, created by whichever process asks first (`check` it)."""
+def limiter_actor(source: str, limits: RewardLimitsConfig, namespace: str, kind: str = "reward"):
+    """The named limiter actor `<kind>-limiter/<source>` in `namespace` (kind: reward sources, tools), created by
+    whichever process asks first (`check` it)."""
     import dataclasses
 
     import ray
 
     return (
         ray.remote(LimiterActor)
-        .options(name=f"reward-limiter/{source}", namespace=namespace, get_if_exists=True, num_cpus=0,
+        .options(name=f"{kind}-limiter/{source}", namespace=namespace, get_if_exists=True, num_cpus=0,
                  max_concurrency=10000)
         .remote(dataclasses.asdict(limits))
     )  # fmt: skip
+
+
+def build_limiter(name: str, limits: RewardLimitsConfig, namespace: str, kind: str = "reward") -> RateLimiter | None:
+    """The RateLimiter of one limited thing (a reward source, a tool): None when `limits` limit nothing; with
+    scope=cluster, backed by its named actor when Ray is running (else, logged, this process's own buckets)."""
+    if not limits.active():
+        return None
+    if limits.scope == "cluster":
+        import ray
+
+        if ray.is_initialized():
+            return RateLimiter(limits, limiter_actor(name, limits, namespace, kind))
+        log.info("%s %s: Ray is not running; its limits hold for this process only", kind, name)
+    return RateLimiter(limits)
 
 
 @dataclass

@@ -169,6 +169,15 @@ def reward_components(groups: Sequence[TrajectoryGroup], keys: Sequence[str]) ->
     return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+def sample_owners(groups: Sequence[TrajectoryGroup]) -> np.ndarray:
+    """(B,) in `flatten` order: for each row, the row whose advantage it takes, i.e. the last row of its sample
+    (same prompt and sample_index). A sample split into several rows (agents/rollout_fn.py) counts once in the
+    group baseline; an unsplit row owns itself."""
+    trajs = flatten(groups)
+    last = {(t.prompt_uid, t.sample_index): i for i, t in enumerate(trajs)}
+    return np.array([last[(t.prompt_uid, t.sample_index)] for t in trajs], dtype=np.int64)
+
+
 def compute_advantages(
     batch: PaddedBatch,
     algorithm: AlgorithmConfig,
@@ -177,11 +186,35 @@ def compute_advantages(
     sum_pi_squared: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
     components: dict[str, np.ndarray] | None = None,
+    owners: np.ndarray | None = None,
 ) -> torch.Tensor:
     """(B, R) advantages from verl's `core_algos` estimator `algorithm.adv_estimator` (outcome rewards, gamma = 1),
     0 off the mask. Called the way verl's own trainer calls each estimator: every input below that the estimator's
     signature names is passed. `old_log_probs` / `sum_pi_squared` (the proximal pass) are required by the optimal
-    token baselines, `components` (from `reward_components`) by gdpo."""
+    token baselines, `components` (from `reward_components`) by gdpo. `owners` (from `sample_owners`): the estimator
+    sees only the rows that own their sample; every other row gets its owner's mean advantage per loss token."""
+    if owners is not None and (owners != np.arange(batch.size)).any():
+        own = np.unique(owners)
+        idx = torch.from_numpy(own)
+
+        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[idx]
+
+        sub = batch.select(own)
+        sub_adv = compute_advantages(
+            sub,
+            algorithm,
+            old_log_probs=pick(old_log_probs),
+            sum_pi_squared=pick(sum_pi_squared),
+            rollout_is_weights=pick(rollout_is_weights),
+            components=None if components is None else {k: v[own] for k, v in components.items()},
+        )
+        sub_mask = sub.response_mask.float()
+        per_sample = (sub_adv * sub_mask).sum(-1) / sub_mask.sum(-1).clamp(min=1)
+        pos = torch.from_numpy(np.searchsorted(own, owners))
+        adv = per_sample[pos][:, None] * batch.response_mask.float()
+        adv[idx] = sub_adv
+        return adv.float()
     import inspect
 
     from verl.trainer.config.algorithm import AlgoConfig

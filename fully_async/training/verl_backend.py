@@ -484,7 +484,8 @@ class VerlBackend(TrainingBackend):
             critic_td = self._engine_td(laid, values=laid_values, returns=laid_returns)
         else:
             components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
-            advantages = B.compute_advantages(full, algo, components=components, **by_prox)
+            owners = B.sample_owners(groups)  # rows split off one sample share its advantage
+            advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
         extra["advantages"] = (advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask).float()
         if "reference" in self._groups and algo.use_kl_loss:
             extra["ref_log_prob"] = self._log_probs("reference", laid)

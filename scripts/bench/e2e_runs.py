@@ -88,13 +88,15 @@ def main() -> None:
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--pair", nargs=2, metavar=("A", "B"), help="compare runs named alike but for A / B")
     p.add_argument("--at", type=float, nargs="*", default=[30, 60, 90, 120, 150, 180, 210], help="training seconds")
+    p.add_argument("--levels", type=float, nargs="*", default=list(LEVELS), help="reward levels to time")
     args = p.parse_args()
+    levels = tuple(args.levels)
     runs = {r.name: load(r) for r in args.runs}
-    levels = " | ".join(f"{lv} reached, s" for lv in LEVELS)
-    print(f"| run | steps | training s | mean step, s | first 10 | {levels} | last 20 | stuck answers |")
-    print("|---" * (7 + len(LEVELS)) + "|")
+    header = " | ".join(f"{lv} reached, s" for lv in levels)
+    print(f"| run | steps | training s | mean step, s | first 10 | {header} | last 20 | stuck answers |")
+    print("|---" * (7 + len(levels)) + "|")
     for r in runs.values():
-        at = " | ".join(_s(reached(r, lv)) for lv in LEVELS)
+        at = " | ".join(_s(reached(r, lv)) for lv in levels)
         stuck = f"{len(r['stuck'])} ({','.join(r['stuck'])})" if r["stuck"] else "0"
         print(
             f"| {r['name']} | {r['steps']} | {r['seconds']:.0f} | {r['step_s']:.3f} | {r['first10']:.3f} | {at} | {r['last20']:.3f} | {stuck} |"
@@ -122,7 +124,7 @@ def main() -> None:
     for label, side in sides:
         last = [r["last20"] for r in side]
         sem = statistics.stdev(last) / len(last) ** 0.5 if len(last) > 1 else 0.0
-        hits = {lv: [t for r in side if (t := reached(r, lv)) is not None] for lv in LEVELS}
+        hits = {lv: [t for r in side if (t := reached(r, lv)) is not None] for lv in levels}
         at = ", ".join(
             f"{lv} by {len(h)}" + (f" (median {statistics.median(h):.0f} s)" if h else "") for lv, h in hits.items()
         )

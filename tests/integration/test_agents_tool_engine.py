@@ -205,3 +205,39 @@ def test_a_weight_sync_during_a_tool_call(engine, models, hf, partial_rollout):
         assert set(t.token_versions[model].tolist()) == {1} and t.start_version == 1
         ref1 = teacher_forced(nets[1], t.prompt_ids.tolist(), ids)
         assert np.abs(t.behaviour_logprobs[model] - ref1[model]).max() < 1e-4
+
+
+def test_a_rollout_function_is_token_exact_and_a_history_edit_splits_it(engine, models, hf):
+    """rollout.rollout_fn through the engine: each row's model tokens carry the engine's log-probs on that row's
+    recorded sequence (the conversation grown token by token), and the edited history starts a second row."""
+    from fully_async.agents.rollout_fn import RolloutFnAgentLoop
+
+    tok, (net, _) = hf
+    stop = (tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>"))
+    loop = RolloutFnAgentLoop(
+        tok, Sampling(temperature=1.0, seed=7, stop_token_ids=stop), BUDGET, rollout_fn=fakes.history_editing_rollout
+    )
+
+    async def go():
+        await _use_weights(engine, models[0], 0)
+        client = EngineClient(engine)
+        try:
+            return await loop.run(client, sample())
+        finally:
+            await client.close()
+
+    rows = asyncio.run(go())
+    assert isinstance(rows, list) and len(rows) == 2
+    first, second = rows
+    assert second.reward_info["turns"] == 3 and second.reward_info["split_rows"] == 2
+    assert (first.loss_mask == 1).all()  # the first row: one model turn, nothing inserted
+    assert len(inserted_spans(second)) == 1  # the second: a model turn, the new user turn, a model turn
+    assert tok.decode(second.prompt_ids.tolist()).startswith("<|im_start|>") and "summary:" in tok.decode(
+        second.prompt_ids.tolist()
+    )
+    for t in rows:
+        ids, model = t.response_ids.tolist(), t.loss_mask == 1
+        assert (t.token_versions[model] == 0).all() and (t.token_versions[~model] == NO_VERSION).all()
+        ref = teacher_forced(net, t.prompt_ids.tolist(), ids)
+        assert np.abs(t.behaviour_logprobs[model] - ref[model]).max() < 1e-4
+    assert loop.reward_text(second) == "1"

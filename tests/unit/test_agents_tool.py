@@ -278,3 +278,30 @@ def test_qwen25_style_episode_reads_as_the_template_renders_the_whole_chat():
     rendered = qtok.apply_chat_template(chat, tools=agent.tool_schemas, tokenize=False, add_generation_prompt=True)
     assert qtok.decode(t.prompt_ids.tolist() + t.response_ids.tolist()) == rendered + "done<|im_end|>"
     assert '"name": "echo_tool"' in qtok.decode(t.prompt_ids.tolist())
+
+
+def test_tool_calls_wait_for_their_tools_limiter_and_are_traced(tok, tmp_path):
+    from fully_async.config import RewardLimitsConfig
+    from fully_async.trace import Tracer, load
+
+    tools = {t.name: t for t in map(function_tool, [fakes.echo_tool, fakes.hanging_tool])}
+    limits = RewardLimitsConfig(max_concurrent=1, scope="process")
+    agent = loop(tok, tools=tools, tool_limits=limits, max_parallel_calls=4)
+    agent.tracer = Tracer(tmp_path, "rollouter")
+    sleepy = call("hanging_tool", seconds=0.25)
+    client = fakes.ScriptedClient(tok, [sleepy + sleepy + call("echo_tool", text="e") + call("nope"), "ok"],
+                                  end=im_end(tok))  # fmt: skip
+    t = asyncio.run(agent.run(client, sample()))
+    # One hanging_tool call at a time: the second waited for the first (the echo tool has its own limiter).
+    assert t.timings["tool_s"] >= 0.5 and t.reward_info["tool_limiter_wait_s"] >= 0.2
+    assert set(agent.limiters) == {"echo_tool", "hanging_tool"}
+    agent.tracer.close()
+    spans, _ = load(tmp_path)
+    assert [s.lane for s in spans] == ["tools"] * 4 and {s.name for s in spans} == {"tool_call"}
+    assert sorted((s.args["tool"], s.args["error"]) for s in spans) == [
+        ("echo_tool", None), ("hanging_tool", None), ("hanging_tool", None), ("nope", "unknown_tool")]  # fmt: skip
+    slow = sorted((s for s in spans if s.args["tool"] == "hanging_tool"), key=lambda s: s.start)
+    assert slow[1].start >= slow[0].end - 0.01  # serialised by the limiter
+    assert not loop(tok, tools=tools).limiters  # no limits: no limiter at all
+    with pytest.raises(ConfigError, match="rollout.multi_turn.tool_limits.tpm must be 0"):
+        compose(["rollout.multi_turn.tool_limits.tpm=100"])

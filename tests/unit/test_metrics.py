@@ -46,3 +46,9 @@ def test_multi_turn_metrics_only_for_multi_turn_batches():
     assert (m["num_turns/min"], m["num_turns/mean"], m["num_turns/max"]) == (1, 2, 3)
     assert m["agent/tool_calls/mean"] == 1.0 and m["agent/tool_error_ratio"] == 0.5 and m["agent/tool_timeouts"] == 2
     assert m["timing_s/agent_loop/tool_calls/max"] == 1.5 and m["timing_s/agent_loop/tool_calls/mean"] == 0.5625
+    assert "agent/env_turns/mean" not in m and "agent/split_rows" not in m
+    for t, env in zip([t for g in groups for t in g.trajectories], [0, 1, 2, 1]):
+        t.reward_info["env_turns"] = env
+        t.timings["env_s"] = 0.5 * env
+    m = batch_metrics(groups, trainer_version=0)
+    assert m["agent/env_turns/mean"] == 1.0 and m["timing_s/agent_loop/env_turns/max"] == 1.0

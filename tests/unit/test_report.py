@@ -100,3 +100,12 @@ def test_report_without_a_trace_still_renders_the_curves_and_summary(tmp_path):
     assert sorted(written) == ["reward_staleness", "staleness_hist", "summary"]
     text = written["summary"].read_text()
     assert "staleness of trained trajectories" in text and "no trace" in text and "trace vs" not in text
+
+
+def test_tool_calls_get_their_own_timeline_lane():
+    from fully_async.report import _lanes
+    from fully_async.trace import Span
+
+    spans = [Span("engine/0", "generate", 0, 1, {}), Span("tools", "tool_call", 0.5, 0.2, {"tool": "search"}),
+             Span("trainer", "update", 1, 1, {})]  # fmt: skip
+    assert _lanes(spans, 1) == ["engine/0", "tools", "trainer"]

@@ -237,3 +237,17 @@ def test_value_metrics_explained_variance():
     mean_only = B.value_metrics(torch.full_like(returns, 2.0), returns, mask)
     assert mean_only["critic/vf_explained_var"] == pytest.approx(0.0, abs=1e-6)
     assert mean_only["critic/value_mse"] == pytest.approx(2 / 3)
+
+
+def test_rows_split_off_a_sample_share_its_advantage_and_count_once_in_the_baseline():
+    # Sample 0 of the group was split into two rows (agents/rollout_fn.py); the baseline is over samples 0 and 1.
+    rows = [_traj(0, 0, [1], [2, 3], reward=1.0), _traj(0, 0, [1], [4, 5, 6], reward=1.0, loss_mask=[0, 1, 1]),
+            _traj(0, 1, [1], [7], reward=0.0)]  # fmt: skip
+    groups = [TrajectoryGroup(PromptRef(0, 0), rows)]
+    owners = B.sample_owners(groups)
+    assert owners.tolist() == [1, 1, 2]
+    algo = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=False)
+    adv = B.compute_advantages(B.assemble(groups), algo, owners=owners)
+    assert adv[1, 1:3].tolist() == [0.5, 0.5] and adv[1, 0] == 0  # (1 - 0.5): two samples, not three rows
+    assert adv[0, :2].tolist() == [0.5, 0.5] and adv[0, 2] == 0  # the split row: its owner's, on its own mask
+    assert adv[2, 0] == -0.5
