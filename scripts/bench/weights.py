@@ -49,6 +49,7 @@ store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120
 rounds = int(store.get("rounds"))
 for r in range(rounds):
     pg = dist.ProcessGroupGloo(dist.PrefixStore(f"round{r}", store), rank, world, timedelta(seconds=600))
+    pg.barrier().wait()
     for n in map(int, sizes.split(",")):
         pg.broadcast(torch.empty(n, dtype=torch.uint8), 0).wait()
     store.set(f"done{r}-{rank}", "1")
