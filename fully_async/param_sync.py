@@ -6,7 +6,7 @@
 Each phase is timed (timing_s/param_sync/<phase>, and a span on the event trace's `sync` lane) and bounded by
 async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
 of hanging. How the bytes move is the transport's business (fully_async/weights/): with the disk transport the
-phases are pause, export, reload, resume; the first sync starts with `connect` (the transport's prepare).
+phases are pause, export, distribute, reload, resume; the first sync starts with `connect` (the transport's prepare).
 """
 
 from __future__ import annotations

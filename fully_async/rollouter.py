@@ -414,9 +414,22 @@ class Rollouter:
             await asyncio.sleep(0.005)
         await self.servers.pause("abort")
 
-    async def load_weights(self, weights_dir: str, version: int) -> None:
-        await self.servers.load_weights(weights_dir, version)
+    async def load_weights(self, weights_dir: str, version: int, node_dirs: dict[str, str] | None = None) -> None:
+        """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`."""
+        await self.servers.load_weights(weights_dir, version, node_dirs)
         self.ledger.on_sync(version)
+
+    def engine_nodes(self) -> list[dict[str, Any]]:
+        """Per engine server: {"node_id", "node_ip", "host"} (its engine host's node and handle; a server that is a
+        child of this actor has this actor's node and no host). The disk transport copies weights by it."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        out = []
+        for i in self.servers.live:
+            server = self.servers.node_of(i)
+            out.append(server if server["node_id"] is not None else {**server, "node_id": here})
+        return out
 
     async def resume(self) -> None:
         await self.servers.resume()

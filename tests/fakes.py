@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -24,7 +26,8 @@ from fully_async.training.sim_backend import SimBackend
 class FakeEngine:
     """An aiohttp server on 127.0.0.1 that speaks the vLLM endpoints the engine client uses, with scripted faults.
 
-    Generation is deterministic: token i of a request is (sum(prompt) + i) % 250, with log-prob -(token % 7) - 0.5,
+    Generation is deterministic: token i of a request is (sum(prompt) + i + weights_step) % 250 (weights_step: from
+    the last reloaded directory, see _rpc), with log-prob -(token % 7) - 0.5,
     produced one per `token_delay_s`; tokens are labelled with the version set by /update_weight_version. A pause in
     abort mode makes in-flight requests return their tokens so far with finish_reason "abort"; requests arriving
     while paused wait for /resume, as vLLM's do.
@@ -46,6 +49,7 @@ class FakeEngine:
         self.generate_calls = 0
         self.prompts: list[list[int]] = []
         self.reloads: list[str] = []
+        self.weights_step = 0
         self._pause_event = asyncio.Event()
         self._resume_event = asyncio.Event()
         self._resume_event.set()
@@ -103,7 +107,7 @@ class FakeEngine:
             if self.paused:
                 finish = "abort"
                 break
-            tok = (sum(prompt) + i) % 250
+            tok = (sum(prompt) + i + self.weights_step) % 250
             tokens.append(tok)
             if tok == self.stop_token and not params.get("ignore_eos"):
                 finish = "stop"
@@ -135,8 +139,15 @@ class FakeEngine:
         return web.json_response({"success": True, "new_version": self.version})
 
     async def _rpc(self, request: web.Request) -> web.Response:
+        """A weight reload: the directory must exist, as for vLLM; a sim backend's export in it (sim_weights.json)
+        sets `weights_step`, which every later token is shifted by (outputs change with the weights)."""
         body = await request.json()
-        self.reloads.append(body["kwargs"]["weights_path"])
+        path = Path(body["kwargs"]["weights_path"])
+        if not path.is_dir():
+            return web.Response(status=500, text=f"fake engine: no weights directory {path}")
+        self.reloads.append(str(path))
+        if (path / "sim_weights.json").is_file():
+            self.weights_step = int(json.loads((path / "sim_weights.json").read_text())["step"])
         return web.json_response({"results": [None]})
 
     async def _reset(self, request: web.Request) -> web.Response:
@@ -197,6 +208,7 @@ class StubRollouter:
         self.version = 0
         self.calls: list[tuple] = []
         self.error_message: str | None = None
+        self.nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
 
     async def _scripted(self, name: str, *args) -> None:
         self.calls.append((name, *args))
@@ -208,9 +220,13 @@ class StubRollouter:
     async def pause(self) -> None:
         await self._scripted("pause")
 
-    async def load_weights(self, weights_dir, version: int) -> None:
-        await self._scripted("load_weights", weights_dir, version)
+    async def load_weights(self, weights_dir, version: int, node_dirs=None) -> None:
+        await self._scripted("load_weights", weights_dir, version, *([node_dirs] if node_dirs else []))
         self.version = version
+
+    def engine_nodes(self) -> list[dict]:
+        """`nodes` (default: one server on this process's node, which needs no copy of the weights)."""
+        return list(self.nodes)
 
     async def resume(self) -> None:
         await self._scripted("resume")

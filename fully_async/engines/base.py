@@ -153,7 +153,10 @@ class EngineServers(abc.ABC):
         self.device = device or run_device("auto")
         self.state = EngineState()
         self.weights_dir: Path | None = None
-        """Directory of the weights loaded last; a restarted server reloads it."""
+        """Directory of the weights loaded last; a restarted server reloads it (or its node's copy, below)."""
+        self.node_dirs: dict[str, Path] = {}
+        """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
+        transport, fully_async/weights/disk.py)."""
         self.hosts = hosts
         self.host_factory: Any = None
         """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
@@ -375,7 +378,7 @@ class EngineServers(abc.ABC):
                 urls = [p.url for p in started]
                 if urls:
                     if self.weights_dir is not None:
-                        await self._call_all("reload weights", self.reload_weights_call(self.weights_dir), urls)
+                        await self._reload_procs(self.weights_dir, self.node_dirs, started)
                     await self._call_all("set version", self.set_version_call(self.state.version), urls)
                     if self.state.paused:  # joined during a sync: paused like the others until its resume
                         await self._call_all("pause", self.pause_call("abort"), urls)
@@ -413,8 +416,32 @@ class EngineServers(abc.ABC):
     async def _after_start(self, indices) -> None:
         urls = [self.procs[i].url for i in indices]
         if self.weights_dir is not None:
-            await self._call_all("reload weights", self.reload_weights_call(self.weights_dir), urls)
+            await self._reload(self.weights_dir, self.node_dirs, list(indices))
         await self._call_all("set version", self.set_version_call(self.state.version), urls)
+
+    def node_of(self, index: int) -> dict[str, Any]:
+        """{"node_id", "node_ip", "host"} of server `index`: its engine host's node and handle; for a server that
+        is a child of this process (or attached by address), node_id is None: this process's node."""
+        return _node_of(self.procs[index])
+
+    async def _reload(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
+        """Reload servers `indices`, each from its node's copy in `node_dirs` when it has one, else `weights_dir`."""
+        await self._reload_procs(weights_dir, node_dirs, [self.procs[i] for i in indices])
+
+    async def _reload_procs(self, weights_dir: Path, node_dirs: dict[str, Path], procs: list[Any]) -> None:
+        by_dir: dict[Path, list[str]] = {}
+        for proc in procs:
+            node = _node_of(proc)["node_id"] if node_dirs else None
+            by_dir.setdefault(node_dirs.get(node, weights_dir), []).append(proc.url)
+        results = await asyncio.gather(
+            *(self._call_all("reload weights", self.reload_weights_call(d), urls) for d, urls in by_dir.items()),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise EngineError("; ".join(str(e) for e in errors))
 
     @staticmethod
     def _run_sync(coro) -> None:
@@ -445,13 +472,17 @@ class EngineServers(abc.ABC):
         await self._call_all("resume", self.resume_call())
         self.state.set_paused(False)
 
-    async def load_weights(self, weights_dir: str | Path, version: int) -> None:
+    async def load_weights(
+        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
+    ) -> None:
         """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
+        `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead.
         Call between pause and resume."""
         weights_dir = Path(weights_dir).resolve()
+        routed = {node: Path(d) for node, d in (node_dirs or {}).items()}
         async with self.membership:
-            await self._call_all("reload weights", self.reload_weights_call(weights_dir))
-            self.weights_dir = weights_dir
+            await self._reload(weights_dir, routed, self.live)
+            self.weights_dir, self.node_dirs = weights_dir, routed
             try:
                 # KV blocks cached under the old weights must not serve continued prompts.
                 await self.reset_prefix_cache()
@@ -513,3 +544,9 @@ class EngineServers(abc.ABC):
             if p.url == url:
                 return str(p.log_path) if p.log_path else "external server, no log here"
         return "unknown server"
+
+
+def _node_of(proc: Any) -> dict[str, Any]:
+    if hasattr(proc, "node"):  # a RemoteServer: its engine host's node
+        return {**proc.node, "host": proc.host}
+    return {"node_id": None, "node_ip": None, "host": None}

@@ -12,12 +12,17 @@ control plane stay the same whether a server is local or on another node.
 Bind address (`engine.host`): "auto" = 127.0.0.1 when the server runs on the node of the process that talks to it
 (the Rollouter), else the node's IP as Ray knows it; any other value is used as given. Off loopback, the server
 requires the run's token (engines/auth.py).
+
+Weights on other nodes (the disk transport, fully_async/weights/disk.py): when a server's node is not the trainer's,
+one host per node (`write_weights`) writes each version's files, received through Ray's object store, under a
+node-local root, and the server reloads from there; `remove_weights` deletes that root at the end of the run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +67,8 @@ class EngineHost:
         self.name, self.bind, self.log_path = name, bind, Path(log_path)
         self.proc: ServerProcess | None = None
         self.proxy = None
+        self.weight_writes = 0
+        """Versions this host wrote to its node's local weights root (one host per node writes)."""
 
     def where(self) -> dict[str, Any]:
         """Node, process and devices of this host (and of its server, when running): what the plan promised."""
@@ -72,6 +79,7 @@ class EngineHost:
             "host_pid": os.getpid(),
             "bind": self.bind,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "weight_writes": self.weight_writes,
         }
         if self.proc is not None and self.proc.popen is not None:
             info["server_pid"] = self.proc.popen.pid
@@ -84,11 +92,30 @@ class EngineHost:
         """Where the next server listens: `url` (what clients use), `server_host` and `server_port` (the server's own
         bind). Off loopback the server binds 127.0.0.1 and the auth proxy listens on `url` (engines/auth.py)."""
         public = free_port(self.bind if self.bind not in ("0.0.0.0", "::") else "")
+        node = {"node_id": self.node_id, "node_ip": self.node_ip}
         if is_loopback(self.bind):
             return {"url": f"http://{_url_host(self.bind, self.node_ip)}:{public}", "server_host": self.bind,
-                    "server_port": public}  # fmt: skip
+                    "server_port": public, **node}  # fmt: skip
         return {"url": f"http://{_url_host(self.bind, self.node_ip)}:{public}", "server_host": LOOPBACK,
-                "server_port": free_port(LOOPBACK), "proxy_port": public}  # fmt: skip
+                "server_port": free_port(LOOPBACK), "proxy_port": public, **node}  # fmt: skip
+
+    def write_weights(self, name: str, version: int, files: list[tuple[str, list[Any]]]) -> str:
+        """Write one weight version under this node's local root `name` (fully_async/weights/disk.py's
+        write_node_copy: atomically, keeping it and the previous version); returns the version's directory, which
+        the servers on this node reload. `files`: (relative path, chunks as ObjectRefs of uint8 arrays)."""
+        import ray
+
+        from fully_async.weights.disk import write_node_copy
+
+        out = write_node_copy(name, version, files, ray.get)
+        self.weight_writes += 1
+        return str(out)
+
+    def remove_weights(self, name: str) -> None:
+        """Delete this node's local weights root `name` (end of run)."""
+        from fully_async.weights.disk import node_root
+
+        shutil.rmtree(node_root(name), ignore_errors=True)
 
     def launch(self, command: list[str], env: dict[str, str], ports: dict[str, Any], health_path: str) -> str:
         """Start the server (stopping a previous one first) and, off loopback, its auth proxy; returns the URL
@@ -150,6 +177,12 @@ class RemoteServer:
         self.name, self.host, self.command, self.env = name, host, command, env
         self.log_path, self.health_path = log_path, health_path
         self._ports: dict[str, Any] | None = None
+
+    @property
+    def node(self) -> dict[str, str]:
+        """{"node_id", "node_ip"} of the host's node (known once `url` is)."""
+        _ = self.url
+        return {"node_id": self._ports["node_id"], "node_ip": self._ports["node_ip"]}
 
     @property
     def url(self) -> str:

@@ -7,8 +7,8 @@ and its resume. The version is set by the transport's last phase because on some
 label in one control sequence (disk: reload, reset the prefix cache, set the version).
 
 Transports (`async_training.weight_transport`):
-- disk: the backend writes safetensors under a root (/dev/shm when it exists); every engine reloads that directory.
-  Needs a filesystem shared by the trainer and the engines (one node).
+- disk: the backend writes safetensors under a root (/dev/shm when it exists); every engine reloads that directory,
+  or a node-local copy of it on nodes other than the trainer's (written through Ray's object store; disk.py).
 - collective: not built yet (a torch.distributed broadcast from the trainer's sending rank to every engine worker).
 - auto: disk, until collective is built and tested.
 """

@@ -1,23 +1,46 @@
-"""The disk transport: the backend exports safetensors into `root/v<version>`, every engine server reloads that
-directory (one control call per server, through the rollouter, which also labels the version).
+"""The disk transport: the backend exports safetensors into `root/v<version>`, every engine server reloads a directory
+holding that version (one control call per server, through the rollouter, which also labels the version).
 
-The root is under /dev/shm when it exists (`default_weights_root`), so "disk" is memory bandwidth on one node; it
-needs the trainer and the engines to see the same filesystem. The previous version's directory is kept until the
-next sync, so a server restarted meanwhile still finds the weights it was told about; older ones are removed.
+The root is under /dev/shm when it exists (`default_weights_root`), so "disk" is memory bandwidth on one node.
+
+Several nodes: a server whose Ray node is not the trainer's (the process running ParamSync, which reads the export)
+is taken not to see its files. Phase `distribute` then puts the version's files into Ray's object store, in chunks,
+once; one engine host per such node (the first server's) takes them and writes them under a node-local root
+(`node_root`: /dev/shm/<name> on that node), however many servers the node has; the reload points each server at
+its node's copy. On one node `distribute` copies nothing. The rule is by node id, not by probing the filesystem, so a
+root on a shared filesystem is copied too (a byte-for-byte copy into memory is cheap next to the reload; the object
+store is the one path that works everywhere).
+
+Versions: each root keeps the version just written and the one before, so a server restarted meanwhile still finds
+the weights it was told about (the engine pool reloads a restarted server from its node's directory); older ones are
+removed.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import tempfile
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, WeightTransport
 
+log = logging.getLogger(__name__)
+
 ROOT_PREFIX = "fully_async-weights-"
-"""Name prefix of a root this transport created itself (and removes on close)."""
+"""Name prefix of a root this transport created itself (and removes on close), and of every node-local root."""
+
+CHUNK_BYTES = 64 << 20
+"""Files go into Ray's object store in pieces of at most this many bytes: the sending process never holds more than
+one piece of a file beyond what the store holds, and a node's writer streams them to disk."""
+
+STALL_LOG_S = 30.0
+"""While copies are outstanding, the nodes not done yet are logged this often (ParamSync's timeout bounds the wait)."""
 
 
 def default_weights_root(run_dir: str | Path) -> Path:
@@ -28,6 +51,82 @@ def default_weights_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "weights"
 
 
+def node_root(name: str) -> Path:
+    """Where a node-local root called `name` lives on the calling process's node: /dev/shm when it exists (memory),
+    else the system's temporary directory."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / name
+
+
+def write_node_copy(name: str, version: int, files: list[tuple[str, list[Any]]], get: Callable[[Any], Any]) -> Path:
+    """Write one version's files into `node_root(name)/v<version>` and return that directory. `files`: (path
+    relative to the version's directory, chunks in order), each chunk turned into bytes-like data by `get` (ray.get
+    of an object-store reference on an engine host). The directory appears whole or not at all (written beside it,
+    then renamed); the previous version stays, older ones are removed."""
+    root = node_root(name)
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"v{version}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
+    try:
+        for rel, chunks in files:
+            path = tmp / rel
+            if tmp.resolve() not in path.resolve().parents:
+                raise ValueError(f"weight file {rel!r} is outside the version's directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                for chunk in chunks:
+                    f.write(memoryview(get(chunk)).cast("B"))
+        if out.exists():  # the same version again (a retried sync): the new bytes win
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep={out.name, f"v{version - 1}"})
+    return out
+
+
+def prune(root: Path, keep: set[str]) -> None:
+    """Remove every version directory (v*) under `root` not named in `keep`."""
+    for old in root.glob("v*"):
+        if old.name not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def file_chunks(directory: Path, put: Callable[[Any], Any], chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, list]]:
+    """Every regular file under `directory` as (relative path, [put(uint8 array) per chunk of at most
+    `chunk_bytes`]), in a stable order. An empty file has no chunks."""
+    import numpy as np
+
+    out = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        chunks = []
+        with open(path, "rb") as f:
+            while piece := f.read(chunk_bytes):
+                chunks.append(put(np.frombuffer(piece, dtype=np.uint8)))
+        out.append((str(path.relative_to(directory)), chunks))
+    return out
+
+
+def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict[str, Any]]:
+    """The nodes that need a copy, from the engine servers' placement (the rollouter's `engine_nodes()`: per server
+    {"node_id", "node_ip", "host"}) and `here`, the node that reads the export: {node_id: the first server's entry on
+    that node (its host writes the node's copy)}. A server without a node id (a child of an actor outside Ray) or on
+    `here` needs none. A server elsewhere without a host cannot be written to: ValueError naming it."""
+    plan: dict[str, dict[str, Any]] = {}
+    for index, server in enumerate(servers):
+        node = server.get("node_id")
+        if node is None or node == here or node in plan:
+            continue
+        if server.get("host") is None:
+            raise ValueError(
+                f"engine server {index} runs on node {server.get('node_ip')} ({node}), not the trainer's, and has no "
+                "engine host to write the weights there"
+            )
+        plan[node] = server
+    return plan
+
+
 class DiskTransport(WeightTransport):
     name = "disk"
 
@@ -35,29 +134,91 @@ class DiskTransport(WeightTransport):
         self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.run_tag = uuid.uuid4().hex[:8]
+        """Names this run's node-local roots (several runs may share a node)."""
+        self.node_dirs: dict[str, str] = {}
+        """node id -> that node's copy of the version distributed last (empty on one node)."""
+        self.writers: dict[str, Any] = {}
+        """node id -> the engine host that wrote a copy there (close() asks it to remove the root)."""
+
+    def node_root_name(self, node_id: str) -> str:
+        return f"{ROOT_PREFIX}{self.run_tag}-node-{node_id[:12]}"
 
     def prepare(self, rollouter: Any) -> None:
-        """Nothing to set up: the engines read the root directly."""
+        """Nothing to set up: which nodes need a copy is decided at every sync (servers may move between syncs)."""
 
     def phases(self, version: int) -> list[Phase]:
         out = self.root / f"v{version}"
 
         def reload() -> None:
-            resolve(self.rollouter.load_weights.remote(str(out), version))
-            self._prune(keep={out.name, f"v{version - 1}"})
+            resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
+            prune(self.root, keep={out.name, f"v{version - 1}"})
 
-        return [("export", lambda: self.export(version)), ("reload", reload)]
+        return [("export", lambda: self.export(version)), ("distribute", lambda: self.distribute(version)),
+                ("reload", reload)]  # fmt: skip
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"
         self.backend.export_weights(out, dtype=self.dtype)
         return out
 
-    def _prune(self, keep: set[str]) -> None:
-        for old in self.root.glob("v*"):
-            if old.name not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+    def distribute(self, version: int) -> dict[str, str]:
+        """Copy `root/v<version>` to every engine node other than this one (see the module docstring); returns and
+        remembers {node id: node-local directory} for the reload. A node whose copy fails raises RuntimeError
+        naming it."""
+        servers = resolve(self.rollouter.engine_nodes.remote())
+        plan = copy_plan(servers, _this_node())
+        if not plan:
+            self.node_dirs = {}
+            return {}
+        import ray
+
+        files = file_chunks(self.root / f"v{version}", ray.put)
+        pending = {}
+        for node, server in plan.items():
+            self.writers[node] = server["host"]
+            pending[server["host"].write_weights.remote(self.node_root_name(node), version, files)] = node
+        done: dict[str, str] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=STALL_LOG_S)
+            if not ready:
+                waiting = ", ".join(_node_label(plan[n]) for n in pending.values())
+                log.warning("weights v%d: still copying to node(s) %s", version, waiting)
+                continue
+            node = pending.pop(ready[0])
+            try:
+                done[node] = ray.get(ready[0])
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(
+                    f"copying weights v{version} to node {_node_label(plan[node])} failed: {type(e).__name__}: {e}"
+                ) from e
+        self.node_dirs = done
+        return done
 
     def close(self, remove: bool = True) -> None:
-        if remove and self.root.name.startswith(ROOT_PREFIX):
+        if not remove:
+            return
+        if self.writers:
+            import ray
+
+            refs = {h.remove_weights.remote(self.node_root_name(n)): n for n, h in self.writers.items()}
+            try:
+                ray.get(list(refs), timeout=60)
+            except Exception as e:  # a host (or node) already gone took its /dev/shm copy with it, or will on reboot
+                log.warning("node-local weight copies not all removed (%s: %s)", type(e).__name__, e)
+            self.writers = {}
+        if self.root.name.startswith(ROOT_PREFIX):
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _this_node() -> str | None:
+    """This process's Ray node id; None outside Ray (then every server is a local child process)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _node_label(server: dict[str, Any]) -> str:
+    return f"{server.get('node_ip', '?')} ({server['node_id']})"

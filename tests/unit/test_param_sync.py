@@ -38,7 +38,7 @@ def test_a_sync_runs_its_phases_in_order_times_and_traces_each(backend, tmp_path
     assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
     assert stub.calls[1] == ("load_weights", str(tmp_path / "weights" / "v1"), 1)
     assert (tmp_path / "weights" / "v1" / "sim_weights.json").is_file()
-    phases = ["pause", "export", "reload", "resume"]
+    phases = ["pause", "export", "distribute", "reload", "resume"]
     for t, names in ((first, ["connect", *phases]), (second, phases)):  # the transport is prepared once
         assert sorted(k for k in t if k.startswith("timing_s/param_sync/")) == sorted(
             f"timing_s/param_sync/{p}" for p in names

@@ -1,16 +1,30 @@
-"""The weight-transport factory and the disk transport without Ray (stub rollouter at the edge, simulated backend)."""
+"""The weight-transport factory and the disk transport without Ray (stub rollouter at the edge, simulated backend):
+its phases, which nodes get a copy, the node-local copy, and the engine pool's reload routed to each node's copy
+(fake engines at the HTTP edge). The 2-node version runs in tests/integration/test_disk_transport_cluster.py."""
 
 from __future__ import annotations
 
+import shutil
+import uuid
+
 import pytest
 
-from fully_async.config import AlgorithmConfig, ConfigError, SimTrainerConfig, TrainerConfig
+from fully_async.config import AlgorithmConfig, ConfigError, EngineConfig, SimTrainerConfig, TrainerConfig
+from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights import build_transport
-from fully_async.weights.disk import DiskTransport, default_weights_root
-from tests.fakes import StubRollouter
+from fully_async.weights.disk import (
+    ROOT_PREFIX,
+    DiskTransport,
+    copy_plan,
+    default_weights_root,
+    file_chunks,
+    node_root,
+    write_node_copy,
+)
+from tests.fakes import FakeEngine, StubRollouter
 
 
 @pytest.fixture
@@ -42,7 +56,7 @@ def test_disk_phases_export_then_reload_that_directory_as_the_version(backend, t
             fn()
     finally:
         handle.close()
-    assert names == ["export", "reload"]
+    assert names == ["export", "distribute", "reload"]
     assert (tmp_path / "w" / "v4" / "sim_weights.json").is_file()
     assert stub.calls == [("load_weights", str(tmp_path / "w" / "v4"), 4)] and stub.version == 4
 
@@ -60,3 +74,84 @@ def test_param_sync_takes_the_transport_by_name_or_instance_and_close_removes_on
     assert sync.transport is transport and sync.export(3) == given / "v3"
     sync.close()
     assert (given / "v3").is_dir()  # a root the caller chose is never removed
+
+
+# -- several nodes: which nodes get a copy, the node-local copy itself, and the reload routed to it ----------------
+def test_copy_plan_picks_one_writer_per_node_other_than_the_trainers():
+    a0, a1, b0 = object(), object(), object()
+    servers = [
+        {"node_id": "head", "node_ip": "10.0.0.1", "host": None},  # a child of the rollouter: reads the export
+        {"node_id": "nodeA", "node_ip": "10.0.0.2", "host": a0},
+        {"node_id": "nodeA", "node_ip": "10.0.0.2", "host": a1},  # same node: no second copy
+        {"node_id": None, "node_ip": None, "host": None},  # outside Ray: local
+        {"node_id": "nodeB", "node_ip": "10.0.0.3", "host": b0},
+    ]
+    plan = copy_plan(servers, here="head")
+    assert list(plan) == ["nodeA", "nodeB"]
+    assert plan["nodeA"]["host"] is a0 and plan["nodeB"]["host"] is b0
+    assert copy_plan(servers[:1] + servers[3:4], here="head") == {}  # one node: nothing to copy
+
+
+def test_copy_plan_refuses_a_server_elsewhere_that_has_no_host_naming_it():
+    with pytest.raises(ValueError, match=r"engine server 1 runs on node 10.0.0.9 \(far\), not the trainer's"):
+        copy_plan([{"node_id": "head"}, {"node_id": "far", "node_ip": "10.0.0.9", "host": None}], here="head")
+
+
+@pytest.fixture
+def node_name():
+    name = f"{ROOT_PREFIX}unit-{uuid.uuid4().hex[:8]}"
+    yield name
+    shutil.rmtree(node_root(name), ignore_errors=True)
+
+
+def test_node_copy_round_trips_the_files_in_chunks_keeps_the_previous_version_and_prunes_older(tmp_path, node_name):
+    src = tmp_path / "v1"
+    (src / "sub").mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 3)
+    (src / "sub" / "tokenizer.json").write_text('{"a": 1}')
+    (src / "empty").write_bytes(b"")
+    puts = []
+    files = file_chunks(src, lambda arr: puts.append(arr) or arr, chunk_bytes=100)
+    assert [name for name, _ in files] == ["empty", "model.safetensors", "sub/tokenizer.json"]
+    assert [len(chunks) for _, chunks in files] == [0, 8, 1] and max(len(p) for p in puts) == 100
+    for version in (1, 2, 3):
+        out = write_node_copy(node_name, version, files, lambda chunk: chunk)
+        assert out == node_root(node_name) / f"v{version}"
+    for name in ("model.safetensors", "sub/tokenizer.json", "empty"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert sorted(p.name for p in node_root(node_name).iterdir()) == ["v2", "v3"]  # no temp dirs left either
+
+
+def test_a_node_copy_that_fails_midway_leaves_no_version_directory(node_name):
+    def broken(chunk):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_node_copy(node_name, 5, [("a", [b"x"])], broken)
+    assert list(node_root(node_name).iterdir()) == []
+    with pytest.raises(ValueError, match="outside the version's directory"):
+        write_node_copy(node_name, 5, [("../escape", [b"x"])], lambda c: c)
+
+
+async def test_the_reload_goes_to_each_nodes_copy_and_a_restarted_server_reloads_its_nodes_copy(tmp_path):
+    fakes = [await FakeEngine().start() for _ in range(3)]
+    servers = build_engine(
+        EngineConfig(control_timeout_s=5.0), "/nonexistent", tmp_path, addresses=[f.url for f in fakes]
+    )
+    # Which node each server is on comes from its engine host (Ray) in a run; here servers 0 and 1 share nodeB.
+    nodes = ["nodeB", "nodeB", None]
+    servers.node_of = lambda i: {"node_id": nodes[i], "node_ip": None, "host": None}
+    src, copy_b = tmp_path / "src" / "v1", tmp_path / "nodeB" / "v1"
+    src.mkdir(parents=True)
+    copy_b.mkdir(parents=True)
+    try:
+        await servers.load_weights(src, 1, {"nodeB": str(copy_b)})
+        assert [f.reloads for f in fakes] == [[str(copy_b)], [str(copy_b)], [str(src)]]
+        assert [f.version for f in fakes] == ["1"] * 3
+        await servers._after_start([1])  # what restart() runs once the server is healthy again
+        assert fakes[1].reloads == [str(copy_b)] * 2
+        await servers.load_weights(src, 2)  # back on one node: everything from the source
+        assert [f.reloads[-1] for f in fakes] == [str(src.resolve())] * 3 and servers.node_dirs == {}
+    finally:
+        for f in fakes:
+            await f.stop()
