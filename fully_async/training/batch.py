@@ -278,18 +278,21 @@ def gae(batch: PaddedBatch, values: torch.Tensor, gamma: float, lam: float) -> t
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
     """How well the critic's values (before this step's update) predict the returns, over loss tokens: explained
     variance 1 - Var(returns - values) / Var(returns) (1 = perfect, 0 = no better than the mean, < 0 worse), the
-    mean squared error and the means."""
+    mean squared error and the means. The explained variance is left out when the returns do not vary (every
+    reward of the batch equal): it is undefined there (verl divides by Var + 1e-5 and logs values like -1e7)."""
     keep = response_mask > 0
     if not keep.any():
         return {}
     v, r = values[keep].double(), returns[keep].double()
     var_r = r.var(unbiased=False)
-    return {
-        "critic/vf_explained_var": float(1.0 - (r - v).var(unbiased=False) / (var_r + 1e-8)),
+    out = {
         "critic/value_mse": float(((v - r) ** 2).mean()),
         "critic/values_mean": float(v.mean()),
         "critic/returns_mean": float(r.mean()),
     }
+    if var_r > 1e-8:
+        out["critic/vf_explained_var"] = float(1.0 - (r - v).var(unbiased=False) / var_r)
+    return out
 
 
 def importance_weights(

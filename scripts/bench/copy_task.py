@@ -6,7 +6,10 @@ fully_async.reward.rule.synthetic_score (1.0 right digit, --format-credit for an
 update follows with the default run's settings (8 prompts x 8 samples per step, AdamW at 1e-3 with cosine decay over
 the run, entropy bonus 0.1, gradient clip 1.0). --stale 1 samples every batch from the weights one update older and
 weights the loss by the truncated ratio min(pi / pi_behave, 2), as max_staleness=1 does at its worst. A prompt
-is "stuck" when its probability of the right answer ends below 0.5.
+is "stuck" when its probability of the right answer ends below 0.5. --filter-groups 1 is DAPO dynamic sampling as
+algorithm.filter_groups does it: batches of 8 groups are sampled until 8 groups whose rewards vary are in hand
+(constant groups are counted and dropped; at most --max-batches batches a step, then the step trains on what it has),
+and the line also reports the filtered share, seconds per run, and the reward of every sampled group per second.
 
     .venv/bin/python scripts/bench/copy_task.py --seeds 16 --format-credit 0.1 0.0 --repeats 1 5 --init-std 0.02 0.1
 
@@ -54,7 +57,16 @@ def task_rows(task: str, repeats: int) -> tuple[list[str], list[int]]:
 
 
 def run(
-    seed: int, steps: int, task: str, repeats: int, format_credit: float, init_std: float, stale: int, models: str
+    seed: int,
+    steps: int,
+    task: str,
+    repeats: int,
+    format_credit: float,
+    init_std: float,
+    stale: int,
+    models: str,
+    filter_groups: int = 0,
+    max_batches: int = 64,
 ) -> dict:
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -69,15 +81,41 @@ def run(
     targets = digits[torch.tensor(answers)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    rewards = []
-    for _ in range(steps):
+    rewards, sampled, kept, dropped = [], [], 0, 0
+    t_start = time.perf_counter()
+
+    def sample():
         idx = torch.tensor([rng.randrange(len(texts)) for _ in range(PROMPTS)]).repeat_interleave(SAMPLES)
         with torch.no_grad():
             blog = torch.log_softmax((behave if stale else model)(prompts).logits[:, -1], -1)[idx]
             tokens = torch.multinomial(blog.exp(), 1).squeeze(1)
         right = (tokens == targets[idx]).float()
         score = torch.where(right > 0, right, format_credit * torch.isin(tokens, digits).float())
-        groups = score.view(PROMPTS, SAMPLES)
+        return idx, blog, tokens, right, score
+
+    for _ in range(steps):
+        idx, blog, tokens, right, score = sample()
+        sampled.append(right.mean().item())
+        if filter_groups:
+            parts, useful = [], 0
+            for b in range(max_batches):
+                if b:
+                    idx, blog, tokens, right, score = sample()
+                    sampled[-1] = (sampled[-1] * b + right.mean().item()) / (b + 1)
+                varies = score.view(PROMPTS, SAMPLES).std(1) > 0
+                kept += int(varies.sum())
+                dropped += int((~varies).sum())
+                rows = varies.repeat_interleave(SAMPLES)
+                parts.append((idx[rows], blog[rows], tokens[rows], right[rows], score[rows]))
+                useful += int(varies.sum())
+                if useful >= PROMPTS:
+                    break
+            idx, blog, tokens, right, score = (torch.cat(x)[: PROMPTS * SAMPLES] for x in zip(*parts, strict=True))
+            if len(idx) == 0:  # nothing varied within max_batches: no step (as a trainer left waiting)
+                sched.step()
+                rewards.append(0.0)
+                continue
+        groups = score.view(-1, SAMPLES)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(-1)
         if stale:
             behave.load_state_dict(model.state_dict())  # the next batch comes from the weights before this update
@@ -95,7 +133,14 @@ def run(
     with torch.no_grad():
         p_right = torch.softmax(model(prompts).logits[:, -1], -1)[torch.arange(len(texts)), targets]
     means = [sum(rewards[i - 19 : i + 1]) / 20 for i in range(19, steps)]
+    seconds = time.perf_counter() - t_start
     return {
+        "seconds": seconds,
+        "first20_all": sum(sampled[:20]) / 20,
+        "last20_all": sum(sampled[-20:]) / 20,
+        "rate": (sum(sampled[-20:]) - sum(sampled[:20])) / 20 / seconds,
+        "filtered": dropped / max(1, kept + dropped),
+        "groups": kept + dropped if filter_groups else steps * PROMPTS,
         "last20": means[-1],
         "stuck": [i for i in range(len(texts)) if p_right[i] < 0.5],
         "first08": next((i + 20 for i, m in enumerate(means) if m >= 0.8), None),
@@ -111,20 +156,33 @@ def main() -> None:
     p.add_argument("--repeats", type=int, nargs="+", default=[1])
     p.add_argument("--init-std", type=float, nargs="+", default=[0.02])
     p.add_argument("--stale", type=int, nargs="+", default=[0], choices=[0, 1])
+    p.add_argument("--filter-groups", type=int, nargs="+", default=[0], choices=[0, 1])
+    p.add_argument("--max-batches", type=int, default=64)
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as models:
-        variants = itertools.product(args.task, args.format_credit, args.repeats, args.init_std, args.stale)
-        for task, credit, reps, std, stale in variants:
+        variants = itertools.product(
+            args.task, args.format_credit, args.repeats, args.init_std, args.stale, args.filter_groups
+        )
+        for task, credit, reps, std, stale, filt in variants:
             t0 = time.perf_counter()
-            res = [run(s, args.steps, task, reps, credit, std, stale, models) for s in range(args.seeds)]
+            res = [
+                run(s, args.steps, task, reps, credit, std, stale, models, filt, args.max_batches)
+                for s in range(args.seeds)
+            ]
             reached = [r["first08"] for r in res if r["first08"] is not None]
             print(
-                f"task={task} format_credit={credit:<4} repeats={reps} init_std={std:<4} stale={stale}: "
+                f"task={task} format_credit={credit:<4} repeats={reps} init_std={std:<4} stale={stale} filter={filt}: "
                 f"last20 {statistics.mean(r['last20'] for r in res):.3f}, "
                 f"stuck in {sum(bool(r['stuck']) for r in res)}/{len(res)} runs "
                 f"({sum(len(r['stuck']) for r in res)} prompts), "
-                f"0.8 reached by {len(reached)} (median step {statistics.median(reached) if reached else '-'}) "
+                f"0.8 reached by {len(reached)} (median step {statistics.median(reached) if reached else '-'}); "
+                f"all sampled groups: first20 {statistics.mean(r['first20_all'] for r in res):.3f}, "
+                f"last20 {statistics.mean(r['last20_all'] for r in res):.3f}; "
+                f"reward/s {statistics.median(r['rate'] for r in res):.4f} (median), "
+                f"s/run {statistics.median(r['seconds'] for r in res):.1f}, "
+                f"filtered {statistics.mean(r['filtered'] for r in res):.2f}, "
+                f"groups sampled {statistics.median(r['groups'] for r in res):.0f} (median) "
                 f"[{time.perf_counter() - t0:.0f} s]",
                 flush=True,
             )

@@ -237,6 +237,8 @@ def test_value_metrics_explained_variance():
     mean_only = B.value_metrics(torch.full_like(returns, 2.0), returns, mask)
     assert mean_only["critic/vf_explained_var"] == pytest.approx(0.0, abs=1e-6)
     assert mean_only["critic/value_mse"] == pytest.approx(2 / 3)
+    constant = B.value_metrics(torch.tensor([[0.5, 0.1, 0.0, 0.0]]), torch.zeros((1, 4)), mask)
+    assert "critic/vf_explained_var" not in constant and constant["critic/value_mse"] == pytest.approx(0.26 / 3)
 
 
 def test_rows_split_off_a_sample_share_its_advantage_and_count_once_in_the_baseline():
