@@ -38,6 +38,7 @@ from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.reward.shaping import group_values, is_constant, overlong_penalty
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
+from fully_async.weights.base import resolve_kind
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Rollouter:
         )
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
+        self.servers.weight_receiver = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
@@ -399,6 +401,20 @@ class Rollouter:
 
     async def load_weights(self, weights_dir: str, version: int) -> None:
         await self.servers.load_weights(weights_dir, version)
+        self.ledger.on_sync(version)
+
+    def engine_layout(self) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
+        client holds down), each with its index, URL and worker count."""
+        return self.servers.layout(self.client.down)
+
+    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
+        return await self.servers.rpc(index, method, spec, timeout_s)
+
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""
+        await self.servers.weights_received(version, epoch)
         self.ledger.on_sync(version)
 
     async def resume(self) -> None:

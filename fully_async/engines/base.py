@@ -154,6 +154,14 @@ class EngineServers(abc.ABC):
         self.state = EngineState()
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it."""
+        self.weight_receiver = False
+        """Servers start with the collective transport's receiver (async_training.weight_transport=collective);
+        set before start()."""
+        self.epoch = 0
+        """Bumped whenever a server is restarted: a weight group formed at an older epoch must be re-formed."""
+        self.stale: set[int] = set()
+        """Servers restarted on weights older than the current version (the collective transport's weights exist
+        nowhere on disk): kept out of rotation by the client until the next sync sends them the current version."""
         self.hosts = hosts
         if addresses is not None:
             self.procs = [ServerProcess.external(url) for url in addresses]
@@ -202,6 +210,15 @@ class EngineServers(abc.ABC):
 
     @abc.abstractmethod
     def reset_prefix_cache_call(self) -> HttpCall: ...
+
+    def rpc_call(self, method: str, spec: str) -> HttpCall:
+        """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
+        raise NotImplementedError(f"{self.kind} servers have no weight receiver")
+
+    @property
+    def workers_per_server(self) -> int:
+        """Worker processes per server (tensor-parallel ranks; one on CPU)."""
+        return self.cfg.tensor_parallel_size if self.device == "cuda" else 1
 
     # ---- lifecycle -------------------------------------------------------------------------------------------------
     @property
@@ -267,6 +284,9 @@ class EngineServers(abc.ABC):
         """Restart server `index` on its old address with the latest weights and version. Blocks until healthy."""
         proc = self.procs[index]
         proc.stop()
+        self.epoch += 1  # its workers are new processes: any weight group it was in is gone
+        if self.weights_dir is None and self.state.version > 0:
+            self.stale.add(index)  # it comes back on its start-up weights; the next sync brings it up to date
         proc.launch()
         proc.wait_healthy(self.cfg.startup_timeout_s)
         self._run_sync(self._after_start([index]))
@@ -319,6 +339,31 @@ class EngineServers(abc.ABC):
             logger.warning("prefix cache not reset after a weight reload: %s", e)
         await self.set_version(version)
 
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server received `version` through a weight group formed at `epoch` (collective transport): reset
+        prefix caches and set the version, without a reload. Servers restarted since (a newer epoch) stay stale."""
+        self.weights_dir = None  # the latest weights are in no directory: a restart must wait for the next sync
+        try:
+            await self.reset_prefix_cache()
+        except EngineError as e:
+            logger.warning("prefix cache not reset after a weight sync: %s", e)
+        await self.set_version(version)
+        if epoch == self.epoch:
+            self.stale.clear()
+
+    def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (all but
+        `down`), each with its index, URL and worker count."""
+        servers = [{"index": i, "url": p.url, "workers": self.workers_per_server}
+                   for i, p in enumerate(self.procs) if i not in down]  # fmt: skip
+        return {"epoch": self.epoch, "servers": servers}
+
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """`method(spec)` on every worker of server `index`; the workers' answers."""
+        url = self.procs[index].url
+        (body,) = await self._call_all(method, self.rpc_call(method, spec), [url], timeout_s=timeout_s)
+        return (body or {}).get("results", body)
+
     async def set_version(self, version: int) -> None:
         await self._call_all("set version", self.set_version_call(version))
         self.state.version = version
@@ -331,12 +376,15 @@ class EngineServers(abc.ABC):
         (body,) = await self._call_all("is paused", call, [url])
         return bool(read(body))
 
-    async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
-        """Run `call` on every server at once; EngineError naming each failed server (and its log) otherwise."""
+    async def _call_all(
+        self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run `call` on every server at once (each within `timeout_s`, default engine.control_timeout_s); EngineError
+        naming each failed server (and its log) otherwise."""
         urls = self.addresses if urls is None else urls
         from fully_async.engines.auth import auth_headers
 
-        timeout = aiohttp.ClientTimeout(total=self.cfg.control_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.control_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
             results = await asyncio.gather(
                 *(self._call_one(session, url, call) for url in urls), return_exceptions=True

@@ -102,7 +102,8 @@ class EngineClient:
     def pick(self, exclude: int | None = None) -> int:
         """The live server with the fewest outstanding requests (ties rotate); `exclude` only if it is the last one."""
         n = len(self.outstanding)
-        if exclude is None and not self.down:
+        stale = self.servers.stale
+        if exclude is None and not self.down and not stale:
             # The common case in O(n) C-level scans: at hundreds of servers the general path below costs more than
             # the rest of a request. The first least-loaded server at or after _next, as the general path picks.
             least = min(self.outstanding)
@@ -113,10 +114,14 @@ class EngineClient:
             self._next = (best + 1) % n
             return best
         order = [(self._next + k) % n for k in range(n)]
-        for avoid in ({exclude} | self.down, self.down, set()):
+        # A stale server (restarted on old weights, waiting for the next sync) is never picked: its tokens would be
+        # labelled with a version it does not hold.
+        for avoid in ({exclude} | self.down | stale, self.down | stale, stale):
             candidates = [i for i in order if i not in avoid]
             if candidates:
                 break
+        else:
+            raise EngineError("every engine server is waiting for the next weight sync (restarted on old weights)")
         best = min(candidates, key=lambda i: self.outstanding[i])
         self._next = (best + 1) % n
         return best
