@@ -503,8 +503,9 @@ class _VerlSender:
     def plan(self) -> list:
         return self._rank0("weights_plan")
 
-    def listen(self, host: str, timeout_s: float) -> int:
-        return self._rank0("weights_listen", host, timeout_s)
+    def listen(self, loopback: bool, timeout_s: float) -> tuple[str, int]:
+        host, port = self._rank0("weights_listen", loopback, timeout_s)
+        return host, int(port)
 
     def form(self, group: str, world: int, backend: str, timeout_s: float) -> None:
         self._rank0("weights_form", group, world, backend, timeout_s)

@@ -128,8 +128,8 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         return plan if self._rank0() else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_listen(self, host: str, timeout_s: float) -> int | None:
-        return self._sender().listen(host, timeout_s) if self._rank0() else None
+    def weights_listen(self, loopback: bool, timeout_s: float) -> tuple[str, int] | None:
+        return self._sender().listen(loopback, timeout_s) if self._rank0() else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_form(self, group: str, world: int, backend: str, timeout_s: float) -> None:

@@ -171,15 +171,17 @@ class CollectiveSender:
         """Names and shapes of the tensors, in send order (iterates them once)."""
         return make_plan((name, t.shape) for name, t in self.named_tensors())
 
-    def listen(self, host: str, timeout_s: float) -> int:
-        """Open the group's TCPStore on `host` (a free port); returns the port. Replaces an earlier group."""
+    def listen(self, loopback: bool, timeout_s: float) -> tuple[str, int]:
+        """Open the group's TCPStore on a free port, on 127.0.0.1 when `loopback` (every engine is on this node's
+        loopback), else on this process's node address; returns (host, port). Replaces an earlier group."""
         import torch.distributed as dist
 
         self.close()
+        host = "127.0.0.1" if loopback else _node_ip()
         self.store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
-        return int(self.store.port)
+        return host, int(self.store.port)
 
     def form(self, group: str, world: int, backend: str, timeout_s: float) -> None:
         """Join as rank 0; blocks until every engine worker joined (their join calls must be in flight)."""
@@ -296,9 +298,8 @@ class CollectiveTransport(WeightTransport):
                                                           self.group_timeout_s), self.group_timeout_s)  # fmt: skip
         if self._epoch is not None:  # a re-form: survivors drop the old group first
             self._collect("leaving the old weight group", self._rpc_all("leave", "fa_leave", {}, 30.0), 60.0)
-        loopback = all(_is_loopback(s["url"]) for s in self._servers)
-        host = "127.0.0.1" if loopback else _node_ip()
-        port = self.sender.listen(host, self.group_timeout_s)
+        # The store lives in the sender's process (the trainer's rank 0, possibly on another node than this one).
+        host, port = self.sender.listen(all(_is_loopback(s["url"]) for s in self._servers), self.group_timeout_s)
         group = f"fa-weights-{uuid.uuid4().hex[:8]}"
         world = 1 + sum(int(s["workers"]) for s in self._servers)
         specs, offset = [], 1
@@ -391,9 +392,14 @@ def _is_loopback(url: str) -> bool:
 
 
 def _node_ip() -> str:
+    """This process's node address as Ray knows it (what the engines on other nodes reach)."""
     import ray
 
-    return ray.util.get_node_ip_address()
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _wait(refs: list, timeout_s: float) -> list:
