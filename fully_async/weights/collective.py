@@ -246,7 +246,7 @@ class CollectiveTransport(WeightTransport):
         """What the last send reported: sender stats and each engine worker's answer."""
 
     # -- engine calls -----------------------------------------------------------------------------------------------
-    def _rpc_all(self, what: str, method: str, spec: dict | list[dict], timeout_s: float) -> list:
+    def _rpc_all(self, method: str, spec: dict | list[dict], timeout_s: float) -> list:
         """Fire `method` on every server (spec per server, or one for all); returns the refs, recorded as pending."""
         specs = spec if isinstance(spec, list) else [spec] * len(self._servers)
         refs = []
@@ -294,10 +294,10 @@ class CollectiveTransport(WeightTransport):
         self._servers = info["servers"]
         if self._plan is None:
             self._plan = self.sender.plan()
-        self._collect("weight plan check", self._rpc_all("check", "fa_check", {"tensors": self._plan},
+        self._collect("weight plan check", self._rpc_all("fa_check", {"tensors": self._plan},
                                                           self.group_timeout_s), self.group_timeout_s)  # fmt: skip
         if self._epoch is not None:  # a re-form: survivors drop the old group first
-            self._collect("leaving the old weight group", self._rpc_all("leave", "fa_leave", {}, 30.0), 60.0)
+            self._collect("leaving the old weight group", self._rpc_all("fa_leave", {}, 30.0), 60.0)
         # The store lives in the sender's process (the trainer's rank 0, possibly on another node than this one).
         host, port = self.sender.listen(all(_is_loopback(s["url"]) for s in self._servers), self.group_timeout_s)
         group = f"fa-weights-{uuid.uuid4().hex[:8]}"
@@ -307,7 +307,7 @@ class CollectiveTransport(WeightTransport):
             specs.append({"host": host, "port": port, "world": world, "rank_offset": offset, "group": group,
                           "backend": self.backend_name, "timeout_s": self.group_timeout_s})  # fmt: skip
             offset += int(s["workers"])
-        refs = self._rpc_all("join", "fa_join", specs, self.group_timeout_s)
+        refs = self._rpc_all("fa_join", specs, self.group_timeout_s)
         try:
             self.sender.form(group, world, self.backend_name, self.group_timeout_s)
         except Exception as e:
@@ -329,7 +329,7 @@ class CollectiveTransport(WeightTransport):
             self._connect()  # a server restarted (or the pool changed) since the group was formed
         buckets = layout_buckets(self._plan, self.dtype, self.bucket_bytes)
         spec = {"group": self._group, "dtype": self.dtype, "buckets": buckets}
-        refs = self._rpc_all("receive", "fa_receive", spec, self.group_timeout_s * 2)
+        refs = self._rpc_all("fa_receive", spec, self.group_timeout_s * 2)
         # The sender runs in a thread of its own so that an engine failing first (its receive timed out, its process
         # died) fails the phase at once, naming it, even while the sender is stuck (a stalled trainer).
         sending: concurrent.futures.Future = concurrent.futures.Future()

@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -242,6 +243,30 @@ def test_a_sender_that_dies_mid_send_fails_the_phase_and_no_worker_loads_anythin
         sync.close(remove=False)
         handle.close()
     assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
+
+
+def test_when_the_watchdog_fires_first_its_message_names_the_servers_still_receiving(checkpoint, tmp_path):
+    model_dir, state = checkpoint
+    calls = []
+
+    def stalling():  # the plan pass is whole; the send stalls before its first tensor
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(4)
+        yield from state.items()
+
+    workers = [_Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, _Backend(state), tmp_path / "w", "float32", sync_timeout_s=6)
+    transport.sender.named_tensors = stalling
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 1.0, transport=transport)
+    try:
+        with pytest.raises(ParamSyncError, match=r"'send' did not finish.*not answering: http://127.0.0.1:9000"):
+            sync.sync(1)
+    finally:
+        sync.close(remove=False)
+        handle.close()
 
 
 def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
