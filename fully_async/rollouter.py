@@ -156,8 +156,9 @@ class Rollouter:
             multi_turn=self.cfg.rollout.multi_turn,
         )
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
-        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
-        self.servers.weight_receiver = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
+        collective = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
+        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
+                                    weight_receiver=collective)  # fmt: skip
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])

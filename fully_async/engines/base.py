@@ -140,11 +140,13 @@ class EngineServers(abc.ABC):
         addresses: list[str] | None = None,
         hosts: list[Any] | None = None,
         device: str | None = None,
+        weight_receiver: bool = False,
     ):
         """addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
-        fully_async.host.device; None = this machine's)."""
+        fully_async.host.device; None = this machine's). weight_receiver: start the servers with the collective
+        transport's receiver (async_training.weight_transport=collective)."""
         from fully_async.host import device as run_device
 
         self.cfg = cfg
@@ -154,9 +156,7 @@ class EngineServers(abc.ABC):
         self.state = EngineState()
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it."""
-        self.weight_receiver = False
-        """Servers start with the collective transport's receiver (async_training.weight_transport=collective);
-        set before start()."""
+        self.weight_receiver = weight_receiver
         self.epoch = 0
         """Bumped whenever a server is restarted: a weight group formed at an older epoch must be re-formed."""
         self.stale: set[int] = set()

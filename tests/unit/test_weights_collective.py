@@ -276,3 +276,25 @@ def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
     assert w.fa_check(json.dumps({"tensors": [["lm_head.weight", [16, 8]]]})) == {"tensors": 1}
     with pytest.raises(ValueError, match="tensor 'lm_head.weight' has shape"):
         w.fa_check(json.dumps({"tensors": [["lm_head.weight", [8, 16]]]}))
+
+
+def test_the_engine_gets_the_receiver_only_with_the_collective_transport_and_imports_it_alone(tmp_path):
+    import subprocess
+
+    from fully_async.config import EngineConfig
+    from fully_async.engines import build_engine
+    from fully_async.engines.vllm import REPO_ROOT
+
+    if not (REPO_ROOT / ".venv-engine/bin/python").exists():
+        pytest.skip("engine venv missing")
+    with_receiver = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True)
+    plain = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")
+    cmd, env = with_receiver.command(0, 8000), with_receiver.environment(0)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
+    assert env["PYTHONPATH"] == str(EXTENSION_DIR)
+    assert "--worker-extension-cls" not in plain.command(0, 8000) and plain.environment(0)["PYTHONPATH"] == ""
+    # the engine's interpreter finds the class on that path, with nothing of ours importable
+    probe = "import fa_weight_receiver as m, importlib.util as u; print(m.WeightReceiver.__name__, u.find_spec('fully_async'))"
+    out = subprocess.run([cmd[0], "-c", probe], env={"PYTHONPATH": env["PYTHONPATH"]}, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.stdout.split() == ["WeightReceiver", "None"], out.stderr[-2000:]
