@@ -39,15 +39,19 @@ class ParamSync:
         tracer: Tracer | None = None,
         *,
         transport: str | WeightTransport = "disk",
+        bucket_mb: float = 256,
+        device: str = "cpu",
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
-        built WeightTransport, or an async_training.weight_transport value (disk | collective | auto)."""
+        built WeightTransport, or an async_training.weight_transport value (disk | collective | auto);
+        `bucket_mb` and `device` (cpu | cuda): for the collective transport."""
         self.rollouter, self.backend = rollouter, backend
         self.tracer = tracer
         self.timeout_s = timeout_s
         if isinstance(transport, str):
-            transport = build_transport(transport, rollouter, backend, weights_root, dtype)
+            transport = build_transport(transport, rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb,
+                                        sync_timeout_s=timeout_s, device=device)  # fmt: skip
         self.transport = transport
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-sync")
         self._prepared = False
@@ -59,8 +63,10 @@ class ParamSync:
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
+            waiting = self.transport.pending()
             raise ParamSyncError(
                 f"weight sync phase '{name}' did not finish within async_training.sync_timeout_s={self.timeout_s:g}s"
+                + (f" ({waiting})" if waiting else "")
             ) from None
         except Exception as e:
             raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e

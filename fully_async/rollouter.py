@@ -39,6 +39,7 @@ from fully_async.reward import RewardAgent, RewardDrop, RewardFatal
 from fully_async.reward.shaping import group_values, is_constant, overlong_penalty
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
+from fully_async.weights.base import resolve_kind
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,9 @@ class Rollouter:
         )
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
-        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device)
+        collective = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
+        self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
+                                    weight_receiver=collective)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
@@ -430,6 +433,20 @@ class Rollouter:
             server = self.servers.node_of(i)
             out.append(server if server["node_id"] is not None else {**server, "node_id": here})
         return out
+
+    def engine_layout(self) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
+        client holds down), each with its index, URL and worker count."""
+        return self.servers.layout(self.client.down)
+
+    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
+        return await self.servers.rpc(index, method, spec, timeout_s)
+
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""
+        await self.servers.weights_received(version, epoch)
+        self.ledger.on_sync(version)
 
     async def resume(self) -> None:
         await self.servers.resume()

@@ -457,3 +457,72 @@ async def history_editing_rollout(client, tokenizer, messages, ground_truth, **_
     second = await client.chat(edited, max_tokens=4)
     await client.chat([*edited, second, {"role": "user", "content": "answer " + str(ground_truth)}], max_tokens=4)
     return str(ground_truth)
+
+
+# -- the two ends of a weight sync, for the collective transport's tests -----------------------------------------------
+class StateDictBackend:
+    """A training backend reduced to what the weight transports use: full tensors in this process (loaded from a
+    model's safetensors), exported as safetensors or sent through a real CollectiveSender. `edit` changes the
+    tensors a next sync sends; `stall_after` makes the iterator hang (a stuck trainer) after that many tensors, for
+    `stall_s`; `die_after` makes it raise (a sender that dies mid-broadcast)."""
+
+    def __init__(self, model_dir, device: str = "cpu"):
+        from safetensors.torch import load_file
+
+        self.state = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            self.state.update(load_file(str(f), device=device))
+        self.device = device
+        self.stall_after: int | None = None
+        self.stall_s = 0.0
+        self.die_after: int | None = None
+        self.sender = None
+
+    def named_tensors(self):
+        for i, item in enumerate(self.state.items()):
+            if self.stall_after is not None and i == self.stall_after:
+                time.sleep(self.stall_s)
+            if self.die_after is not None and i == self.die_after:
+                raise RuntimeError(f"trainer died after {i} tensors")
+            yield item
+
+    def weight_sender(self):
+        from fully_async.weights.collective import CollectiveSender
+
+        self.sender = CollectiveSender(self.named_tensors, self.device)
+        return self.sender
+
+    def export_weights(self, out_dir, dtype: str = "float32"):
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state.items()}, str(out / "model.safetensors"))
+        return [out / "model.safetensors"]
+
+
+class ServersRollouter:
+    """The Rollouter's weight-sync calls over a real engine pool (run through `fully_async.handles.LocalActor`),
+    without its data, reward and admission machinery: what ParamSync and the transports call."""
+
+    def __init__(self, servers):
+        self.servers = servers
+        self.down: set[int] = set()
+
+    async def pause(self) -> None:
+        await self.servers.pause("abort")
+
+    async def resume(self) -> None:
+        await self.servers.resume()
+
+    async def load_weights(self, weights_dir, version: int) -> None:
+        await self.servers.load_weights(weights_dir, version)
+
+    def engine_layout(self) -> dict:
+        return self.servers.layout(self.down)
+
+    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list:
+        return await self.servers.rpc(index, method, spec, timeout_s)
+
+    async def weights_received(self, version: int, epoch: int) -> None:
+        await self.servers.weights_received(version, epoch)

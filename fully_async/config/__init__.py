@@ -148,6 +148,11 @@ class FullyAsyncConfig:
                 f"reward.overlong_buffer must be <= rollout.response_length = {self.rollout.response_length} (the "
                 f"penalty ramps up over the last overlong_buffer tokens of the budget), got {self.reward.overlong_buffer}"
             )
+        if self.async_training.weight_transport == "collective" and self.engine.kind != "vllm":
+            raise ConfigError(
+                "async_training.weight_transport=collective needs engine.kind=vllm (the weight receiver is a vLLM "
+                f"worker extension); use disk or auto with engine.kind={self.engine.kind}"
+            )
         longest = self.data.max_prompt_length + self.rollout.response_length
         if longest > self.engine.max_model_len:
             raise ConfigError(

@@ -39,7 +39,9 @@ class AsyncTrainingConfig:
     drain_on_sync: bool = False
     """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
     weight_transport: Literal["disk", "collective", "auto"] = "auto"
-    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (not built yet), auto (= disk)."""
+    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
+    bucket_mb: int = 256
+    """Size of each flat bucket the collective weight transport broadcasts (one is packed while the previous one is on the wire)."""
 
     @property
     def groups_per_version(self) -> int:
@@ -63,12 +65,7 @@ class AsyncTrainingConfig:
         )
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
-        require(
-            self.weight_transport != "collective",
-            p + "weight_transport",
-            self.weight_transport,
-            "disk or auto (collective is not built yet; auto means disk until it is)",
-        )
+        require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
 
 
 @dataclass

@@ -26,13 +26,16 @@ def build_engine(
     addresses: list[str] | None = None,
     hosts: list | None = None,
     device: str | None = None,
+    weight_receiver: bool = False,
 ) -> EngineServers:
     """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running).
-    `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu."""
+    `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu;
+    `weight_receiver`: vLLM servers start with the collective weight transport's receiver."""
     if cfg.kind == "vllm":
         from fully_async.engines.vllm import VLLMServers
 
-        return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device)
+        return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device,
+                           weight_receiver=weight_receiver)  # fmt: skip
     if cfg.kind == "sim":
         from fully_async.engines.sim import SimServers
 

@@ -140,11 +140,13 @@ class EngineServers(abc.ABC):
         addresses: list[str] | None = None,
         hosts: list[Any] | None = None,
         device: str | None = None,
+        weight_receiver: bool = False,
     ):
         """addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
-        fully_async.host.device; None = this machine's)."""
+        fully_async.host.device; None = this machine's). weight_receiver: start the servers with the collective
+        transport's receiver (async_training.weight_transport=collective)."""
         from fully_async.host import device as run_device
 
         self.cfg = cfg
@@ -157,6 +159,12 @@ class EngineServers(abc.ABC):
         self.node_dirs: dict[str, Path] = {}
         """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
         transport, fully_async/weights/disk.py)."""
+        self.weight_receiver = weight_receiver
+        self.epoch = 0
+        """Bumped whenever a server is restarted: a weight group formed at an older epoch must be re-formed."""
+        self.stale: set[int] = set()
+        """Servers restarted on weights older than the current version (the collective transport's weights exist
+        nowhere on disk): kept out of rotation by the client until the next sync sends them the current version."""
         self.hosts = hosts
         self.host_factory: Any = None
         """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
@@ -214,6 +222,15 @@ class EngineServers(abc.ABC):
 
     @abc.abstractmethod
     def reset_prefix_cache_call(self) -> HttpCall: ...
+
+    def rpc_call(self, method: str, spec: str) -> HttpCall:
+        """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
+        raise NotImplementedError(f"{self.kind} servers have no weight receiver")
+
+    @property
+    def workers_per_server(self) -> int:
+        """Worker processes per server (tensor-parallel ranks; one on CPU)."""
+        return self.cfg.tensor_parallel_size if self.device == "cuda" else 1
 
     # ---- lifecycle -------------------------------------------------------------------------------------------------
     @property
@@ -311,6 +328,9 @@ class EngineServers(abc.ABC):
         """Start server `index` again and wait until healthy (weights not loaded yet). A server whose engine host is
         gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
         proc = self.procs[index]
+        self.epoch += 1  # its workers are new processes: any weight group it was in is gone
+        if self.weights_dir is None and self.state.version > 0:
+            self.stale.add(index)  # it comes back on its start-up weights; the next sync brings it up to date
         if self.replaceable(index) and not proc.host_alive():
             self._replace(index)
             return
@@ -378,7 +398,8 @@ class EngineServers(abc.ABC):
                 urls = [p.url for p in started]
                 if urls:
                     if self.weights_dir is not None:
-                        await self._reload_procs(self.weights_dir, self.node_dirs, started)
+                        nodes = [_node_of(p)["node_id"] if self.node_dirs else None for p in started]
+                        await self._reload_procs(self.weights_dir, self.node_dirs, started, nodes)
                     await self._call_all("set version", self.set_version_call(self.state.version), urls)
                     if self.state.paused:  # joined during a sync: paused like the others until its resume
                         await self._call_all("pause", self.pause_call("abort"), urls)
@@ -386,6 +407,12 @@ class EngineServers(abc.ABC):
                     joined.append(len(self.procs))
                     self.procs.append(proc)
                     self.pool_events.append(("join", joined[-1], proc.url, None))
+                    if self.weights_dir is None and self.state.version > 0:
+                        # The current weights are in no directory (collective transport): it serves from the next
+                        # sync on, which re-forms the weight group with it (the epoch says the members changed).
+                        self.stale.add(joined[-1])
+                if started:
+                    self.epoch += 1
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise EngineError(
@@ -401,6 +428,8 @@ class EngineServers(abc.ABC):
         url = self.procs[index].url
         async with self.membership:
             self.retired.add(index)
+            self.stale.discard(index)
+            self.epoch += 1  # a weight group that spans it must be re-formed without it
         try:
             await self._call_all("pause", self.pause_call("abort"), [url])
         except EngineError as e:  # a dead server has nothing to abort
@@ -426,12 +455,15 @@ class EngineServers(abc.ABC):
 
     async def _reload(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
         """Reload servers `indices`, each from its node's copy in `node_dirs` when it has one, else `weights_dir`."""
-        await self._reload_procs(weights_dir, node_dirs, [self.procs[i] for i in indices])
+        nodes = [self.node_of(i)["node_id"] if node_dirs else None for i in indices]
+        await self._reload_procs(weights_dir, node_dirs, [self.procs[i] for i in indices], nodes)
 
-    async def _reload_procs(self, weights_dir: Path, node_dirs: dict[str, Path], procs: list[Any]) -> None:
+    async def _reload_procs(
+        self, weights_dir: Path, node_dirs: dict[str, Path], procs: list[Any], nodes: list[str | None]
+    ) -> None:
+        """`_reload` for server processes (not yet in the pool, for a join) on the given nodes."""
         by_dir: dict[Path, list[str]] = {}
-        for proc in procs:
-            node = _node_of(proc)["node_id"] if node_dirs else None
+        for proc, node in zip(procs, nodes):
             by_dir.setdefault(node_dirs.get(node, weights_dir), []).append(proc.url)
         results = await asyncio.gather(
             *(self._call_all("reload weights", self.reload_weights_call(d), urls) for d, urls in by_dir.items()),
@@ -490,6 +522,31 @@ class EngineServers(abc.ABC):
                 logger.warning("prefix cache not reset after a weight reload: %s", e)
             await self._set_version(version)
 
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server received `version` through a weight group formed at `epoch` (collective transport): reset
+        prefix caches and set the version, without a reload. Servers restarted since (a newer epoch) stay stale."""
+        self.weights_dir = None  # the latest weights are in no directory: a restart must wait for the next sync
+        try:
+            await self.reset_prefix_cache()
+        except EngineError as e:
+            logger.warning("prefix cache not reset after a weight sync: %s", e)
+        await self.set_version(version)
+        if epoch == self.epoch:
+            self.stale.clear()
+
+    def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (all but
+        `down`), each with its index, URL and worker count."""
+        servers = [{"index": i, "url": p.url, "workers": self.workers_per_server}
+                   for i, p in enumerate(self.procs) if i not in down and i not in self.retired]  # fmt: skip
+        return {"epoch": self.epoch, "servers": servers}
+
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """`method(spec)` on every worker of server `index`; the workers' answers."""
+        url = self.procs[index].url
+        (body,) = await self._call_all(method, self.rpc_call(method, spec), [url], timeout_s=timeout_s)
+        return (body or {}).get("results", body)
+
     async def set_version(self, version: int) -> None:
         async with self.membership:
             await self._set_version(version)
@@ -506,12 +563,15 @@ class EngineServers(abc.ABC):
         (body,) = await self._call_all("is paused", call, [url])
         return bool(read(body))
 
-    async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
-        """Run `call` on every server at once; EngineError naming each failed server (and its log) otherwise."""
+    async def _call_all(
+        self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run `call` on every server at once (each within `timeout_s`, default engine.control_timeout_s); EngineError
+        naming each failed server (and its log) otherwise."""
         urls = [self.procs[i].url for i in self.live] if urls is None else urls
         from fully_async.engines.auth import auth_headers
 
-        timeout = aiohttp.ClientTimeout(total=self.cfg.control_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.control_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
             results = await asyncio.gather(
                 *(self._call_one(session, url, call) for url in urls), return_exceptions=True

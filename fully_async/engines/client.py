@@ -138,7 +138,8 @@ class EngineClient:
         if len(self.outstanding) != len(self.servers.procs):
             self._grow()
         n = len(self.outstanding)
-        if exclude is None and not self.down and not self.retired:
+        stale = self.servers.stale
+        if exclude is None and not self.down and not self.retired and not stale:
             # The common case in O(n) C-level scans: at hundreds of servers the general path below costs more than
             # the rest of a request. The first least-loaded server at or after _next, as the general path picks.
             least = min(self.outstanding)
@@ -151,10 +152,14 @@ class EngineClient:
         order = [i for i in ((self._next + k) % n for k in range(n)) if i not in self.retired]
         if not order:
             raise EngineError("no engine server left in the pool (all were removed)")
-        for avoid in ({exclude} | self.down, self.down, set()):
+        # A stale server (restarted on old weights, waiting for the next sync) is never picked: its tokens would be
+        # labelled with a version it does not hold.
+        for avoid in ({exclude} | self.down | stale, self.down | stale, stale):
             candidates = [i for i in order if i not in avoid]
             if candidates:
                 break
+        else:
+            raise EngineError("every engine server is waiting for the next weight sync (restarted on old weights)")
         best = min(candidates, key=lambda i: self.outstanding[i])
         self._next = (best + 1) % n
         return best

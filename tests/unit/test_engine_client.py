@@ -45,6 +45,20 @@ def test_pick_prefers_least_outstanding_and_skips_down_servers():
     assert client.pick() in {0, 1, 2}  # all down: still answers (the send then fails and is counted)
 
 
+def test_pick_never_sends_to_a_stale_server_even_as_the_last_resort():
+    """A server restarted on old weights (collective transport) waits for the next sync out of rotation."""
+    client = make(["http://a", "http://b", "http://c"])
+    client.outstanding[:] = [3, 1, 2]
+    client.servers.stale.add(1)
+    assert client.pick() == 2
+    assert {client.pick(exclude=2) for _ in range(3)} == {0}
+    client.down.update({0, 2})
+    assert client.pick() in {0, 2}  # down ones before a stale one
+    client.servers.stale.update({0, 2})
+    with pytest.raises(EngineError, match="every engine server is waiting for the next weight sync"):
+        client.pick()
+
+
 def test_pick_rotates_between_ties():
     client = make(["http://a", "http://b", "http://c"])
     assert [client.pick() for _ in range(6)] == [0, 1, 2, 0, 1, 2]

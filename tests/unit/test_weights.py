@@ -38,8 +38,8 @@ def test_disk_and_auto_build_the_disk_transport(kind, backend, tmp_path):
     assert isinstance(transport, DiskTransport) and transport.dtype == "bfloat16"
 
 
-def test_collective_is_refused_until_it_is_built(backend, tmp_path):
-    with pytest.raises(ConfigError, match="weight_transport=collective is not built yet"):
+def test_collective_needs_a_backend_that_can_send_and_unknown_kinds_are_refused(backend, tmp_path):
+    with pytest.raises(ConfigError, match="SimBackend training backend cannot send weights collectively"):
         build_transport("collective", None, backend, tmp_path, "float32")
     with pytest.raises(ConfigError, match="one of \\['disk', 'collective', 'auto'\\], got 'nfs'"):
         build_transport("nfs", None, backend, tmp_path, "float32")

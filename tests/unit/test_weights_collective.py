@@ -1,0 +1,300 @@
+"""The collective weight transport without an engine server: bucket layout, packing with overlap, the engine-side
+plan check, and a whole sync over a real gloo group whose receivers are the vLLM worker extension's own methods
+running in threads of this process (a stand-in model runner records what would be loaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fully_async.engines.vllm import EXTENSION_DIR
+from fully_async.handles import LocalActor
+from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.weights.collective import (
+    CollectiveSender,
+    CollectiveTransport,
+    TransportError,
+    layout_buckets,
+    make_plan,
+    pack_and_send,
+)
+
+
+def _receiver_module():
+    spec = importlib.util.spec_from_file_location("fa_weight_receiver", EXTENSION_DIR / "fa_weight_receiver.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+receiver = _receiver_module()
+
+
+def test_layout_keeps_plan_order_fills_buckets_up_to_the_limit_and_gives_a_big_tensor_its_own():
+    plan = make_plan([("a", (2, 3)), ("b", (4,)), ("big", (10, 10)), ("c", (1,))])
+    buckets = layout_buckets(plan, "float32", bucket_bytes=40)  # 10 float32 elements per bucket
+    assert [[t[0] for t in b["tensors"]] for b in buckets] == [["a", "b"], ["big"], ["c"]]
+    assert buckets[0]["tensors"] == [["a", [2, 3], 0, 6], ["b", [4], 6, 4]]
+    assert [b["numel"] for b in buckets] == [10, 100, 1]
+    assert len(layout_buckets(plan, "bfloat16", bucket_bytes=40)[0]["tensors"]) == 2  # 20 bf16: a, b (big is 100)
+    with pytest.raises(TransportError, match="engine dtype 'int8' cannot be sent"):
+        layout_buckets(plan, "int8", 40)
+
+
+class _Work:
+    def __init__(self, log, k):
+        self.log, self.k = log, k
+
+    def wait(self):
+        self.log.append(("wait", self.k))
+
+
+def test_packing_casts_into_flat_buckets_and_packs_the_next_bucket_while_the_previous_is_on_the_wire():
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4), "c": torch.full((3,), 2.5)}
+    buckets = layout_buckets(make_plan((k, v.shape) for k, v in tensors.items()), "bfloat16", bucket_bytes=20)
+    log, sent = [], []
+
+    def broadcast(flat):
+        sent.append(flat.clone())
+        log.append(("send", len(sent) - 1))
+        return _Work(log, len(sent) - 1)
+
+    stats = pack_and_send(iter(tensors.items()), buckets, "bfloat16", "cpu", broadcast)
+    assert [len(b["tensors"]) for b in buckets] == [2, 1]
+    assert all(s.dtype == torch.bfloat16 for s in sent)
+    assert torch.equal(sent[0], torch.cat([tensors["a"].reshape(-1), tensors["b"]]).bfloat16())
+    assert torch.equal(sent[1], tensors["c"].bfloat16())
+    # bucket 1 went out before bucket 0 was waited for (two buffers alternate): packing overlaps the wire
+    assert log == [("send", 0), ("send", 1), ("wait", 0), ("wait", 1)]
+    assert stats["bytes"] == (10 + 3) * 2
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"a": torch.ones(2), "x": torch.ones(3)}, "yielded tensor 'x' where the plan has 'b'"),
+        ({"a": torch.ones(2), "b": torch.ones(4)}, r"tensor 'b' has shape \[4\], the plan has \[3\]"),
+        ({"a": torch.ones(2), "b": torch.ones(3, dtype=torch.int64)}, "tensor 'b' is torch.int64"),
+        ({"a": torch.ones(2)}, "ran out of tensors before 'b'"),
+        ({"a": torch.ones(2), "b": torch.ones(3), "z": torch.ones(1)}, "more tensors than the plan"),
+    ],
+)
+def test_packing_refuses_a_sender_that_departs_from_the_plan_naming_the_tensor(tensors, message):
+    buckets = layout_buckets([["a", [2]], ["b", [3]]], "float32", bucket_bytes=8)
+    works = []
+
+    def broadcast(flat):
+        works.append(_Work([], len(works)))
+        return works[-1]
+
+    with pytest.raises(TransportError, match=message):
+        pack_and_send(iter(tensors.items()), buckets, "float32", "cpu", broadcast)
+
+
+def test_engine_side_plan_check_names_missing_and_misshapen_tensors():
+    headers = {"w": [4, 2], "v": [3]}
+    assert receiver.check_plan([["w", [4, 2]], ["v", [3]]], headers) == []
+    assert receiver.check_plan([["w", [4, 3]], ["u", [3]]], headers) == [
+        "tensor 'w' has shape [4, 3], the engine's checkpoint has [4, 2]",
+        "tensor 'u' is not in the engine's checkpoint",
+    ]
+
+
+# ---- a whole sync over a real gloo group, receivers in threads ----------------------------------------------------
+class _ModelConfig:
+    def __init__(self, model):
+        self.model = str(model)
+
+
+class _Runner:
+    """Stands in for vLLM's model runner: keeps what reload_weights was given."""
+
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] | None = None
+
+    def reload_weights(self, weights_iterator):
+        self.loaded = {name: t.clone() for name, t in weights_iterator}
+
+
+class _Worker(receiver.WeightReceiver):
+    def __init__(self, model_dir):
+        self.model_config, self.model_runner = _ModelConfig(model_dir), _Runner()
+
+
+class _ThreadEngines:
+    """The Rollouter's weight-sync calls, each server one extension worker in a thread of this process."""
+
+    def __init__(self, workers):
+        self.workers, self.epoch, self.version, self.received = workers, 0, 0, []
+
+    def engine_layout(self):
+        servers = [{"index": i, "url": f"http://127.0.0.1:{9000 + i}", "workers": 1} for i in range(len(self.workers))]
+        return {"epoch": self.epoch, "servers": servers}
+
+    async def engine_rpc(self, index, method, spec, timeout_s):
+        return [await asyncio.to_thread(getattr(self.workers[index], method), spec)]
+
+    async def weights_received(self, version, epoch):
+        self.version = version
+        self.received.append((version, epoch))
+
+    async def pause(self):
+        pass
+
+    async def resume(self):
+        pass
+
+
+class _Backend:
+    def __init__(self, state):
+        self.state = state
+
+    def weight_sender(self):
+        return CollectiveSender(lambda: iter(self.state.items()))
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    state = {"model.embed.weight": torch.randn(16, 8), "model.norm.weight": torch.randn(8),
+             "lm_head.weight": torch.randn(16, 8)}  # fmt: skip
+    save_file(state, str(tmp_path / "model.safetensors"))
+    return tmp_path, state
+
+
+def test_a_sync_over_gloo_delivers_every_tensor_to_every_worker_and_labels_the_version(checkpoint, tmp_path):
+    model_dir, state = checkpoint
+    new = {k: v + 1.0 for k, v in state.items()}
+    workers = [_Worker(model_dir), _Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, _Backend(new), tmp_path / "w", "bfloat16", bucket_mb=1e-4,
+                                    sync_timeout_s=20)  # fmt: skip
+    sync = ParamSync(handle, None, tmp_path / "w", "bfloat16", 20.0, transport=transport)
+    try:
+        timings = sync.sync(3)
+        for w in workers:
+            assert list(w.model_runner.loaded) == list(new)
+            for name, t in new.items():
+                assert torch.equal(w.model_runner.loaded[name], t.bfloat16())
+        assert engines.received == [(3, 0)] and engines.version == 3
+        assert {"timing_s/param_sync/connect", "timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(
+            timings
+        )
+        assert len(transport.last["engines"]) == 2 and transport.last["sender"]["bytes"] > 0
+        # a server restarted meanwhile (epoch bumped): the next sync re-forms the group first, then sends
+        engines.epoch = 1
+        workers[1].model_runner.loaded = None
+        sync.sync(4)
+        assert workers[1].model_runner.loaded is not None and engines.received[-1] == (4, 1)
+    finally:
+        sync.close(remove=False)
+        handle.close()
+
+
+def test_a_plan_that_does_not_fit_fails_before_any_byte_moves_naming_the_tensor(checkpoint, tmp_path):
+    model_dir, state = checkpoint
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.randn(9)
+    workers = [_Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=CollectiveTransport(
+        handle, _Backend(bad), tmp_path / "w", "float32", sync_timeout_s=20))  # fmt: skip
+    try:
+        with pytest.raises(ParamSyncError, match=r"'connect' failed.*tensor 'model.norm.weight' has shape \[9\]"):
+            sync.sync(1)
+        assert workers[0].model_runner.loaded is None and getattr(workers[0], "_fa", None) is None
+    finally:
+        sync.close(remove=False)
+        handle.close()
+
+
+def test_a_sender_that_dies_mid_send_fails_the_phase_and_no_worker_loads_anything(checkpoint, tmp_path):
+    model_dir, state = checkpoint
+
+    calls = []
+
+    def dying():  # the first pass (the plan) is whole; the send dies after one tensor
+        calls.append(1)
+        items = list(state.items())
+        yield from items[:1] if len(calls) > 1 else items
+        if len(calls) > 1:
+            raise RuntimeError("trainer rank died")
+
+    backend = _Backend(state)
+    workers = [_Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, backend, tmp_path / "w", "float32", bucket_mb=1e-4, sync_timeout_s=4)
+    transport.sender.named_tensors = dying
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 30.0, transport=transport)
+    try:
+        with pytest.raises(ParamSyncError, match=r"'send' failed.*trainer rank died.*http://127.0.0.1:9000"):
+            sync.sync(1)
+        assert workers[0].model_runner.loaded is None and engines.version == 0
+    finally:
+        sync.close(remove=False)
+        handle.close()
+    assert not [t for t in threading.enumerate() if t.name == "weight-sender"]
+
+
+def test_when_the_watchdog_fires_first_its_message_names_the_servers_still_receiving(checkpoint, tmp_path):
+    model_dir, state = checkpoint
+    calls = []
+
+    def stalling():  # the plan pass is whole; the send stalls before its first tensor
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(4)
+        yield from state.items()
+
+    workers = [_Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, _Backend(state), tmp_path / "w", "float32", sync_timeout_s=6)
+    transport.sender.named_tensors = stalling
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 1.0, transport=transport)
+    try:
+        with pytest.raises(ParamSyncError, match=r"'send' did not finish.*not answering: http://127.0.0.1:9000"):
+            sync.sync(1)
+    finally:
+        sync.close(remove=False)
+        handle.close()
+
+
+def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
+    """The receiver's arguments are JSON strings (vLLM's collective_rpc passes only strings; no pickle)."""
+    model_dir, _ = checkpoint
+    w = _Worker(model_dir)
+    assert w.fa_check(json.dumps({"tensors": [["lm_head.weight", [16, 8]]]})) == {"tensors": 1}
+    with pytest.raises(ValueError, match="tensor 'lm_head.weight' has shape"):
+        w.fa_check(json.dumps({"tensors": [["lm_head.weight", [8, 16]]]}))
+
+
+def test_the_engine_gets_the_receiver_only_with_the_collective_transport_and_imports_it_alone(tmp_path):
+    import subprocess
+
+    from fully_async.config import EngineConfig
+    from fully_async.engines import build_engine
+    from fully_async.engines.vllm import REPO_ROOT
+
+    if not (REPO_ROOT / ".venv-engine/bin/python").exists():
+        pytest.skip("engine venv missing")
+    with_receiver = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True)
+    plain = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")
+    cmd, env = with_receiver.command(0, 8000), with_receiver.environment(0)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
+    assert env["PYTHONPATH"] == str(EXTENSION_DIR)
+    assert "--worker-extension-cls" not in plain.command(0, 8000) and plain.environment(0)["PYTHONPATH"] == ""
+    # the engine's interpreter finds the class on that path, with nothing of ours importable
+    probe = "import fa_weight_receiver as m, importlib.util as u; print(m.WeightReceiver.__name__, u.find_spec('fully_async'))"
+    out = subprocess.run([cmd[0], "-c", probe], env={"PYTHONPATH": env["PYTHONPATH"]}, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.stdout.split() == ["WeightReceiver", "None"], out.stderr[-2000:]
