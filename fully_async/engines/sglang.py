@@ -14,6 +14,7 @@ backends, and two import shims (sglang_cpu_shims/: torchvision, sgl_kernel) on t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -60,6 +61,11 @@ def kv_tokens(model_path: Path, gib: float) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 4
     return max(1024, int(gib * 2**30) // per_token)
+
+
+def _success(what: str):
+    """A `check` for SGLang control answers {"success": bool, "message": str}."""
+    return lambda body: None if (body or {}).get("success") else f"{what} refused: {(body or {}).get('message')}"
 
 
 def _sglang_finish(reason: Any) -> str:
@@ -206,20 +212,75 @@ class SGLangServers(EngineServers):
             "POST",
             "/update_weights_from_disk",
             json=body,
-            check=lambda b: None if (b or {}).get("success") else f"reload refused: {(b or {}).get('message')}",
+            check=_success("reload"),
         )
 
     def set_version_call(self, version: int) -> HttpCall:
         return HttpCall(
             "POST",
             "/update_weight_version",
-            json={"new_version": str(version)},
-            check=lambda b: None if (b or {}).get("success") else f"version refused: {(b or {}).get('message')}",
+            # SGLang's default aborts every running request; pause(keep) must keep them (and under abort they are gone).
+            json={"new_version": str(version), "abort_all_requests": False},
+            check=_success("version"),
         )
 
     def reset_prefix_cache_call(self) -> HttpCall:
         # 400 while requests are running or waiting (pause(keep)); the control plane then logs and goes on.
         return HttpCall("POST", "/flush_cache")
+
+    # ---- NCCL weight path (GPU only: SGLang's weight-update groups are NCCL) -------------------------------------
+    def init_weights_group_call(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> HttpCall:
+        """Join the trainer's weight-update group: the server's ranks take rank_offset .. rank_offset + tp - 1."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": "nccl",
+        }
+        return HttpCall("POST", "/init_weights_update_group", json=body, check=_success("joining the weight group"))
+
+    def update_weights_from_distributed_call(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
+    ) -> HttpCall:
+        """Receive one bucket of tensors broadcast by rank 0 of the group, in `names` order, labelled `version`."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        return HttpCall("POST", "/update_weights_from_distributed", json=body, check=_success("NCCL weight update"))
+
+    async def init_weights_group(self, master_address: str, master_port: int, group_name: str) -> None:
+        """Every server joins one group with the caller as rank 0 (world = 1 + servers x tp); the caller must join
+        the same group (torch.distributed, rank 0) at the same time."""
+        tp = self.cfg.tensor_parallel_size
+        world = 1 + len(self.procs) * tp
+        await asyncio.gather(
+            *(
+                self._call_all(
+                    "join weight group",
+                    self.init_weights_group_call(master_address, master_port, 1 + i * tp, world, group_name),
+                    [url],
+                )
+                for i, url in enumerate(self.addresses)
+            )
+        )
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
+    ) -> None:
+        """Every server receives the bucket the caller broadcasts meanwhile; the servers' version becomes `version`."""
+        await self._call_all(
+            "NCCL weight update", self.update_weights_from_distributed_call(names, dtypes, shapes, group_name, version)
+        )
+        self.state.version = version
 
     async def model_info(self) -> list[dict]:
         """Per server, /model_info: model_path (the weights loaded last), weight_version, model_type, ..."""
