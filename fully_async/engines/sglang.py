@@ -54,12 +54,16 @@ def _parse_version(label: Any) -> int | None:
         return None  # "default" before the first /update_weight_version, or a foreign label
 
 
-def kv_tokens(model_path: Path, gib: float) -> int:
-    """Tokens of KV cache that fit in `gib` GiB for the model's float32 K and V (engine.kv_cache_gib on CPU)."""
-    cfg = json.loads((model_path / "config.json").read_text())
+def kv_tokens(model_path: Path, gib: float, dtype: str = "float32") -> int:
+    """Tokens of KV cache that fit in `gib` GiB for the model's K and V in `dtype` (engine.kv_cache_gib on CPU)."""
+    try:
+        cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError) as e:  # a model directory this process cannot read (another node's path)
+        logger.warning("no config.json in %s (%s): SGLang's KV cache capped at 65536 tokens", model_path, e)
+        return 65536
     heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 4
+    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
     return max(1024, int(gib * 2**30) // per_token)
 
 
@@ -119,7 +123,7 @@ class SGLangServers(EngineServers):
                 "pytorch",
                 "--disable-overlap-schedule",
                 "--max-total-tokens",
-                str(kv_tokens(self.model_path, cfg.kv_cache_gib)),
+                str(kv_tokens(self.model_path, cfg.kv_cache_gib, dtype)),
                 "--mem-fraction-static",
                 "0.1",
                 # Without it the idle scheduler spins a core at 100 %, which the trainer beside it would lose.

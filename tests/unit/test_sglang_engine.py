@@ -62,9 +62,11 @@ def test_gpu_command_has_tp_and_memory_fraction_and_no_cpu_shims(model, tmp_path
     assert "SGLANG_USE_CPU_ENGINE" not in env and env["PYTHONPATH"] == ""
 
 
-def test_kv_tokens_from_the_models_kv_size(model):
+def test_kv_tokens_from_the_models_kv_size(model, tmp_path):
     # default tiny model: 2 layers x 2 kv heads x 32 head dim x (K and V) x 4 bytes = 1 KiB per token
     assert kv_tokens(model, 1) == 2**30 // (2 * 2 * 2 * 32 * 4)
+    assert kv_tokens(model, 1, "bfloat16") == 2 * kv_tokens(model, 1)
+    assert kv_tokens(tmp_path / "elsewhere", 1) == 65536  # a path only another node can read
 
 
 def test_missing_venv_is_a_config_error_naming_the_setup_command(model, tmp_path, monkeypatch):
