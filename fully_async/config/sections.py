@@ -202,8 +202,9 @@ class SimEngineConfig:
 
 @dataclass
 class EngineConfig:
-    kind: Literal["vllm", "sim"] = "vllm"
-    """Inference engine adapter; sim = emulated engines in the rollouter's process (engine.sim)."""
+    kind: Literal["vllm", "sglang", "sim"] = "vllm"
+    """Inference engine adapter: vllm, sglang (docs/engines.md), or sim = emulated engines in the rollouter's process
+    (engine.sim)."""
     num_servers: int = 1
     """Engine server processes (one model replica each), each placed by Ray on a node with its GPUs."""
     min_servers: int = 1
@@ -215,7 +216,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
     python: str | None = field(default=None, metadata=PATH)
-    """Interpreter of the engine environment; null = .venv-engine/bin/python at the repository root."""
+    """Interpreter of the engine environment; null = .venv-engine/bin/python (vllm) or .venv-sglang/bin/python
+    (sglang) at the repository root."""
     host: str = "auto"
     """Address the engine servers listen on; auto = 127.0.0.1 on the Rollouter's node, the node's IP elsewhere (then
     behind an auth proxy that requires the run's token)."""
@@ -224,7 +226,7 @@ class EngineConfig:
     max_model_len: int = 512
     """Longest prompt + response the engine accepts."""
     kv_cache_gib: float = 1.0
-    """KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    """KV cache size in whole GiB on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE; SGLang's --max-total-tokens from it)."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory the engine may take (GPU only)."""
     enforce_eager: bool = True

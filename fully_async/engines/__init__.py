@@ -36,8 +36,12 @@ def build_engine(
 
         return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device,
                            weight_receiver=weight_receiver)  # fmt: skip
+    if cfg.kind == "sglang":
+        from fully_async.engines.sglang import SGLangServers
+
+        return SGLangServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device)
     if cfg.kind == "sim":
         from fully_async.engines.sim import SimServers
 
         return SimServers(cfg, model_path, run_dir, addresses=addresses, device=device)
-    raise ConfigError(f"engine.kind must be one of ['vllm', 'sim'], got {cfg.kind!r}")
+    raise ConfigError(f"engine.kind must be one of ['vllm', 'sglang', 'sim'], got {cfg.kind!r}")

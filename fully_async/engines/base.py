@@ -594,7 +594,10 @@ class EngineServers(abc.ABC):
             raise EngineError(f"no answer to {call.method} {call.path} within the control timeout") from e
         except aiohttp.ClientError as e:
             raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
-        body = json.loads(text) if text.strip() else None
+        try:
+            body = json.loads(text) if text.strip() else None
+        except ValueError:
+            body = text  # a plain-text answer (SGLang's /flush_cache); `check` may read it
         if call.check is not None and (err := call.check(body)):
             raise EngineError(err)
         return body

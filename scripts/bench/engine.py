@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 3): client overhead and weight-sync time on real vLLM servers.
+"""Engine benchmark (issues 3, 17): client overhead and weight-sync time on real servers of each --engine kind.
 
 1. Tokens/s for 1, 32 and 128 concurrent requests through EngineClient versus a bare aiohttp loop posting the same
    request bodies to the same server (ratio = client / direct; target >= 0.95). Rounds alternate the two so that
@@ -6,8 +6,9 @@
 2. pause -> load_weights -> resume time versus model size, next to writing the same weights as safetensors to
    /dev/shm (target: sync within 2x of the raw write). Medians over --sync-rounds.
 
-    .venv/bin/python scripts/bench/engine.py            # prints markdown tables
+    .venv/bin/python scripts/bench/engine.py            # prints markdown tables (vLLM)
     .venv/bin/python scripts/bench/engine.py --skip-sync --rounds 3
+    .venv/bin/python scripts/bench/engine.py --engine vllm,sglang --sizes tiny,medium   # SGLang next to vLLM
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ async def _direct(servers, session, prompts, tokens) -> None:
         path, body = servers.generate_request(p, tokens, SAMPLING)
         async with session.post(url + path, json=body) as resp:
             out = json.loads(await resp.text())
-        assert len(out["choices"][0]["token_ids"]) == tokens
+        ids = out["output_ids"] if servers.kind == "sglang" else out["choices"][0]["token_ids"]
+        assert len(ids) == tokens
 
     await asyncio.gather(*(one(p) for p in prompts))
 
@@ -120,44 +122,55 @@ def main() -> None:
     ap.add_argument("--sync-rounds", type=int, default=5)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-sync", action="store_true")
+    ap.add_argument("--engine", default="vllm", help="comma-separated engine kinds, measured one after the other")
     args = ap.parse_args()
-    cfg = EngineConfig(num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=600)
+    kinds = args.engine.split(",")
     run_dir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
 
-    if not args.skip_throughput:
-        model = build_tiny_model(TinyModelConfig(**SIZES["tiny"]))
+    def started(kind: str, model: Path):
+        cfg = EngineConfig(kind=kind, num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=600)
         servers = build_engine(cfg, model, run_dir)
+        t = time.perf_counter()
         servers.start()
-        try:
-            rows = asyncio.run(throughput(servers, args.rounds, args.tokens))
-        finally:
-            servers.stop()
+        print(f"[bench] {kind} server on {model.name} healthy after {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        return servers
+
+    if not args.skip_throughput:
+        rows = []
+        model = build_tiny_model(TinyModelConfig(**SIZES["tiny"]))
+        for kind in kinds:
+            servers = started(kind, model)
+            try:
+                rows += [(kind, *row) for row in asyncio.run(throughput(servers, args.rounds, args.tokens))]
+            finally:
+                servers.stop()
         print(f"\nThroughput, tiny model, {args.tokens} tokens per request, median of {args.rounds} rounds\n")
-        print("| concurrent | direct HTTP tok/s | EngineClient tok/s | client / direct |")
-        print("| --- | --- | --- | --- |")
-        for conc, d, c, ratio in rows:
-            print(f"| {conc} | {d:,.0f} | {c:,.0f} | {ratio:.3f} |")
+        print("| engine | concurrent | direct HTTP tok/s | EngineClient tok/s | client / direct |")
+        print("| --- | --- | --- | --- | --- |")
+        for kind, conc, d, c, ratio in rows:
+            print(f"| {kind} | {conc} | {d:,.0f} | {c:,.0f} | {ratio:.3f} |")
 
     if not args.skip_sync:
         rows = []
         for name in args.sizes.split(","):
             model = build_tiny_model(TinyModelConfig(**SIZES[name]))
             write_s, params = shm_write_time(model, args.sync_rounds)
-            servers = build_engine(cfg, model, run_dir)
-            servers.start()
-            try:
-                t = asyncio.run(sync_times(servers, model, args.sync_rounds))
-            finally:
-                servers.stop()
-            rows.append((name, params, t, write_s))
+            for kind in kinds:
+                servers = started(kind, model)
+                try:
+                    t = asyncio.run(sync_times(servers, model, args.sync_rounds))
+                finally:
+                    servers.stop()
+                rows.append((kind, name, params, t, write_s))
         print(f"\nWeight sync (pause -> reload -> resume), median of {args.sync_rounds}\n")
         print(
-            "| model | params | pause ms | reload ms | resume ms | sync total ms | /dev/shm write ms | sync / write |"
+            "| engine | model | params | pause ms | reload ms | resume ms | sync total ms | /dev/shm write ms "
+            "| sync / write |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for name, params, t, w in rows:
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for kind, name, params, t, w in rows:
             print(
-                f"| {name} | {params / 1e6:.1f} M | {t['pause'] * 1e3:.1f} | {t['reload'] * 1e3:.1f} | "
+                f"| {kind} | {name} | {params / 1e6:.1f} M | {t['pause'] * 1e3:.1f} | {t['reload'] * 1e3:.1f} | "
                 f"{t['resume'] * 1e3:.1f} | {t['total'] * 1e3:.1f} | {w * 1e3:.1f} | {t['total'] / w:.2f} |"
             )
 

@@ -1,5 +1,6 @@
-"""The real job end to end: `python -m fully_async.runner` in a subprocess with local Ray, a vLLM-CPU engine, verl's
-FSDP2 engine at world size 1, the tiny model and the synthetic task. Short runs; every check reads the run's files."""
+"""The real job end to end: `python -m fully_async.runner` in a subprocess with local Ray, a vLLM-CPU engine (one run
+with SGLang), verl's FSDP2 engine at world size 1, the tiny model and the synthetic task. Short runs; every check reads
+the run's files."""
 
 from __future__ import annotations
 
@@ -160,6 +161,26 @@ def test_sigkill_then_resume_trains_every_prompt_exactly_once(tmp_path):
     per_prompt = Counter(t["prompt_uid"] for t in trajs if t["epoch"] == 0)
     assert sorted(per_prompt) == sorted(f"0:{i}" for i in range(prompts)), "a prompt of the epoch was lost"
     assert set(per_prompt.values()) == {n}
+
+
+@pytest.mark.skipif(
+    not (REPO / ".venv-sglang/bin/python").exists(),
+    reason="SGLang venv .venv-sglang missing: bash scripts/setup_engine_env.sh --sglang",
+)
+def test_sglang_engine_run_respects_the_bound_and_trains_each_sample_once(tmp_path):
+    """engine=sglang through the same job: weight syncs reload the SGLang server from disk between pause(abort) and
+    continue, its per-token versions feed the staleness bound, and every sample is trained exactly once."""
+    proc = run(tmp_path, "engine=sglang", "trainer.total_steps=4", "async_training.max_staleness=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 5))
+    trajs = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert len(trajs) == 4 * 2 * 2
+    assert all(t["trained_version"] - t["min_version"] <= 1 for t in trajs)
+    assert all(t["max_version"] <= t["trained_version"] for t in trajs)
+    assert max(Counter((t["epoch"], t["prompt_uid"], t["sample_index"]) for t in trajs).values()) == 1
+    assert max(t["max_version"] for t in trajs) >= 2, "no sample was generated on synced weights"
+    assert (tmp_path / "engines" / "sglang-0.log").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """EngineClient logic against fake engines at the HTTP edge: balancing, budget arithmetic across aborts, per-token
-versions, retries and error messages. The real vLLM server is exercised in tests/integration/test_vllm_engine.py."""
+versions, retries and error messages. The real vLLM server is exercised in tests/integration/test_engine_servers.py (vLLM and SGLang)."""
 
 from __future__ import annotations
 
