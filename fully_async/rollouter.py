@@ -423,13 +423,17 @@ class Rollouter:
         self.ledger.on_sync(version)
 
     def engine_nodes(self) -> list[dict[str, Any]]:
-        """Per engine server: {"node_id", "node_ip", "host"} (its engine host's node and handle; a server that is a
-        child of this actor has this actor's node and no host). The disk transport copies weights by it."""
+        """Per engine server in the pool and not down: {"node_id", "node_ip", "host"} (its engine host's node and
+        handle; a server that is a child of this actor has this actor's node and no host). The disk transport copies
+        weights by it."""
         import ray
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         out = []
+        down = self.client.down if getattr(self, "client", None) is not None else set()
         for i in self.servers.live:
+            if i in down:  # dead or being replaced (its node may be gone): the next sync after it is back copies
+                continue
             server = self.servers.node_of(i)
             out.append(server if server["node_id"] is not None else {**server, "node_id": here})
         return out

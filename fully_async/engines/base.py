@@ -445,7 +445,18 @@ class EngineServers(abc.ABC):
     async def _after_start(self, indices) -> None:
         urls = [self.procs[i].url for i in indices]
         if self.weights_dir is not None:
-            await self._reload(self.weights_dir, self.node_dirs, list(indices))
+            try:
+                await self._reload(self.weights_dir, self.node_dirs, list(indices))
+            except EngineError as e:
+                # Multi-node disk weights: a server replaced onto a node that has no copy yet cannot read the
+                # trainer's directory. It waits out of rotation (stale) for the next sync, which copies to its node.
+                uncopied = [i for i in indices if self.node_dirs and self.node_of(i)["node_id"] not in self.node_dirs]
+                if not uncopied:
+                    raise
+                logger.warning("servers %s have no copy of the weights on their node yet (%s); they serve from the "
+                               "next sync on", [self.procs[i].url for i in uncopied], e)  # fmt: skip
+                self.stale.update(uncopied)
+                self.epoch += 1
         await self._call_all("set version", self.set_version_call(self.state.version), urls)
 
     def node_of(self, index: int) -> dict[str, Any]:
@@ -515,6 +526,7 @@ class EngineServers(abc.ABC):
         async with self.membership:
             await self._reload(weights_dir, routed, self.live)
             self.weights_dir, self.node_dirs = weights_dir, routed
+            self.stale.clear()  # every server in the pool, stale ones included, holds this version now
             try:
                 # KV blocks cached under the old weights must not serve continued prompts.
                 await self.reset_prefix_cache()

@@ -124,8 +124,11 @@ class SGLangServers(EngineServers):
                 "--disable-overlap-schedule",
                 "--max-total-tokens",
                 str(kv_tokens(self.model_path, cfg.kv_cache_gib, dtype)),
+                # On CPU SGLang sizes the KV pool from free system memory: budget = free now - (1 - fraction) x
+                # free before loading. With 0.1 a start failed when other processes took >10 % of the free memory
+                # meanwhile ("Loaded weights leave no GPU memory for the KV cache"); --max-total-tokens caps it.
                 "--mem-fraction-static",
-                "0.1",
+                "0.9",
                 # Without it the idle scheduler spins a core at 100 %, which the trainer beside it would lose.
                 "--sleep-on-idle",
             ]

@@ -188,6 +188,12 @@ class DiskTransport(WeightTransport):
             node = pending.pop(ready[0])
             try:
                 done[node] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                # The writing host died (its node lost): that node's servers are down and get replaced; a server
+                # that comes back without a copy on its node waits for the next sync (EngineServers._after_start).
+                log.warning("weights v%d: node %s lost during the copy (%s); the sync goes on without it", version,
+                            _node_label(plan[node]), type(e).__name__)  # fmt: skip
+                self.writers.pop(node, None)
             except ray.exceptions.RayError as e:
                 raise RuntimeError(
                     f"copying weights v{version} to node {_node_label(plan[node])} failed: {type(e).__name__}: {e}"

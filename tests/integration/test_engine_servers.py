@@ -28,7 +28,7 @@ from fully_async.engines.process import ServerProcess
 from fully_async.engines.vllm import REPO_ROOT
 from fully_async.models import build_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KINDS = [
     pytest.param(
@@ -53,7 +53,7 @@ KINDS = [
 TINY = TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, init_std=0.1)
 LONG = 256
 """Response tokens of the requests that get paused or killed mid-flight (~4 s each here)."""
-CFG = EngineConfig(num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=240, control_timeout_s=30)
+CFG = EngineConfig(num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=480, control_timeout_s=30)
 """vLLM's; `_cfg(kind)` gives each kind's."""
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 PROMPTS = [list(b"12+34="), list(b"hello world"), list(b"7*8 is"), list(b"<a>")]
