@@ -473,7 +473,7 @@ class TrainerConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False
-    """DAPO dynamic sampling: a group whose rewards are all equal (zero group advantage) is not trained; it frees its staleness slot, is counted (fully_async/count/filtered_groups) and logged in trajectories.jsonl with filtered=true, and the trainer still gets async_training.groups_per_step useful groups per step."""
+    """DAPO dynamic sampling: a group whose rewards are all equal (zero group advantage) is not trained; it frees its staleness slot, is counted (fully_async/count/filtered_groups) and logged in trajectories.jsonl with filtered=true, and the trainer still gets async_training.groups_per_step useful groups per step. The entropy bonus and KL loss then no longer act on those prompts (docs/benchmarks.md, issue 19)."""
     metric: str = "reward"
     """What must vary within a group: reward, or a numeric key of the reward function's returned dict (e.g. acc)."""
     reissue: bool = False
