@@ -12,6 +12,7 @@ algorithm.filter_groups does it: batches of 8 groups are sampled until 8 groups 
 and the line also reports the filtered share, seconds per run, and the reward of every sampled group per second.
 
     .venv/bin/python scripts/bench/copy_task.py --seeds 16 --format-credit 0.1 0.0 --repeats 1 5 --init-std 0.02 0.1
+    .venv/bin/python scripts/bench/copy_task.py --task guess --seeds 4 --steps 300 --init-std 0.1   # two turns
 
 prints one line per variant: mean last-20 reward, runs with stuck prompts, stuck prompts in all, steps to a 20-step
 mean of 0.8. The e2e numbers of docs/benchmarks.md (issue 4) need the real pipeline; this only ranks variants.
@@ -147,11 +148,86 @@ def run(
     }
 
 
+def _last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
+    """Next-token logits after each sequence, batched by length (a first guess that was the end-of-turn token makes
+    its sequence one token shorter: the template's boundary then omits it)."""
+    out = [None] * len(seqs)
+    by_len: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        by_len.setdefault(len(q), []).append(i)
+    for rows in by_len.values():
+        logits = model(torch.tensor([seqs[i] for i in rows])).logits[:, -1]
+        for i, row in zip(rows, logits):
+            out[i] = row
+    return torch.stack(out)
+
+
+def run_guess(seed: int, steps: int, init_std: float, models: str) -> dict:
+    """The two-turn `guess` task (fully_async/agents/guess.py) in process: a first one-token guess; when it is wrong,
+    the environment's answer ('no, it is 77777') and the template's turn boundaries are appended exactly as
+    ToolAgentLoop inserts them (agents/tokens.py:ChatDelta) and a second guess is sampled; reward 1 when a guess is
+    the digit. GRPO over the 8 samples of each digit, both turns' tokens weighted by the sample's advantage."""
+    from fully_async.agents.guess import answer
+    from fully_async.agents.tokens import ChatDelta
+    from fully_async.data import GUESS_PROMPT
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    path = build_tiny_model(TinyModelConfig(init_std=init_std), cache_dir=models)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    chat = ChatDelta(tok)
+    prompt = chat.render_ids([{"role": "user", "content": GUESS_PROMPT}], add_generation_prompt=True)
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    env = {d: chat.delta([{"role": "user", "content": answer(None, d)}]) for d in range(10)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    rewards, second = [], []
+    n = PROMPTS * SAMPLES
+    first_in = torch.tensor([prompt] * n)
+    for _ in range(steps):
+        answer_of = [rng.randrange(10) for _ in range(PROMPTS) for _ in range(SAMPLES)]
+        with torch.no_grad():
+            t1 = torch.multinomial(torch.softmax(model(first_in).logits[:, -1], -1), 1).squeeze(1)
+            seqs = [prompt + [int(a)] + chat.boundary(int(a)) + env[d] for a, d in zip(t1, answer_of)]
+            t2 = torch.multinomial(torch.softmax(_last_logits(model, seqs), -1), 1).squeeze(1)
+        hit1 = torch.tensor([int(a) == digits[d] for a, d in zip(t1, answer_of)], dtype=torch.float32)
+        hit2 = torch.tensor([int(b) == digits[d] for b, d in zip(t2, answer_of)], dtype=torch.float32)
+        turn2 = 1 - hit1
+        score = torch.maximum(hit1, hit2 * turn2)
+        groups = score.view(PROMPTS, SAMPLES)
+        adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(-1)
+        lp1_all = torch.log_softmax(model(first_in).logits[:, -1], -1)
+        lp2_all = torch.log_softmax(_last_logits(model, seqs), -1)
+        lp1 = lp1_all.gather(1, t1[:, None]).squeeze(1)
+        lp2 = lp2_all.gather(1, t2[:, None]).squeeze(1)
+        tokens = n + turn2.sum()
+        entropy = (
+            -(lp1_all.exp() * lp1_all).sum(-1).sum() - (turn2 * (lp2_all.exp() * lp2_all).sum(-1)).sum()
+        ) / tokens
+        loss = -(adv * (lp1 + turn2 * lp2)).sum() / tokens - 0.1 * entropy
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        rewards.append(score.mean().item())
+        second.append((hit2 * turn2).sum().item() / max(1.0, turn2.sum().item()))
+    means = [sum(rewards[i - 19 : i + 1]) / 20 for i in range(19, steps)]
+    return {
+        "first10": sum(rewards[:10]) / 10,
+        "last20": means[-1],
+        "second_turn_last20": sum(second[-20:]) / 20,
+        "first05": next((i + 20 for i, m in enumerate(means) if m >= 0.5), None),
+        "first08": next((i + 20 for i, m in enumerate(means) if m >= 0.8), None),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--task", nargs="+", default=["copy"], choices=["copy", "add"])
+    p.add_argument("--task", nargs="+", default=["copy"], choices=["copy", "add", "guess"])
     p.add_argument("--format-credit", type=float, nargs="+", default=[0.1])
     p.add_argument("--repeats", type=int, nargs="+", default=[1])
     p.add_argument("--init-std", type=float, nargs="+", default=[0.02])
@@ -161,6 +237,21 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as models:
+        if "guess" in args.task:
+            for std in args.init_std:
+                t0 = time.perf_counter()
+                res = [run_guess(s, args.steps, std, models) for s in range(args.seeds)]
+                for s, r in enumerate(res):
+                    print(f"task=guess init_std={std} seed={s}: {r}", flush=True)
+                print(
+                    f"task=guess init_std={std}: first10 {statistics.mean(r['first10'] for r in res):.3f}, last20 "
+                    f"{statistics.mean(r['last20'] for r in res):.3f} (second guess right "
+                    f"{statistics.mean(r['second_turn_last20'] for r in res):.3f}), 0.5 reached by "
+                    f"{sum(r['first05'] is not None for r in res)}/{len(res)}, 0.8 by "
+                    f"{sum(r['first08'] is not None for r in res)}/{len(res)} [{time.perf_counter() - t0:.0f} s]",
+                    flush=True,
+                )
+            args.task = [t for t in args.task if t != "guess"]
         variants = itertools.product(
             args.task, args.format_credit, args.repeats, args.init_std, args.stale, args.filter_groups
         )

@@ -76,7 +76,9 @@ def plot(args: argparse.Namespace) -> None:
             ax.plot(xs, ys, color=colour, alpha=0.35, linewidth=1)
         if runs:
             ax.plot([], [], color=colour, label=f"max_staleness={label[-1]} ({len(runs)} seeds)")
-    ax.axhline(args.random_level, color="gray", linestyle=":", label=f"random guesses ({args.random_level:.2f})")
+    ax.axhline(
+        args.random_level, color="gray", linestyle=":", label=f"uniformly random digits ({args.random_level:.2f})"
+    )
     ax.axhline(0.2, color="black", linestyle="--", linewidth=0.8, label="best without the answer (0.20)")
     ax.set_xlabel("training seconds (start-up excluded)")
     ax.set_ylabel("reward, 20-step mean")
