@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -218,12 +219,10 @@ class DiskTransport(WeightTransport):
 
 
 def _this_node() -> str | None:
-    """This process's Ray node id; None outside Ray (then every server is a local child process)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    """This process's Ray node id; None outside Ray (then every server is a local child process). Ray is not
+    imported for the question: a process that never imported it is not in a cluster, and the import costs seconds."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
 
 def _node_label(server: dict[str, Any]) -> str:
