@@ -171,6 +171,10 @@ class EngineServers(abc.ABC):
         set by the rollouter when the job placed the servers through Ray."""
         self.retired: set[int] = set()
         """Indices of servers removed from the pool; slots are never reused, so indices stay stable."""
+        self.down: set[int] = set()
+        """Servers whose process died (shared with the client, which skips them until they are back)."""
+        self.on_dead: Any = None
+        """Called with the index of a server a control call found dead (the client schedules its restart)."""
         self._membership: asyncio.Lock | None = None
         self._growing_lock: asyncio.Lock | None = None
         self.pool_events: list[tuple[str, int, str, str | None]] = []
@@ -361,8 +365,14 @@ class EngineServers(abc.ABC):
     # ---- elastic pool ------------------------------------------------------------------------------------------------
     @property
     def live(self) -> list[int]:
-        """Indices of the servers in the pool (not removed); control calls go to these."""
+        """Indices of the servers in the pool (not removed)."""
         return [i for i in range(len(self.procs)) if i not in self.retired]
+
+    @property
+    def serving(self) -> list[int]:
+        """Servers in the pool and not down (dead, being restarted or replaced): pool-wide control calls go to these;
+        one that comes back gets the current weights and version before it serves (`_after_start`)."""
+        return [i for i in range(len(self.procs)) if i not in self.retired and i not in self.down]
 
     async def add(self, count: int = 1) -> list[int]:
         """Start `count` more servers at once (each on a new engine host from `host_factory` when the job placed the
@@ -458,11 +468,28 @@ class EngineServers(abc.ABC):
                 self.stale.update(uncopied)
                 self.epoch += 1
         await self._call_all("set version", self.set_version_call(self.state.version), urls)
+        if self.state.paused:  # back during a sync: paused like the others until its resume
+            await self._call_all("pause", self.pause_call("abort"), urls)
 
     def node_of(self, index: int) -> dict[str, Any]:
         """{"node_id", "node_ip", "host"} of server `index`: its engine host's node and handle; for a server that
         is a child of this process (or attached by address), node_id is None: this process's node."""
         return _node_of(self.procs[index])
+
+    async def _reload_serving(self, weights_dir: Path, node_dirs: dict[str, Path]) -> None:
+        """`_reload` on every serving server; one that died meanwhile is dropped as `_call_all` drops it."""
+        try:
+            await self._reload(weights_dir, node_dirs, self.serving)
+        except EngineError:
+            dead = [i for i in self.serving if not await asyncio.to_thread(self.is_alive, i)]
+            if not dead:
+                raise
+            for i in dead:
+                logger.warning("reload weights: engine server %s is gone; the pool goes on without it", self.address(i))
+                self.down.add(i)
+                if self.on_dead is not None:
+                    self.on_dead(i)
+            await self._reload(weights_dir, node_dirs, self.serving)
 
     async def _reload(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
         """Reload servers `indices`, each from its node's copy in `node_dirs` when it has one, else `weights_dir`."""
@@ -524,7 +551,7 @@ class EngineServers(abc.ABC):
         weights_dir = Path(weights_dir).resolve()
         routed = {node: Path(d) for node, d in (node_dirs or {}).items()}
         async with self.membership:
-            await self._reload(weights_dir, routed, self.live)
+            await self._reload_serving(weights_dir, routed)
             self.weights_dir, self.node_dirs = weights_dir, routed
             self.stale.clear()  # every server in the pool, stale ones included, holds this version now
             try:
@@ -580,7 +607,8 @@ class EngineServers(abc.ABC):
     ) -> list[Any]:
         """Run `call` on every server at once (each within `timeout_s`, default engine.control_timeout_s); EngineError
         naming each failed server (and its log) otherwise."""
-        urls = [self.procs[i].url for i in self.live] if urls is None else urls
+        tolerate = urls is None
+        urls = [self.procs[i].url for i in self.serving] if urls is None else urls
         from fully_async.engines.auth import auth_headers
 
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.control_timeout_s)
@@ -588,12 +616,34 @@ class EngineServers(abc.ABC):
             results = await asyncio.gather(
                 *(self._call_one(session, url, call) for url in urls), return_exceptions=True
             )
+        if tolerate:
+            results = await self._drop_dead(what, urls, results)
         failed = [f"{url}: {r} (log: {self.log_for(url)})" for url, r in zip(urls, results) if isinstance(r, Exception)]
         if failed:
             raise EngineError(
                 f"{self.kind} {what} failed on {len(failed)} of {len(urls)} servers: " + "; ".join(failed)
             )
         return results
+
+    async def _drop_dead(self, what: str, urls: list[str], results: list[Any]) -> list[Any]:
+        """A pool-wide control call (a sync's pause, reload, version, resume) goes on without servers that died under
+        it: each failed server whose process (or engine host, or node) is gone is marked down and handed to
+        `on_dead` (the client restarts or replaces it, and it gets the current weights and version then); its
+        failure is dropped. A live server that failed still fails the call."""
+        index = {self.procs[i].url: i for i in self.live}
+        out = list(results)
+        for k, (url, r) in enumerate(zip(urls, results)):
+            if not isinstance(r, Exception) or url not in index:
+                continue
+            i = index[url]
+            if await asyncio.to_thread(self.is_alive, i):
+                continue
+            logger.warning("%s: engine server %s is gone (%s); the pool goes on without it", what, url, r)
+            self.down.add(i)
+            out[k] = None
+            if self.on_dead is not None:
+                self.on_dead(i)
+        return out
 
     @staticmethod
     async def _call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:

@@ -66,8 +66,9 @@ class EngineClient:
         self.resume_timeout_s = resume_timeout_s or cfg.resume_timeout_s
         self.auto_restart = cfg.auto_restart if auto_restart is None else auto_restart
         self.outstanding = [0] * len(servers.addresses)
-        self.down: set[int] = set()
-        """Servers whose process died; skipped until restarted."""
+        self.down: set[int] = servers.down
+        """Servers whose process died; skipped until restarted (the pool's own set: its control plane skips them too)."""
+        servers.on_dead = self._schedule_restart
         self.retired: set[int] = set()
         """Servers removed from the pool (elastic engines): never picked again; their slot index is not reused."""
         self.stats = ClientStats()
@@ -327,7 +328,12 @@ class EngineClient:
             return  # a live server that misbehaved: just avoid it for this retry
         self.down.add(idx)
         logger.error("engine server %s died; log %s", self.servers.addresses[idx], self.servers.log_path(idx))
-        if self.auto_restart and idx not in self._restarts:
+        self._schedule_restart(idx)
+
+    def _schedule_restart(self, idx: int) -> None:
+        """Restart (or replace) server `idx` in the background, once, when engine.auto_restart allows it."""
+        self.down.add(idx)
+        if self.auto_restart and idx not in self._restarts and idx not in self.retired:
             self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
 
     async def _restart(self, idx: int) -> None:

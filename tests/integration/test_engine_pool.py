@@ -163,3 +163,30 @@ async def test_a_server_added_when_the_weights_are_in_no_directory_waits_for_the
         await client.close()
     finally:
         servers.stop()
+
+
+async def test_a_sync_goes_on_without_a_server_that_died_under_it_and_the_server_comes_back_current(tmp_path):
+    servers = FakeProcessServers(EngineConfig(num_servers=2, startup_timeout_s=30.0), tmp_path, tmp_path)
+    await asyncio.to_thread(servers.start)
+    try:
+        client = EngineClient(servers, auto_restart=True)
+        os.killpg(servers.procs[0].popen.pid, 9)  # dies between two requests: nobody has noticed yet
+        for _ in range(200):
+            if not servers.is_alive(0):
+                break
+            await asyncio.sleep(0.05)
+        await servers.pause("abort")  # the sync: completes for the other server
+        await servers.load_weights(tmp_path, 2)
+        await servers.resume()
+        assert servers.down == {0} and servers.serving == [1]
+        assert (await _state(servers.address(1)))["version"] == "2"
+        for _ in range(400):  # the control plane handed it to the client, which restarts it
+            if not client.down:
+                break
+            await asyncio.sleep(0.05)
+        assert client.down == set() and client.stats.restarts == 1
+        state = await _state(servers.address(0))
+        assert state["version"] == "2" and state["reloads"] == [str(tmp_path.resolve())]  # current before serving
+        await client.close()
+    finally:
+        servers.stop()
