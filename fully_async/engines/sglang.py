@@ -25,7 +25,7 @@ import aiohttp
 from fully_async.config import ConfigError
 from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
 from fully_async.engines.errors import EngineError
-from fully_async.host import cpu_binding, host_cpus
+from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SGLangServers(EngineServers):
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg
         cuda = self.device == "cuda"
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        dtype = resolve_dtype(cfg.dtype, self.device)
         cmd = [
             sglang_python(cfg.python),
             "-m",

@@ -13,7 +13,7 @@ from typing import Any
 
 from fully_async.config import ConfigError
 from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
-from fully_async.host import cpu_binding, host_cpus
+from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
@@ -74,7 +74,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg
         cuda = self.device == "cuda"
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        dtype = resolve_dtype(cfg.dtype, self.device)
         cmd = [
             engine_python(cfg.python),
             "-m",
