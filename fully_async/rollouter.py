@@ -430,9 +430,8 @@ class Rollouter:
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         out = []
-        down = self.client.down if getattr(self, "client", None) is not None else set()
         for i in self.servers.live:
-            if i in down:  # dead or being replaced (its node may be gone): the next sync after it is back copies
+            if i in self.servers.down:  # dead or being replaced (its node may be gone): the next sync after it is back copies
                 continue
             server = self.servers.node_of(i)
             out.append(server if server["node_id"] is not None else {**server, "node_id": here})
@@ -441,7 +440,7 @@ class Rollouter:
     def engine_layout(self) -> dict[str, Any]:
         """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
         client holds down), each with its index, URL and worker count."""
-        return self.servers.layout(self.client.down)
+        return self.servers.layout(self.servers.down)
 
     async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
         """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""

@@ -239,9 +239,10 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     work = Path(tempfile.mkdtemp(prefix="bench-weights-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg = EngineConfig(num_servers=2, max_model_len=256, kv_cache_gib=args.kv_gib, startup_timeout_s=1200,
                        control_timeout_s=600, dtype=args.dtype)  # fmt: skip
-    launched = build_engine(cfg, model, work / "run")
-    if hasattr(launched, "weight_receiver") and "collective" in kinds and kinds["collective"] is None:
-        launched.weight_receiver = True  # the collective transport's worker extension (harmless for disk)
+    # The collective transport's worker extension is on the command line from the start (harmless for disk).
+    launched = build_engine(
+        cfg, model, work / "run", weight_receiver="collective" in kinds and kinds["collective"] is None
+    )
     t0 = time.perf_counter()
     launched.start()
     print(f"[{name}] 2 vLLM servers healthy in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
