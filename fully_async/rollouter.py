@@ -431,7 +431,9 @@ class Rollouter:
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         out = []
         for i in self.servers.live:
-            if i in self.servers.down:  # dead or being replaced (its node may be gone): the next sync after it is back copies
+            if (
+                i in self.servers.down
+            ):  # dead or being replaced (its node may be gone): the next sync after it is back copies
                 continue
             server = self.servers.node_of(i)
             out.append(server if server["node_id"] is not None else {**server, "node_id": here})
