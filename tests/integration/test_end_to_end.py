@@ -233,6 +233,7 @@ def _learning_run(run_dir: Path, *overrides: str, window: int = 20, timeout: flo
     return mean(1, window), mean(steps - window + 1, steps)
 
 
+@pytest.mark.long
 def test_the_default_job_learns_with_dynamic_sampling(tmp_path):
     """From the untrained policy (about 1 in 200 samples right, so ~99% of the first groups are constant and
     filtered: the first step waits for enough useful groups) to a mean reward of every generated sample >= 0.4
@@ -244,6 +245,7 @@ def test_the_default_job_learns_with_dynamic_sampling(tmp_path):
     assert metrics[0]["fully_async/filtered_groups/ratio"] > 0.5  # the constant groups were left out, not trained
 
 
+@pytest.mark.long
 def test_the_default_job_learns_with_a_critic(tmp_path):
     """PPO with a critic (algorithm.adv_estimator=gae) on the built-in task: from about 0.01 to >= 0.6 in 200 steps
     (the default GRPO job is at ~0.8 there); the critic's explained variance ends positive."""
