@@ -320,6 +320,7 @@ class EngineServers(abc.ABC):
         is gone; see `relaunch`). Blocks until healthy."""
         self.relaunch(index)
         self._run_sync(self._after_start([index]))
+        self.down.discard(index)
 
     async def restart_async(self, index: int) -> None:
         """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
@@ -327,6 +328,7 @@ class EngineServers(abc.ABC):
         await asyncio.to_thread(self.relaunch, index)
         async with self.membership:
             await self._after_start([index])
+        self.down.discard(index)
 
     def relaunch(self, index: int) -> None:
         """Start server `index` again and wait until healthy (weights not loaded yet). A server whose engine host is

@@ -228,7 +228,7 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(kin
     """Runs last: it kills `fresh`. Pool = [fresh (launched here), engine (external)], both on the new weights."""
     new = models[1]
     await _use_weights(engine, new, 3)
-    await fresh.set_version(3)
+    await _use_weights(fresh, new, 3)  # from a directory: what its restart reloads (else it would come back stale)
     pool = build_engine(_cfg(kind), new, fresh.run_dir, addresses=[fresh.addresses[0], engine.addresses[0]])
     pool.procs[0] = fresh.procs[0]  # so the client can see that process die
     client = EngineClient(pool, auto_restart=False)
