@@ -52,11 +52,14 @@ def models(tmp_path_factory):
 async def _outputs(servers, index: int) -> list[tuple[list[int], list[float], list[int]]]:
     """(tokens, log-probs, versions) of the greedy prompts on server `index` alone."""
     client = EngineClient(servers)
+    # Held down for this client only: the set is the pool's own (its control plane skips down servers), so the
+    # servers marked here are put back afterwards.
+    marked = set(range(len(servers.addresses))) - {index} - client.down
     try:
-        others = set(range(len(servers.addresses))) - {index}
-        client.down |= others
+        client.down |= marked
         out = [await client.generate(p, N, GREEDY) for p in PROMPTS]
     finally:
+        client.down -= marked
         await client.close()
     return [(list(r.token_ids), list(r.logprobs), list(r.versions)) for r in out]
 
