@@ -515,8 +515,12 @@ class ServersRollouter:
     async def resume(self) -> None:
         await self.servers.resume()
 
-    async def load_weights(self, weights_dir, version: int) -> None:
-        await self.servers.load_weights(weights_dir, version)
+    async def load_weights(self, weights_dir, version: int, node_dirs=None) -> None:
+        await self.servers.load_weights(weights_dir, version, node_dirs)
+
+    def engine_nodes(self) -> list[dict]:
+        """Every server is a child of this process: on the trainer's node, so the disk transport copies nothing."""
+        return [{"node_id": None, "node_ip": None, "host": None} for _ in self.servers.serving]
 
     def engine_layout(self) -> dict:
         return self.servers.layout(self.down)
