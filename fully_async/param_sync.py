@@ -11,7 +11,7 @@ phases are pause, export, distribute, reload, resume; the first sync starts with
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,23 +53,37 @@ class ParamSync:
             transport = build_transport(transport, rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb,
                                         sync_timeout_s=timeout_s, device=device)  # fmt: skip
         self.transport = transport
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-sync")
         self._prepared = False
         self.syncs = 0
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
+        """Run one phase in a daemon thread and wait at most timeout_s for it. A phase that hangs (a peer that never
+        answers) is left behind in its thread: a daemon thread, so it can never hold the interpreter's exit (a pool
+        thread would: Python joins those at exit, and a CI run once waited out its time limit on one)."""
         start, wall = time.monotonic(), time.time()
-        future = self._pool.submit(fn)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = fn()
+            except BaseException as e:  # re-raised in the caller's thread below
+                outcome["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"param-sync-{name}", daemon=True).start()
         try:
-            return future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            waiting = self.transport.pending()
-            raise ParamSyncError(
-                f"weight sync phase '{name}' did not finish within async_training.sync_timeout_s={self.timeout_s:g}s"
-                + (f" ({waiting})" if waiting else "")
-            ) from None
-        except Exception as e:
-            raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
+            if not done.wait(self.timeout_s):
+                waiting = self.transport.pending()
+                raise ParamSyncError(
+                    f"weight sync phase '{name}' did not finish within async_training.sync_timeout_s="
+                    f"{self.timeout_s:g}s" + (f" ({waiting})" if waiting else "")
+                )
+            if "error" in outcome:
+                e = outcome["error"]
+                raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
+            return outcome.get("value")
         finally:
             timings[f"timing_s/param_sync/{name}"] = time.monotonic() - start
             if self.tracer is not None:
@@ -95,5 +109,4 @@ class ParamSync:
         return self._phase("export", {}, lambda: self.transport.export(version))
 
     def close(self, remove: bool = True) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close(remove)

@@ -4,6 +4,7 @@ ParamSyncError naming it, and the weight directories it keeps."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -80,3 +81,17 @@ def test_the_previous_version_is_kept_for_a_restarted_server_older_ones_removed(
     finally:
         handle.close()
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3"]
+
+
+def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interpreter_exit(backend, tmp_path):
+    # A phase whose peer never answers stays blocked in its thread; Python joins non-daemon threads (and pool
+    # workers) at exit, so such a thread once kept a finished CI run alive until its time limit.
+    handle, sync = _sync(StubRollouter(delays={"pause": 3.0}), backend, tmp_path, timeout_s=0.1)
+    try:
+        with pytest.raises(ParamSyncError, match="phase 'pause' did not finish"):
+            sync.sync(1)
+        hung = [t for t in threading.enumerate() if t.name == "param-sync-pause" and t.is_alive()]
+        assert hung and all(t.daemon for t in hung)
+    finally:
+        handle.close()
+        sync.close()
