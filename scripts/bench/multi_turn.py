@@ -5,8 +5,8 @@
     .venv/bin/python scripts/bench/multi_turn.py plot /tmp/mt/eta1_s* /tmp/mt/eta0_s* --png docs/img/guess_eta.png
     .venv/bin/python scripts/bench/e2e_runs.py /tmp/mt/eta1_s* /tmp/mt/eta0_s* --pair eta1 eta0 --levels 0.5 0.6 0.7
 
-`run` starts the runner once per (seed, eta), one after the other (eta 1 then 0 for each seed, so both see the
-machine alike); every run uses the guess task with `--delay` seconds per environment answer. `plot` draws the mean
+`run` starts the runner once per (seed, eta), one after the other (eta 1 then 0 for each seed), or with --together
+the etas of one seed at the same time (on a machine whose load changes, the only way both see it alike); every run uses the guess task with `--delay` seconds per environment answer. `plot` draws the mean
 20-step reward against training seconds (the sum of timing_s/step: start-up excluded) per eta, each seed thin.
 """
 
@@ -34,7 +34,10 @@ TASK = [
 
 def run(args: argparse.Namespace) -> None:
     delay = f"data.synthetic_env_delay_s=[{args.delay[0]},{args.delay[1]}]"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
+        started = []
         for eta in args.etas:
             out = args.out / f"eta{eta}_s{seed}"
             if (out / "metrics.jsonl").exists():
@@ -44,9 +47,19 @@ def run(args: argparse.Namespace) -> None:
                    f"async_training.max_staleness={eta}", f"trainer.total_steps={args.steps}",
                    f"hydra.run.dir={out}", *args.extra]  # fmt: skip
             print(" ".join(cmd), flush=True)
-            env = {**os.environ, "PYTHONPATH": str(REPO)}
             with open(args.out / f"eta{eta}_s{seed}.log", "w") as log:
-                subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+                started.append((out, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+            if not args.together:
+                _wait(started)
+                started = []
+        _wait(started)
+
+
+def _wait(started: list[tuple[Path, subprocess.Popen]]) -> None:
+    """Wait for every started run; stop at the first that failed (its log says why)."""
+    failed = [out for out, proc in started if proc.wait() != 0]
+    if failed:
+        raise SystemExit(f"run(s) failed: {', '.join(map(str, failed))} (see the .log beside each)")
 
 
 def curve(run_dir: Path) -> tuple[list[float], list[float]]:
@@ -101,6 +114,7 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=120)
     r.add_argument("--delay", type=float, nargs=2, default=[0.05, 0.5], metavar=("LOW", "HIGH"))
     r.add_argument("--out", type=Path, default=Path("/tmp/mt"))
+    r.add_argument("--together", action="store_true", help="run the etas of one seed at the same time")
     r.add_argument("extra", nargs="*", help="more runner overrides")
     g = sub.add_parser("plot")
     g.add_argument("runs", nargs="+", type=Path)
