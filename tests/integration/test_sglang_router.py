@@ -84,7 +84,9 @@ async def test_generation_goes_through_the_router_with_logprobs_and_versions(poo
     assert _router_urls(pool) == sorted(pool.addresses)
     client = EngineClient(pool)
     try:
-        results = await asyncio.gather(*(client.generate(p, 16, Sampling(temperature=1.0, seed=7)) for p in PROMPTS))
+        # ignore_eos: a sampled end token would end a sample early (the lengths below are the budget's).
+        sampled = Sampling(temperature=1.0, seed=7, ignore_eos=True)
+        results = await asyncio.gather(*(client.generate(p, 16, sampled) for p in PROMPTS))
         for r in results:
             assert r.servers == [pool.router.url]  # the router, not a server, took the request
             assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 16
