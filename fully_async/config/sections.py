@@ -247,6 +247,13 @@ class EngineConfig:
     """Extra command-line arguments passed to every engine server."""
     env: dict = field(default_factory=dict)
     """Extra environment variables for the engine processes."""
+    router: Literal["none", "sglang"] = "none"
+    """sglang: generation goes through an sglang-router in front of the servers (kind=sglang only; control calls still
+    go to each server); none: the client balances over the servers itself (docs/engines.md)."""
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    """The router's load-balancing policy (engine.router=sglang)."""
+    router_host: str = "127.0.0.1"
+    """Address the router binds (engine.router=sglang); anything but loopback exposes it, unauthenticated."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     """Latency model of the emulated engines (kind=sim)."""
 
@@ -272,6 +279,9 @@ class EngineConfig:
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "resume_timeout_s"):
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
+        require(self.router == "none" or self.kind == self.router, p + "router", self.router,
+                f"'none' with engine.kind={self.kind} (the sglang router only fronts engine.kind=sglang)")  # fmt: skip
+        require(bool(str(self.router_host).strip()), p + "router_host", self.router_host, "an address")
 
 
 @dataclass

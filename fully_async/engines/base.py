@@ -179,6 +179,9 @@ class EngineServers(abc.ABC):
         self._growing_lock: asyncio.Lock | None = None
         self.pool_events: list[tuple[str, int, str, str | None]] = []
         """(event, index, url, new url) for joins, leaves and replacements, in order (the rollouter's metrics)."""
+        self.router: Any = None
+        """A router process in front of the servers (engine.router; `make_router`), started and stopped with the pool:
+        generation goes through it, control calls still go to each server. Its worker list follows the pool."""
         if addresses is not None:
             self.procs = [ServerProcess.external(url) for url in addresses]
         else:
@@ -226,6 +229,10 @@ class EngineServers(abc.ABC):
 
     @abc.abstractmethod
     def reset_prefix_cache_call(self) -> HttpCall: ...
+
+    def make_router(self) -> Any:
+        """The router this pool puts in front of its servers (engine.router), or None: the client balances itself."""
+        return None
 
     def rpc_call(self, method: str, spec: str) -> HttpCall:
         """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
@@ -289,6 +296,36 @@ class EngineServers(abc.ABC):
         """URL of server `index`; O(1), for per-request paths (`addresses` builds the whole list)."""
         return self.procs[index].url
 
+    def generate_url(self, index: int) -> str:
+        """Where a generate request the client accounts to server `index` goes: the router when there is one (which
+        then picks the server), else server `index` itself."""
+        return self.router.url if self.router is not None else self.procs[index].url
+
+    def routed_urls(self) -> list[str]:
+        """The servers a router may send requests to: in the pool, not down, not stale (old weights)."""
+        return [self.procs[i].url for i in self.serving if i not in self.stale]
+
+    def sync_router(self) -> None:
+        """Make the router's worker list follow the pool (no-op without a router). Blocking: call it in a thread."""
+        if self.router is not None:
+            self.router.sync(self.routed_urls(), self.cfg.control_timeout_s)
+
+    async def _sync_router(self) -> None:
+        """`sync_router` from the event loop; a failure is logged (the router's own health checks still skip a dead
+        server, and the next membership change syncs again)."""
+        if self.router is None:
+            return
+        try:
+            await asyncio.to_thread(self.sync_router)
+        except EngineError as e:
+            logger.warning("router worker list not updated: %s", e)
+
+    def restart_router(self) -> None:
+        """Start a router that died again, over the servers that may serve now (a new port). Blocking."""
+        if self.router is not None and not self.router.is_alive():
+            logger.error("the engine router died (log %s); restarting it", self.router.proc.log_path)
+            self.router.restart(self.routed_urls(), self.cfg.startup_timeout_s)
+
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
         try:
@@ -297,6 +334,9 @@ class EngineServers(abc.ABC):
             for p in self.procs:
                 p.wait_healthy(self.cfg.startup_timeout_s)
             self._run_sync(self._after_start(range(len(self.procs))))
+            self.router = self.make_router()
+            if self.router is not None:
+                self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
         except BaseException:
             self.stop()  # a half-started pool would hold memory and cores until interpreter exit
             raise
@@ -304,6 +344,8 @@ class EngineServers(abc.ABC):
     def stop(self) -> None:
         """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
         call twice."""
+        if self.router is not None:
+            self.router.stop()  # first: no request should reach a server that is going away
         for p in self.procs:
             p.stop()
         if self.host_factory is not None:
@@ -321,6 +363,7 @@ class EngineServers(abc.ABC):
         self.relaunch(index)
         self._run_sync(self._after_start([index]))
         self.down.discard(index)
+        self.sync_router()
 
     async def restart_async(self, index: int) -> None:
         """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
@@ -329,6 +372,7 @@ class EngineServers(abc.ABC):
         async with self.membership:
             await self._after_start([index])
         self.down.discard(index)
+        await self._sync_router()  # back (or replaced at a new address): the router sends to it again
 
     def relaunch(self, index: int) -> None:
         """Start server `index` again and wait until healthy (weights not loaded yet). A server whose engine host is
@@ -425,6 +469,7 @@ class EngineServers(abc.ABC):
                         self.stale.add(joined[-1])
                 if started:
                     self.epoch += 1
+            await self._sync_router()
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise EngineError(
@@ -442,6 +487,7 @@ class EngineServers(abc.ABC):
             self.retired.add(index)
             self.stale.discard(index)
             self.epoch += 1  # a weight group that spans it must be re-formed without it
+        await self._sync_router()  # before the abort: the router must not send the continuations back to it
         try:
             await self._call_all("pause", self.pause_call("abort"), [url])
         except EngineError as e:  # a dead server has nothing to abort
@@ -491,6 +537,7 @@ class EngineServers(abc.ABC):
                 self.down.add(i)
                 if self.on_dead is not None:
                     self.on_dead(i)
+            await self._sync_router()
             await self._reload(weights_dir, node_dirs, self.serving)
 
     async def _reload(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
@@ -555,6 +602,7 @@ class EngineServers(abc.ABC):
         async with self.membership:
             await self._reload_serving(weights_dir, routed)
             self.weights_dir, self.node_dirs = weights_dir, routed
+            rejoin = bool(self.stale)
             self.stale.clear()  # every server in the pool, stale ones included, holds this version now
             try:
                 # KV blocks cached under the old weights must not serve continued prompts.
@@ -562,6 +610,8 @@ class EngineServers(abc.ABC):
             except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains alone
                 logger.warning("prefix cache not reset after a weight reload: %s", e)
             await self._set_version(version)
+            if rejoin:
+                await self._sync_router()
 
     async def weights_received(self, version: int, epoch: int) -> None:
         """Every server received `version` through a weight group formed at `epoch` (collective transport): reset
@@ -572,8 +622,9 @@ class EngineServers(abc.ABC):
         except EngineError as e:
             logger.warning("prefix cache not reset after a weight sync: %s", e)
         await self.set_version(version)
-        if epoch == self.epoch:
+        if epoch == self.epoch and self.stale:
             self.stale.clear()
+            await self._sync_router()
 
     def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
         """For the collective transport: the pool's epoch and the servers a weight group spans now (all but
@@ -645,6 +696,8 @@ class EngineServers(abc.ABC):
             out[k] = None
             if self.on_dead is not None:
                 self.on_dead(i)
+        if self.router is not None and any(r is None and isinstance(x, Exception) for r, x in zip(out, results)):
+            await self._sync_router()
         return out
 
     @staticmethod
@@ -667,6 +720,8 @@ class EngineServers(abc.ABC):
         return body
 
     def log_for(self, url: str) -> str:
+        if self.router is not None and url == self.router.url:
+            return str(self.router.proc.log_path)
         for p in self.procs:
             if p.url == url:
                 return str(p.log_path) if p.log_path else "external server, no log here"

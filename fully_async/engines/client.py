@@ -7,6 +7,10 @@ prompt + tokens so far with the remaining budget, so each token keeps the versio
 that outlived a version change without being aborted, as under pause(keep), is labelled with the older version). A server
 failure (connection lost, 5xx, malformed response, timeout) re-sends the same continuation to another server, up to
 engine.max_retries times; then EngineError names the server and its log. A 4xx is the request's fault: not retried.
+
+Behind a router (engine.router) every request goes to the router, which picks the server; the client still picks a
+slot per request, but only to account for it (outstanding, busy seconds, trace spans): the response does not say which
+server ran it. A failure through the router restarts a dead router and looks at every server for dead ones.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._next = 0
         self._restarts: dict[int, asyncio.Task] = {}
+        self._router_restart: asyncio.Future | None = None
         # Engine occupancy for the idle ratio: wall seconds each server had >= 1 request in flight.
         self._busy_s = [0.0] * len(servers.addresses)
         self._busy_since: list[float | None] = [None] * len(servers.addresses)
@@ -181,7 +186,7 @@ class EngineClient:
             if state.paused:
                 await self._wait_resumed(None)
             idx = self.pick(exclude=failed)
-            url = self.servers.address(idx)
+            url = self.servers.generate_url(idx)
             sent_version = state.version
             try:
                 seg = await self._send(
@@ -245,7 +250,7 @@ class EngineClient:
         return result
 
     async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
-        url = self.servers.address(idx)
+        url = self.servers.generate_url(idx)
         start = time.time()
         self.outstanding[idx] += 1
         if self.outstanding[idx] == 1:
@@ -316,6 +321,32 @@ class EngineClient:
 
     # ---- failures --------------------------------------------------------------------------------------------------
     async def _on_failure(self, idx: int) -> None:
+        if self.servers.router is not None:
+            await self._on_routed_failure()
+            return
+        await self._check_dead(idx)
+
+    async def _on_routed_failure(self) -> None:
+        """Behind a router the failed request's server is unknown (the router picked it): a dead router is started
+        again; every server in the pool is looked at, and the dead ones are marked down (out of the router) and
+        restarted."""
+        for _ in range(6):  # a killed process's socket closes a moment before it can be reaped: look twice
+            if not self.servers.router.is_alive():
+                if self._router_restart is None or self._router_restart.done():
+                    self._router_restart = asyncio.get_running_loop().create_task(
+                        asyncio.to_thread(self.servers.restart_router)
+                    )
+                try:
+                    await asyncio.shield(self._router_restart)
+                except Exception:  # the retry meets the failure again and, past engine.max_retries, fails with it
+                    logger.exception("restarting the engine router failed")
+                break
+            await asyncio.sleep(0.05)
+        for i in self.servers.serving:
+            if not await asyncio.to_thread(self.servers.is_alive, i):
+                await self._check_dead(i)
+
+    async def _check_dead(self, idx: int) -> None:
         if idx in self.retired:
             return  # it left the pool on purpose: nothing to restart
         # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
@@ -329,6 +360,7 @@ class EngineClient:
         self.down.add(idx)
         logger.error("engine server %s died; log %s", self.servers.addresses[idx], self.servers.log_path(idx))
         self._schedule_restart(idx)
+        await self.servers._sync_router()  # out of the router until it is back
 
     def _schedule_restart(self, idx: int) -> None:
         """Restart (or replace) server `idx` in the background, once, when engine.auto_restart allows it."""

@@ -186,6 +186,14 @@ class SGLangServers(EngineServers):
                 versions[i] = v
         return Segment(token_ids, logprobs, finish, versions)
 
+    def make_router(self) -> Any:
+        """engine.router=sglang: an sglang-router (from the SGLang environment) in front of the servers."""
+        if self.cfg.router != "sglang":
+            return None
+        from fully_async.engines.router import SGLangRouter
+
+        return SGLangRouter(sglang_python(self.cfg.python), self.cfg, self.run_dir / "engines" / "sglang-router.log")
+
     # ---- control plane ---------------------------------------------------------------------------------------------
     def pause_call(self, mode: PauseMode) -> HttpCall:
         # in_place: the scheduler stops and the requests keep their KV cache; they finish after continue_generation.

@@ -6,9 +6,13 @@
 2. pause -> load_weights -> resume time versus model size, next to writing the same weights as safetensors to
    /dev/shm (target: sync within 2x of the raw write). Medians over --sync-rounds.
 
+`--engine sglang+router`: SGLang with engine.router=sglang: the client's requests go through an sglang-router in front
+of the one server, the direct loop still posts to the server itself, so client / direct shows the router's cost too.
+
     .venv/bin/python scripts/bench/engine.py            # prints markdown tables (vLLM)
     .venv/bin/python scripts/bench/engine.py --skip-sync --rounds 3
     .venv/bin/python scripts/bench/engine.py --engine vllm,sglang --sizes tiny,medium   # SGLang next to vLLM
+    .venv/bin/python scripts/bench/engine.py --engine vllm,sglang,sglang+router --skip-sync
 """
 
 from __future__ import annotations
@@ -127,12 +131,14 @@ def main() -> None:
     kinds = args.engine.split(",")
     run_dir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
 
-    def started(kind: str, model: Path):
-        cfg = EngineConfig(kind=kind, num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=600)
+    def started(name: str, model: Path):
+        kind, _, router = name.partition("+")
+        cfg = EngineConfig(kind=kind, num_servers=1, max_model_len=512, kv_cache_gib=1, startup_timeout_s=600,
+                           router=kind if router == "router" else "none")  # fmt: skip
         servers = build_engine(cfg, model, run_dir)
         t = time.perf_counter()
         servers.start()
-        print(f"[bench] {kind} server on {model.name} healthy after {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        print(f"[bench] {name} server on {model.name} healthy after {time.perf_counter() - t:.0f} s", file=sys.stderr)
         return servers
 
     if not args.skip_throughput:
