@@ -30,6 +30,7 @@ Prints a markdown table per size. Importing this module starts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -280,6 +281,8 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
                 for r in range(args.rounds + 1):  # round 0 warms up (and runs the collective's connect)
                     got: dict[str, float] = {**peers.broadcast_s(), "shm": shm_write_s(backend, work)}
                     for kind, sync in syncs.items():
+                        if kind.startswith("collective-"):  # the servers' workers are in one group at a time
+                            sync.transport.prepare(handle)
                         timings = sync.sync(r + 1)
                         got[kind] = timings["timing_s/param_sync"]
                         for k, v in timings.items():
@@ -337,7 +340,9 @@ def send_breakdown(transport: Any) -> dict[str, float]:
 
 def table(rows: list[dict[str, Any]], kinds: list[str]) -> str:
     lines = []
-    kinds = sorted({k for r in rows for k in r if any(k == kind or k.startswith(kind + "-") for kind in kinds)})
+    kinds = sorted(
+        {k for r in rows for k in r if "/" not in k and any(k == kind or k.startswith(kind + "-") for kind in kinds)}
+    )
     for kind in kinds:
         phases = sorted(
             {k.split("/", 1)[1] for r in rows for k in r if k.startswith(kind + "/")}
@@ -395,6 +400,7 @@ def main() -> None:
     try:
         for name in args.sizes.split(","):
             rows += one_size(name, args, kinds)
+            print(json.dumps(rows[-len(args.servers) :]), file=sys.stderr, flush=True)  # the raw medians
             print(table(rows[-len(args.servers) :], [k for k, w in kinds.items() if w is None]), flush=True)
     finally:
         ray.shutdown()
