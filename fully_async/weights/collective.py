@@ -240,7 +240,7 @@ class CollectiveTransport(WeightTransport):
         weights_root: str | Path,
         dtype: str,
         *,
-        bucket_mb: float = 256,
+        bucket_mb: float = 16,
         sync_timeout_s: float = 300.0,
         device: str = "cpu",
     ) -> None:
@@ -374,7 +374,7 @@ class CollectiveTransport(WeightTransport):
             try:
                 stats = sending.result()
             except Exception as e:
-                # The engines fail their receive at the group timeout and keep their old weights; name them.
+                # The engines fail their receive at the group timeout (with what arrived loaded); name them.
                 try:
                     self._collect("receiving weights", refs, self.group_timeout_s + 30)
                 except TransportError as engines:

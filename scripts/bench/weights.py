@@ -376,7 +376,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per cell, after one warm-up")
     ap.add_argument("--dtype", default="float32", help="engine dtype (vLLM-CPU's default is float32)")
     ap.add_argument(
-        "--bucket-mb", default="256", help="collective bucket sizes, comma-separated (the raw broadcast uses the first)"
+        "--bucket-mb", default="16", help="collective bucket sizes, comma-separated (the raw broadcast uses the first)"
     )
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache per server (GiB, whole: vLLM-CPU rounds down)")
     args = ap.parse_args()
