@@ -39,7 +39,7 @@ class ParamSync:
         tracer: Tracer | None = None,
         *,
         transport: str | WeightTransport = "disk",
-        bucket_mb: float = 256,
+        bucket_mb: float = 16,
         device: str = "cpu",
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that

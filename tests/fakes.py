@@ -475,12 +475,15 @@ class StateDictBackend:
         self.device = device
         self.stall_after: int | None = None
         self.stall_s = 0.0
+        self.stalled = threading.Event()
+        """Set when the iterator starts its stall (the send is mid-broadcast)."""
         self.die_after: int | None = None
         self.sender = None
 
     def named_tensors(self):
         for i, item in enumerate(self.state.items()):
             if self.stall_after is not None and i == self.stall_after:
+                self.stalled.set()
                 time.sleep(self.stall_s)
             if self.die_after is not None and i == self.die_after:
                 raise RuntimeError(f"trainer died after {i} tensors")

@@ -40,8 +40,8 @@ class AsyncTrainingConfig:
     """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
     weight_transport: Literal["disk", "collective", "auto"] = "auto"
     """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
-    bucket_mb: int = 256
-    """Size of each flat bucket the collective weight transport broadcasts (one is packed while the previous one is on the wire)."""
+    bucket_mb: int = 16
+    """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
 
     @property
     def groups_per_version(self) -> int:

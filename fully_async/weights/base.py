@@ -76,7 +76,7 @@ def build_transport(
     weights_root: str | Path,
     dtype: str,
     *,
-    bucket_mb: float = 256,
+    bucket_mb: float = 16,
     sync_timeout_s: float = 300.0,
     device: str = "cpu",
 ) -> WeightTransport:

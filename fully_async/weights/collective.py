@@ -13,8 +13,9 @@ A sync (ParamSync's phases after `pause`):
   the group is formed (the engines' join calls in flight while the sender forms its side).
 - `send`: every engine gets the bucket layout (tensor names, shapes, offsets, the engine dtype) and starts
   receiving; the sender packs tensors in plan order into flat buckets of async_training.bucket_mb, cast to the
-  engine dtype, the next bucket packed while the previous one is on the wire. Each engine loads after its last
-  bucket (see the receiver for why not before).
+  engine dtype, the next bucket packed while the previous one is on the wire. Each engine loads bucket k while
+  bucket k+1 is on the wire (the receiver streams; a send that fails midway leaves the engines with a mix of
+  versions until the next sync, see the receiver). Both sides keep their bucket buffers from one sync to the next.
 - `set_version`: every engine resets its prefix cache and takes the version, no reload.
 The group's per-operation timeout is a fraction of async_training.sync_timeout_s, so a dead or stalled peer fails
 the send with an error naming the servers before ParamSync's watchdog would fire; if it does fire first, its
@@ -106,16 +107,27 @@ def pack_and_send(
     dtype: str,
     device: Any,
     broadcast: Callable[[Any], Any],
+    buffers: list | None = None,
 ) -> dict[str, float]:
     """Copy `tensors` (in plan order) into the flat buckets of `buckets`, cast to `dtype`, and hand each full bucket
     to `broadcast(flat) -> work` (an async op with .wait()). Two buffers alternate, so bucket k+1 is packed while
     bucket k is on the wire. A tensor out of plan order, with another shape, or not floating, raises TransportError
-    naming it (after waiting for what is already on the wire). Returns bytes and seconds spent packing / waiting."""
+    naming it (after waiting for what is already on the wire). `buffers`: a list this call fills with its two
+    buffers, or takes them from when they fit (a caller that keeps it across sends packs into memory already
+    touched: on these machines first-touch page faults cost more than the copy). Returns bytes and seconds spent
+    packing / waiting."""
     import torch
 
     target = _torch_dtype(dtype)
     cap = max((b["numel"] for b in buckets), default=0)
-    buffers = [torch.empty(cap, dtype=target, device=device) for _ in range(min(2, len(buckets)))]
+    need = min(2, len(buckets))
+    if buffers is None:
+        buffers = []
+    fits = len(buffers) >= need and all(
+        b.dtype == target and b.numel() >= cap and b.device.type == torch.device(device).type for b in buffers[:need]
+    )
+    if not fits:
+        buffers[:] = [torch.empty(cap, dtype=target, device=device) for _ in range(need)]
     pending: list[Any] = [None, None]
     packed_s = wait_s = 0.0
     sent = 0
@@ -166,6 +178,8 @@ class CollectiveSender:
         self.store = None
         self.pg = None
         self.group: str | None = None
+        self.buffers: list = []
+        """The two pack buffers, kept from one send to the next (see pack_and_send)."""
 
     def plan(self) -> list[list]:
         """Names and shapes of the tensors, in send order (iterates them once)."""
@@ -204,7 +218,8 @@ class CollectiveSender:
             raise TransportError("no weight group formed (connect first)")
         pg = self.pg
         device = "cuda" if self.device == "cuda" else "cpu"
-        return pack_and_send(iter(self.named_tensors()), buckets, dtype, device, lambda flat: pg.broadcast(flat, 0))
+        return pack_and_send(iter(self.named_tensors()), buckets, dtype, device, lambda flat: pg.broadcast(flat, 0),
+                             self.buffers)  # fmt: skip
 
     def close(self) -> None:
         # Dropping the objects closes the sockets; the engines drop theirs at fa_leave / the next fa_join.
@@ -225,7 +240,7 @@ class CollectiveTransport(WeightTransport):
         weights_root: str | Path,
         dtype: str,
         *,
-        bucket_mb: float = 256,
+        bucket_mb: float = 16,
         sync_timeout_s: float = 300.0,
         device: str = "cpu",
     ) -> None:
@@ -244,6 +259,8 @@ class CollectiveTransport(WeightTransport):
         """url -> the Ray ref of that server's call in flight (for the watchdog's message)."""
         self.last: dict[str, Any] = {}
         """What the last send reported: sender stats and each engine worker's answer."""
+        self.members: dict[str, list] = {}
+        """Server URL -> its workers' answers to joining the group formed last (rank, pid)."""
 
     # -- engine calls -----------------------------------------------------------------------------------------------
     def _rpc_all(self, method: str, spec: dict | list[dict], timeout_s: float) -> list:
@@ -313,7 +330,8 @@ class CollectiveTransport(WeightTransport):
         except Exception as e:
             self._collect_quietly(refs)
             raise TransportError(f"forming the weight group (world {world}) failed: {e}") from e
-        self._collect("joining the weight group", refs, self.group_timeout_s + 30)
+        joined = self._collect("joining the weight group", refs, self.group_timeout_s + 30)
+        self.members = {s["url"]: answer for s, answer in zip(self._servers, joined)}
         self._group, self._epoch = group, info["epoch"]
         logger.info("weight group %s formed: world %d, backend %s, servers %s", group, world, self.backend_name,
                     [s["url"] for s in self._servers])  # fmt: skip
@@ -328,7 +346,7 @@ class CollectiveTransport(WeightTransport):
         if resolve(self.rollouter.engine_layout.remote())["epoch"] != self._epoch:
             self._connect()  # a server restarted (or the pool changed) since the group was formed
         buckets = layout_buckets(self._plan, self.dtype, self.bucket_bytes)
-        spec = {"group": self._group, "dtype": self.dtype, "buckets": buckets}
+        spec = {"group": self._group, "dtype": self.dtype, "buckets": buckets, "timeout_s": self.group_timeout_s}
         refs = self._rpc_all("fa_receive", spec, self.group_timeout_s * 2)
         # The sender runs in a thread of its own so that an engine failing first (its receive timed out, its process
         # died) fails the phase at once, naming it, even while the sender is stuck (a stalled trainer).
@@ -356,7 +374,7 @@ class CollectiveTransport(WeightTransport):
             try:
                 stats = sending.result()
             except Exception as e:
-                # The engines fail their receive at the group timeout and keep their old weights; name them.
+                # The engines fail their receive at the group timeout (with what arrived loaded); name them.
                 try:
                     self._collect("receiving weights", refs, self.group_timeout_s + 30)
                 except TransportError as engines:

@@ -9,12 +9,20 @@ measures of the same round, then the median):
   (export = writing them as safetensors, like a backend's export);
 - raw /dev/shm write: safetensors.save_file of the same tensors in the engine dtype;
 - raw gloo broadcast: the same number of bytes, in buckets of --bucket-mb, from this process to 1 or 2 receiver
-  processes (a gloo group of 1 + servers ranks, as the collective transport forms);
+  processes (a gloo group of 1 + servers ranks, as the collective transport forms), twice: "cold" receives into
+  freshly allocated buffers (first-touch page faults included: what a receiver that allocates per sync pays) and
+  "warm" into buffers allocated and touched once before (the wire alone);
 - node copy: what the disk transport adds per extra node (its `distribute` phase with engines on another node): the
   export's files put into a local Ray object store and written to /dev/shm by a task (write_node_copy).
 
     .venv/bin/python scripts/bench/weights.py                          # tiny and ~100M, 1 and 2 servers
     .venv/bin/python scripts/bench/weights.py --sizes tiny,100m,500m --rounds 5
+    .venv/bin/python scripts/bench/weights.py --sizes 100m --servers 1 --bucket-mb 16,64,256 --transports collective
+
+With several --bucket-mb values, each collective bucket size is its own transport row ("collective-<mb>mb"); the
+raw broadcast uses the first. The collective rows also break the send phase down from what the transport reports:
+the sender's pack (copy + cast into the flat buckets) and wait (on the wire, not overlapped), and per engine worker
+(slowest worker) its receive, load (model_runner.reload_weights) and stall (the load waiting for the next bucket).
 
 Prints a markdown table per size. Importing this module starts nothing.
 """
@@ -22,6 +30,7 @@ Prints a markdown table per size. Importing this module starts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -47,12 +56,14 @@ import torch, torch.distributed as dist
 host, port, rank, world, sizes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120))
 rounds = int(store.get("rounds"))
+warm = [torch.zeros(n, dtype=torch.uint8) for n in map(int, sizes.split(","))]
 for r in range(rounds):
     pg = dist.ProcessGroupGloo(dist.PrefixStore(f"round{r}", store), rank, world, timedelta(seconds=600))
-    pg.barrier().wait()
-    for n in map(int, sizes.split(",")):
-        pg.broadcast(torch.empty(n, dtype=torch.uint8), 0).wait()
-    store.set(f"done{r}-{rank}", "1")
+    for mode in ("cold", "warm"):
+        pg.barrier().wait()
+        for k, n in enumerate(map(int, sizes.split(","))):
+            pg.broadcast(torch.empty(n, dtype=torch.uint8) if mode == "cold" else warm[k], 0).wait()
+        store.set(f"done{r}-{mode}-{rank}", "1")
 """
 
 
@@ -163,8 +174,9 @@ class GlooPeers:
         ]
         self.round = 0
 
-    def broadcast_s(self) -> float:
-        """One round: form the group (not timed), then broadcast every bucket (timed, until all receivers are done)."""
+    def broadcast_s(self) -> dict[str, float]:
+        """One round: form the group (not timed), then broadcast every bucket (timed, until all receivers are done),
+        receivers into fresh buffers ("gloo", cold), then into buffers touched before ("gloo_warm")."""
         from datetime import timedelta
 
         import torch
@@ -172,15 +184,17 @@ class GlooPeers:
         pg = self.dist.ProcessGroupGloo(self.dist.PrefixStore(f"round{self.round}", self.store), 0, self.world,
                                         timedelta(seconds=600))  # fmt: skip
         bufs = [torch.zeros(n, dtype=torch.uint8) for n in self.sizes]
-        pg.barrier().wait()
-        t = time.perf_counter()
-        for buf in bufs:
-            pg.broadcast(buf, 0).wait()
-        for r in range(1, self.world):
-            self.store.wait([f"done{self.round}-{r}"])
-        elapsed = time.perf_counter() - t
+        out = {}
+        for mode, key in (("cold", "gloo"), ("warm", "gloo_warm")):
+            pg.barrier().wait()
+            t = time.perf_counter()
+            for buf in bufs:
+                pg.broadcast(buf, 0).wait()
+            for r in range(1, self.world):
+                self.store.wait([f"done{self.round}-{mode}-{r}"])
+            out[key] = time.perf_counter() - t
         self.round += 1
-        return elapsed
+        return out
 
     def close(self) -> None:
         for p in self.procs:
@@ -255,21 +269,26 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
             handle = LocalActor(BenchRollouter(pool))
             syncs = {}
             for kind, why in kinds.items():
-                if why is None:
-                    syncs[kind] = ParamSync(handle, backend, work / kind, args.dtype, 1200.0, transport=kind,
-                                            **_collective_kwargs(kind, args))  # fmt: skip
-            sizes = bucket_sizes(backend.nbytes, args.bucket_mb << 20)
+                if why is not None:
+                    continue
+                for label, kwargs in _variants(kind, args):
+                    syncs[label] = ParamSync(handle, backend, work / label, args.dtype, 1200.0, transport=kind,
+                                             **kwargs)  # fmt: skip
+            sizes = bucket_sizes(backend.nbytes, args.bucket_mb[0] << 20)
             peers = GlooPeers(count, sizes, args.rounds + 1)
             measures: dict[str, list[float]] = {}
             try:
                 for r in range(args.rounds + 1):  # round 0 warms up (and runs the collective's connect)
-                    got: dict[str, float] = {"gloo": peers.broadcast_s(), "shm": shm_write_s(backend, work)}
+                    got: dict[str, float] = {**peers.broadcast_s(), "shm": shm_write_s(backend, work)}
                     for kind, sync in syncs.items():
+                        if kind.startswith("collective-"):  # the servers' workers are in one group at a time
+                            sync.transport.prepare(handle)
                         timings = sync.sync(r + 1)
                         got[kind] = timings["timing_s/param_sync"]
                         for k, v in timings.items():
                             if k.startswith("timing_s/param_sync/") and not k.endswith("/connect"):
                                 got[f"{kind}/{k.rsplit('/', 1)[1]}"] = v
+                        got.update({f"{kind}/{k}": v for k, v in send_breakdown(sync.transport).items()})
                     if "disk" in syncs:
                         got["node_copy"] = node_copy_s(work / "disk" / f"v{r + 1}", r + 1)
                     if r == 0:
@@ -278,9 +297,10 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
                         measures.setdefault(k, []).append(v)
                     for kind in syncs:  # ratios within the round
                         measures.setdefault(f"{kind}/gloo", []).append(got[kind] / got["gloo"])
+                        measures.setdefault(f"{kind}/gloo_warm", []).append(got[kind] / got["gloo_warm"])
                         measures.setdefault(f"{kind}/shm", []).append(got[kind] / got["shm"])
-                    if {"disk", "collective"} <= set(syncs):
-                        measures.setdefault("collective/disk", []).append(got["collective"] / got["disk"])
+                        if kind.startswith("collective") and "disk" in syncs:
+                            measures.setdefault(f"{kind}/disk", []).append(got[kind] / got["disk"])
             finally:
                 peers.close()
                 for sync in syncs.values():
@@ -294,19 +314,44 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     return rows
 
 
-def _collective_kwargs(kind: str, args) -> dict[str, Any]:
-    return {"bucket_mb": args.bucket_mb} if kind == "collective" else {}
+def _variants(kind: str, args) -> list[tuple[str, dict[str, Any]]]:
+    """(row label, ParamSync kwargs) per transport: one per --bucket-mb value for the collective one."""
+    if kind != "collective":
+        return [(kind, {})]
+    if len(args.bucket_mb) == 1:
+        return [(kind, {"bucket_mb": args.bucket_mb[0]})]
+    return [(f"collective-{mb}mb", {"bucket_mb": mb}) for mb in args.bucket_mb]
+
+
+def send_breakdown(transport: Any) -> dict[str, float]:
+    """What the collective transport's last send reported, in seconds: the sender's pack and wait, and the slowest
+    engine worker's value of each of its timings (receive_s, load_s, ...). Empty for other transports."""
+    last = getattr(transport, "last", None) or {}
+    out = {}
+    sender = last.get("sender") or {}
+    for key in ("pack_s", "wait_s"):
+        if key in sender:
+            out[f"sender_{key[:-2]}"] = sender[key]
+    workers = [w for answer in last.get("engines") or [] for w in (answer if isinstance(answer, list) else [answer])]
+    for key in sorted({k for w in workers if isinstance(w, dict) for k in w if k.endswith("_s")}):
+        out[f"engine_{key[:-2]}"] = max(w.get(key, 0.0) for w in workers)
+    return out
 
 
 def table(rows: list[dict[str, Any]], kinds: list[str]) -> str:
     lines = []
+    kinds = sorted(
+        {k for r in rows for k in r if "/" not in k and any(k == kind or k.startswith(kind + "-") for kind in kinds)}
+    )
     for kind in kinds:
         phases = sorted(
-            {k.split("/", 1)[1] for r in rows for k in r if k.startswith(kind + "/")} - {"gloo", "shm", "disk"}
+            {k.split("/", 1)[1] for r in rows for k in r if k.startswith(kind + "/")}
+            - {"gloo", "gloo_warm", "shm", "disk"}
         )
         head = ["model", "params", "MB", "servers", *(f"{p} ms" for p in phases), f"{kind} sync ms",
-                "/dev/shm write ms", "gloo bcast ms", "node copy ms", "sync / write", "sync / gloo"]  # fmt: skip
-        if kind == "collective":
+                "/dev/shm write ms", "gloo bcast ms", "gloo warm ms", "node copy ms", "sync / write", "sync / gloo",
+                "sync / gloo warm"]  # fmt: skip
+        if kind.startswith("collective"):
             head.append("collective / disk")
         lines += [f"\n{kind}\n", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in rows:
@@ -315,10 +360,10 @@ def table(rows: list[dict[str, Any]], kinds: list[str]) -> str:
             cells = [r["size"], f"{r['params'] / 1e6:.1f} M", f"{r['bytes'] / 2**20:.0f}", str(r["servers"]),
                      *(f"{r.get(f'{kind}/{p}', float('nan')) * 1e3:.0f}" for p in phases),
                      f"{r[kind] * 1e3:.0f}", f"{r['shm'] * 1e3:.0f}", f"{r['gloo'] * 1e3:.0f}",
-                     f"{r.get('node_copy', float('nan')) * 1e3:.0f}", f"{r[f'{kind}/shm']:.2f}",
-                     f"{r[f'{kind}/gloo']:.2f}"]  # fmt: skip
-            if kind == "collective":
-                cells.append(f"{r.get('collective/disk', float('nan')):.2f}")
+                     f"{r['gloo_warm'] * 1e3:.0f}", f"{r.get('node_copy', float('nan')) * 1e3:.0f}",
+                     f"{r[f'{kind}/shm']:.2f}", f"{r[f'{kind}/gloo']:.2f}", f"{r[f'{kind}/gloo_warm']:.2f}"]  # fmt: skip
+            if kind.startswith("collective"):
+                cells.append(f"{r.get(f'{kind}/disk', float('nan')):.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -330,10 +375,13 @@ def main() -> None:
     ap.add_argument("--transports", default="disk,collective")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per cell, after one warm-up")
     ap.add_argument("--dtype", default="float32", help="engine dtype (vLLM-CPU's default is float32)")
-    ap.add_argument("--bucket-mb", type=int, default=256, help="collective bucket size (and the raw broadcast's)")
+    ap.add_argument(
+        "--bucket-mb", default="16", help="collective bucket sizes, comma-separated (the raw broadcast uses the first)"
+    )
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache per server (GiB, whole: vLLM-CPU rounds down)")
     args = ap.parse_args()
     args.servers = [int(s) for s in args.servers.split(",")]
+    args.bucket_mb = [int(s) for s in args.bucket_mb.split(",")]
     sys.path[0] = str(REPO)  # the script's own directory holds a queue.py that shadows the standard library's
 
     import ray
@@ -352,10 +400,14 @@ def main() -> None:
     try:
         for name in args.sizes.split(","):
             rows += one_size(name, args, kinds)
+            print(json.dumps(rows[-len(args.servers) :]), file=sys.stderr, flush=True)  # the raw medians
             print(table(rows[-len(args.servers) :], [k for k, w in kinds.items() if w is None]), flush=True)
     finally:
         ray.shutdown()
-    print(f"\nall sizes, median of {args.rounds} rounds (ratios: median of per-round ratios)")
+    print(
+        f"\nall sizes, median of {args.rounds} rounds (ratios: median of per-round ratios); load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     print(table(rows, [k for k, w in kinds.items() if w is None]))
 
 

@@ -3,16 +3,21 @@ receiver, the sender in this process (tests/fakes.StateDictBackend holds the tra
 
 After a sync both servers' greedy tokens and log-probs equal those of a fresh server started on the same weights
 (recorded first and stopped, so at most two servers run at once on this 2-core machine), and their tokens carry the
-new version. A plan that does not fit (a wrong name, a wrong shape) fails before any byte moves, naming the tensor;
-a sender that dies mid-broadcast and one that stalls both fail the sync within the watchdog, naming the servers;
-the servers keep serving the old weights throughout. A restarted server rejoins the group at the next sync and gets
-the current version; until then the client keeps it out of rotation.
+new version. A plan that does not fit (a wrong name, a wrong shape) fails before any byte moves, naming the tensor,
+and the servers keep their weights. A sender that dies mid-broadcast, one that stalls, and an engine worker killed
+mid-broadcast all fail the sync within the watchdog, naming the servers (the engines load each bucket as it arrives,
+so they may hold a mix of versions then); the next sync, after a restart of the killed server, makes every server
+equal the fresh one again. A restarted server rejoins the group at the next sync and gets the current version; until
+then the client keeps it out of rotation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -149,10 +154,11 @@ def test_a_plan_that_does_not_fit_fails_naming_the_tensor_and_the_servers_keep_t
 
 
 @pytest.mark.parametrize("fault", ["dies", "stalls"])
-def test_a_sender_that_dies_or_stalls_mid_broadcast_fails_within_the_watchdog(pool, models, reference, tmp_path, fault):
+def test_a_sender_that_dies_or_stalls_mid_broadcast_fails_within_the_watchdog_and_the_next_sync_recovers(
+    pool, models, reference, tmp_path, fault
+):
     servers, handle = pool
-    before = [asyncio.run(_outputs(servers, i)) for i in range(2)]
-    backend = StateDictBackend(models[1] if servers.state.version == 0 else models[0])  # not what they hold
+    backend = StateDictBackend(models[1])
     sync = _sync(handle, backend, tmp_path)
     sync.transport.prepare(handle)  # the plan is taken from healthy tensors; the fault comes during the send
     if fault == "dies":
@@ -163,12 +169,50 @@ def test_a_sender_that_dies_or_stalls_mid_broadcast_fails_within_the_watchdog(po
     try:
         with pytest.raises(ParamSyncError, match=r"'send'.*http://127\.0\.0\.1:\d+.*http://127\.0\.0\.1:\d+"):
             sync.sync(7)
+        assert time.monotonic() - start < SYNC_TIMEOUT_S + 5
+        asyncio.run(servers.resume())  # a failed sync leaves the engines paused (the run fails there)
+        backend.die_after = backend.stall_after = None
+        sync.sync(8)  # the same transport re-forms its group and sends the whole version
     finally:
         sync.close(remove=False)
-    assert time.monotonic() - start < SYNC_TIMEOUT_S + 5
-    asyncio.run(servers.resume())  # a failed sync leaves the engines paused (the run fails there)
-    for i in range(2):  # old weights, old version: nothing was loaded
-        assert asyncio.run(_outputs(servers, i)) == before[i]
+    for i in range(2):
+        _same(asyncio.run(_outputs(servers, i)), reference, version=8)
+
+
+def test_an_engine_worker_killed_mid_broadcast_fails_the_sync_within_the_watchdog_and_a_restart_recovers(
+    pool, models, reference, tmp_path
+):
+    servers, handle = pool
+    backend = StateDictBackend(models[1])
+    sync = _sync(handle, backend, tmp_path)
+    sync.transport.prepare(handle)
+    (worker,) = sync.transport.members[servers.addresses[1]]
+    backend.stall_after, backend.stall_s = 10, 2.0  # the sender pauses mid-broadcast; the worker is killed meanwhile
+    failed: dict = {}
+
+    def run() -> None:
+        try:
+            sync.sync(9)
+        except ParamSyncError as e:
+            failed["error"] = e
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert backend.stalled.wait(SYNC_TIMEOUT_S)
+        os.kill(worker["pid"], signal.SIGKILL)
+        thread.join(SYNC_TIMEOUT_S + 10)
+        assert not thread.is_alive() and time.monotonic() - start < SYNC_TIMEOUT_S + 5
+        assert "'send'" in str(failed["error"]) and servers.addresses[1] in str(failed["error"])
+        servers.restart(1)
+        asyncio.run(servers.resume())
+        backend.stall_after = None
+        sync.sync(10)  # the pool's epoch moved: the group is re-formed with the new worker
+    finally:
+        sync.close(remove=False)
+    for i in range(2):
+        _same(asyncio.run(_outputs(servers, i)), reference, version=10)
 
 
 def test_a_restarted_server_rejoins_and_gets_the_current_version_before_serving(pool, models, reference, tmp_path):
