@@ -6,24 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from fully_async.config import ConfigError, EngineConfig, TinyModelConfig, compose
+from fully_async.config import ConfigError, EngineConfig, compose
 from fully_async.engines import EngineError, build_engine
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.engines.router import SGLangRouter, _check_reachable
-from fully_async.models import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture
-def python(tmp_path):
-    exe = tmp_path / "venv" / "bin" / "python"
-    exe.parent.mkdir(parents=True)
-    exe.write_text("")
-    return str(exe)
 
 
 def test_router_is_off_by_default_and_only_fronts_sglang():

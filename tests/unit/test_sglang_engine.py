@@ -9,23 +9,9 @@ import sys
 
 import pytest
 
-from fully_async.config import ConfigError, EngineConfig, TinyModelConfig, compose
+from fully_async.config import ConfigError, EngineConfig, compose
 from fully_async.engines import Sampling, build_engine, sglang
 from fully_async.engines.sglang import SHIMS, SGLangServers, kv_tokens
-from fully_async.models import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture
-def python(tmp_path):
-    exe = tmp_path / "venv" / "bin" / "python"
-    exe.parent.mkdir(parents=True)
-    exe.write_text("")
-    return str(exe)
 
 
 def _servers(model, tmp_path, python, device, **kw):
