@@ -1,7 +1,8 @@
 """Reward scoring: rule functions (verl's compute_score signature), LLM judges and reward models, run inline per
 trajectory under cluster-wide limits, timeouts, retries and per-source failure policies."""
 
-from fully_async.reward.agent import RewardAgent, RewardDrop, RewardFatal, RewardResult
+from fully_async.reward.agent import RewardAgent, RewardResult
+from fully_async.reward.errors import RewardDrop, RewardFatal
 from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
 
 __all__ = [

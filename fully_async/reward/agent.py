@@ -27,6 +27,7 @@ import tenacity
 from fully_async.config import RewardConfig, RewardSourceConfig
 from fully_async.config.sections import GROUP_FN_NAME
 from fully_async.data import DataError
+from fully_async.reward.errors import RewardDrop, RewardFatal
 from fully_async.reward.group import GroupScorer
 from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
 from fully_async.reward.limiter import RateLimiter, build_limiter
@@ -34,14 +35,6 @@ from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool,
 from fully_async.reward.sources import VERL_SCORER, JudgeSource, RuleSource, Source, compute_score_kwargs
 
 log = logging.getLogger(__name__)
-
-
-class RewardDrop(RuntimeError):
-    """A source with on_failure=drop failed: the sample's group is re-issued."""
-
-
-class RewardFatal(RuntimeError):
-    """A source with on_failure=raise failed: the run stops with this message."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from typing import Any
 
 from fully_async.config import RewardConfig
 from fully_async.config.sections import GROUP_FN_NAME as NAME
+from fully_async.reward.errors import RewardDrop, RewardFatal
 from fully_async.reward.pool import RewardTimeout, ScoringPool, resolve
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ class GroupScorer:
 
     async def apply(self, trajs: Sequence[Any], responses: Sequence[str], meta: dict[str, Any], uid: str) -> None:
         """Re-score `trajs` (one group, each already scored) in place. Raises RewardDrop / RewardFatal by policy."""
-        from fully_async.reward.agent import RewardDrop, RewardFatal
-
         group = {
             "prompt_uid": uid,
             **{k: meta.get(k) for k in ("data_source", "ground_truth", "extra_info", "question")},
