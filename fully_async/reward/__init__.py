@@ -3,7 +3,7 @@ trajectory under cluster-wide limits, timeouts, retries and per-source failure p
 
 from fully_async.reward.agent import RewardAgent, RewardResult
 from fully_async.reward.errors import RewardDrop, RewardFatal
-from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
+from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool
 
 __all__ = [
     "RewardAgent",
@@ -13,5 +13,4 @@ __all__ = [
     "RewardResult",
     "RewardTimeout",
     "ScoringPool",
-    "resolve",
 ]

@@ -28,8 +28,9 @@ from typing import Any
 
 from fully_async.config import RewardConfig
 from fully_async.config.sections import GROUP_FN_NAME as NAME
+from fully_async.plugins import load
 from fully_async.reward.errors import RewardDrop, RewardFatal
-from fully_async.reward.pool import RewardTimeout, ScoringPool, resolve
+from fully_async.reward.pool import RewardTimeout, ScoringPool
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class GroupScorer:
         self.path = cfg.group_fn
         self.timeout_s = cfg.group_fn_timeout_s
         self.on_failure = cfg.group_fn_on_failure
-        self.is_async = inspect.iscoroutinefunction(resolve(self.path))
+        self.is_async = inspect.iscoroutinefunction(load(self.path, "reward.group_fn"))
         if not self.is_async and pool is None:
             raise ValueError("a sync reward.group_fn needs the reward ScoringPool")
         self.pool = pool
@@ -70,7 +71,7 @@ class GroupScorer:
         start = time.monotonic()
         try:
             if self.is_async:
-                out = await asyncio.wait_for(resolve(self.path)(group=group), self.timeout_s)
+                out = await asyncio.wait_for(load(self.path, "reward.group_fn")(group=group), self.timeout_s)
             else:
                 out = await self.pool.call(self.path, {"group": group}, self.timeout_s)
             rewards, infos = _parse(out, len(trajs))
