@@ -11,25 +11,16 @@ from fully_async.weights.base import WeightTransport, resolve_kind
 
 
 def build_transport(
-    kind: str,
-    rollouter: Any,
-    backend: Any,
-    weights_root: str | Path,
-    dtype: str,
-    *,
-    bucket_mb: float = 16,
-    sync_timeout_s: float = 300.0,
-    device: str = "cpu",
+    kind: str, rollouter: Any, backend: Any, weights_root: str | Path, dtype: str, **collective: Any
 ) -> WeightTransport:
     """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
-    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport); `bucket_mb`,
-    `sync_timeout_s` (its group timeout is a share of it) and `device` (cpu: gloo, cuda: nccl): the collective's."""
+    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport). `collective`:
+    the collective transport's options, with their defaults there (CollectiveTransport: bucket_mb, sync_timeout_s,
+    of which its group timeout is a share, and device, cpu: gloo, cuda: nccl); the disk transport takes none."""
     if resolve_kind(kind) == "disk":
         from fully_async.weights.disk import DiskTransport
 
         return DiskTransport(rollouter, backend, weights_root, dtype)
     from fully_async.weights.collective import CollectiveTransport
 
-    return CollectiveTransport(
-        rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb, sync_timeout_s=sync_timeout_s, device=device
-    )
+    return CollectiveTransport(rollouter, backend, weights_root, dtype, **collective)
