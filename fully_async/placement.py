@@ -151,6 +151,35 @@ def engine_bundle(cfg: FullyAsyncConfig, gpu: bool) -> dict[str, float]:
     return bundle or {"CPU": 0.001}
 
 
+def engine_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
+    """One placement group (one bundle, engine_bundle) per engine server; Ray grants them asynchronously."""
+    from ray.util.placement_group import placement_group
+
+    bundle = engine_bundle(cfg, gpu)
+    return [
+        placement_group([dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}")
+        for i in range(cfg.engine.num_servers)
+    ]
+
+
+def trainer_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
+    """One placement group per trainer node, one bundle per rank (its CPUs, its GPU, custom resources)."""
+    from ray.util.placement_group import placement_group
+
+    tr = cfg.trainer
+    bundle = (
+        {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {}) | custom(cfg.placement.trainer_resources)
+    )
+    return [
+        placement_group(
+            [dict(bundle) for _ in range(tr.n_gpus_per_node)],
+            strategy="STRICT_PACK",
+            name=f"fully_async_trainer_{i}_{time.time_ns()}",
+        )  # fmt: skip
+        for i in range(tr.nnodes)
+    ]
+
+
 @dataclass
 class Placement:
     """Granted placement groups and the table of who runs where (see the module docstring)."""
@@ -166,7 +195,6 @@ class Placement:
         """Check the arithmetic, then ask Ray for every group and wait (placement.timeout_s) until all are granted.
         Nothing is left reserved when this raises."""
         import ray
-        from ray.util.placement_group import placement_group
 
         nodes = cluster_nodes()
         gpu = uses_gpus(cfg, nodes)
@@ -178,21 +206,11 @@ class Placement:
             # TP bundle needed (check_fit packs the same way).
             engines_first = gpu and en.tensor_parallel_size > tr.n_gpus_per_node
             if engines_first and needs_engines(cfg):
-                plan.engine_pgs = plan._engine_groups(cfg, gpu)
+                plan.engine_pgs = engine_groups(cfg, gpu)
             if needs_trainer(cfg):
-                bundle = (
-                    {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {}) | custom(pl.trainer_resources)
-                )
-                plan.trainer_pgs = [
-                    placement_group(
-                        [dict(bundle) for _ in range(tr.n_gpus_per_node)],
-                        strategy="STRICT_PACK",
-                        name=f"fully_async_trainer_{i}_{time.time_ns()}",
-                    )  # fmt: skip
-                    for i in range(tr.nnodes)
-                ]
+                plan.trainer_pgs = trainer_groups(cfg, gpu)
             if not engines_first and needs_engines(cfg):
-                plan.engine_pgs = plan._engine_groups(cfg, gpu)
+                plan.engine_pgs = engine_groups(cfg, gpu)
             pgs = plan.trainer_pgs + plan.engine_pgs
             ready, pending = [], []
             if pgs:
@@ -204,59 +222,11 @@ class Placement:
                     f"declares the custom resources placement.engine_resources / trainer_resources ask for "
                     f"(ray status shows what is in use)"
                 )
-            plan._read_back(cfg)
+            plan.rows = granted_rows(cfg, plan)
         except BaseException:
             plan.release()
             raise
         return plan
-
-    @staticmethod
-    def _engine_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
-        from ray.util.placement_group import placement_group
-
-        bundle = engine_bundle(cfg, gpu)
-        return [
-            placement_group([dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}")
-            for i in range(cfg.engine.num_servers)
-        ]
-
-    def _read_back(self, cfg: FullyAsyncConfig) -> None:
-        from ray.util.placement_group import placement_group_table
-
-        by_id = {n.node_id: n for n in self.nodes}
-        driver = next((n for n in self.nodes if n.driver), self.nodes[0])
-        unit = "gpu" if self.gpu else "cpu"
-        rows = [
-            {
-                "role": "driver (trainer loop, ParamSync)",
-                "node_id": driver.node_id,
-                "ip": driver.ip,
-                "gpus": 0,
-                "cpus": 0,
-            },
-            {"role": "message queue", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
-            {"role": "rollouter + reward workers", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
-        ]
-        for i, pg in enumerate(self.trainer_pgs):
-            table = placement_group_table(pg)
-            for b, node_id in sorted(table["bundles_to_node_id"].items()):
-                node = by_id.get(node_id)
-                rows.append({
-                    "role": f"trainer rank {i * cfg.trainer.n_gpus_per_node + int(b)}", "node_id": node_id,
-                    "ip": node.ip if node else "?", "gpus": 1 if self.gpu else 0,
-                    "cpus": table["bundles"][b].get("CPU", 0),
-                })  # fmt: skip
-        for i, pg in enumerate(self.engine_pgs):
-            table = placement_group_table(pg)
-            node_id = table["bundles_to_node_id"][0]
-            node = by_id.get(node_id)
-            rows.append({
-                "role": f"engine server {i} ({cfg.engine.kind}, tp {cfg.engine.tensor_parallel_size})",
-                "node_id": node_id, "ip": node.ip if node else "?",
-                "gpus": cfg.engine.tensor_parallel_size if self.gpu else 0, "cpus": table["bundles"][0].get("CPU", 0),
-            })  # fmt: skip
-        self.rows = rows
-        self.unit = unit
 
     def engine_nodes(self) -> list[str]:
         return [r["node_id"] for r in self.rows if r["role"].startswith("engine server")]
@@ -292,6 +262,45 @@ class Placement:
             except Exception as e:  # Ray already gone at shutdown: nothing is held any more
                 _log_once(f"placement group not removed: {type(e).__name__}: {e}")
         self.trainer_pgs, self.engine_pgs = [], []
+
+
+def granted_rows(cfg: FullyAsyncConfig, plan: Placement) -> list[dict[str, Any]]:
+    """Who runs where, read back from Ray once `plan`'s groups are granted: one row per role (driver-side actors,
+    each trainer rank, each engine server) with its node, GPUs and CPUs."""
+    from ray.util.placement_group import placement_group_table
+
+    by_id = {n.node_id: n for n in plan.nodes}
+    driver = next((n for n in plan.nodes if n.driver), plan.nodes[0])
+    rows = [
+        {
+            "role": "driver (trainer loop, ParamSync)",
+            "node_id": driver.node_id,
+            "ip": driver.ip,
+            "gpus": 0,
+            "cpus": 0,
+        },
+        {"role": "message queue", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
+        {"role": "rollouter + reward workers", "node_id": driver.node_id, "ip": driver.ip, "gpus": 0, "cpus": 0},
+    ]
+    for i, pg in enumerate(plan.trainer_pgs):
+        table = placement_group_table(pg)
+        for b, node_id in sorted(table["bundles_to_node_id"].items()):
+            node = by_id.get(node_id)
+            rows.append({
+                "role": f"trainer rank {i * cfg.trainer.n_gpus_per_node + int(b)}", "node_id": node_id,
+                "ip": node.ip if node else "?", "gpus": 1 if plan.gpu else 0,
+                "cpus": table["bundles"][b].get("CPU", 0),
+            })  # fmt: skip
+    for i, pg in enumerate(plan.engine_pgs):
+        table = placement_group_table(pg)
+        node_id = table["bundles_to_node_id"][0]
+        node = by_id.get(node_id)
+        rows.append({
+            "role": f"engine server {i} ({cfg.engine.kind}, tp {cfg.engine.tensor_parallel_size})",
+            "node_id": node_id, "ip": node.ip if node else "?",
+            "gpus": cfg.engine.tensor_parallel_size if plan.gpu else 0, "cpus": table["bundles"][0].get("CPU", 0),
+        })  # fmt: skip
+    return rows
 
 
 _LOGGED: set[str] = set()

@@ -151,10 +151,6 @@ class TrajectoryGroup:
     def max_version(self) -> int:
         return max(t.max_version for t in self.trajectories)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t.prompt_ids) + len(t.response_ids) for t in self.trajectories)
-
     def same_as(self, other: TrajectoryGroup) -> bool:
         return (
             self.prompt == other.prompt

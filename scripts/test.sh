@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, CI): set-up (idempotent), lint, format check, verl patches check, then pytest.
+# The test command (README, CI): set-up (idempotent), lint, format check, import contracts, verl patches check, then
+# pytest.
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest
 set -euo pipefail
@@ -9,6 +10,10 @@ bash scripts/setup.sh
 echo "[test] ruff check + format check" >&2
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The layers and no-circle contracts in pyproject.toml ([tool.importlinter]); no cache, so a stale one never hides
+# a circle (the graph builds in under a second).
+echo "[test] import contracts (lint-imports)" >&2
+.venv/bin/lint-imports --no-cache --no-logo
 if [ -x scripts/apply_verl_patches.sh ]; then
     scripts/apply_verl_patches.sh --check
 fi

@@ -67,10 +67,10 @@ class AgentLoop(ABC):
 
 
 def build_agent_loop(path: str, *args: Any, **kwargs: Any) -> AgentLoop:
-    """Instantiate the AgentLoop subclass at dotted path `path` ('pkg.module:Class')."""
-    from fully_async.reward.pool import resolve
+    """Instantiate the AgentLoop subclass at dotted path `path` ('pkg.module:Class', from rollout.agent_loop)."""
+    from fully_async.plugins import load
 
-    cls = resolve(path)
+    cls = load(path, "rollout.agent_loop")
     if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
         raise TypeError(f"{path} is not an AgentLoop subclass")
     return cls(*args, **kwargs)

@@ -193,9 +193,9 @@ class RolloutFnAgentLoop(AgentLoop):
     ):
         super().__init__(tokenizer, sampling, response_length, continue_on_abort, multi_turn or MultiTurnConfig())
         if isinstance(rollout_fn, str):
-            from fully_async.reward.pool import resolve
+            from fully_async.plugins import load
 
-            rollout_fn = resolve(rollout_fn)
+            rollout_fn = load(rollout_fn, "rollout.rollout_fn")
         if not inspect.iscoroutinefunction(rollout_fn):
             raise TypeError(f"rollout.rollout_fn must be an async function, got {rollout_fn!r}")
         self.fn = rollout_fn

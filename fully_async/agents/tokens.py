@@ -162,17 +162,6 @@ class Transcript:
         self.versions.extend([NO_VERSION] * len(token_ids))
         self.mask.extend([0] * len(token_ids))
 
-    def model_spans(self) -> list[tuple[int, int]]:
-        """[start, end) response offsets of each run of model tokens."""
-        spans, start = [], None
-        for i, m in enumerate(self.mask + [0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                spans.append((start, i))
-                start = None
-        return spans
-
     def to_trajectory(self, **fields: Any) -> Trajectory:
         """The episode as a Trajectory (prompt, sample_index, start_version, ... given as `fields`)."""
         return Trajectory(

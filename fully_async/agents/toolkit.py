@@ -201,12 +201,12 @@ def _schema_from_signature(fn: Callable[..., Any]) -> dict[str, Any]:
     }
 
 
-def class_tool(class_name: str, config: dict[str, Any], schema: dict[str, Any]) -> Tool:
-    """A verl-style tool class entry as a Tool (see the module docstring)."""
-    from fully_async.reward.pool import resolve
+def class_tool(class_name: str, config: dict[str, Any], schema: dict[str, Any], key: str = "class_name") -> Tool:
+    """A verl-style tool class entry as a Tool (see the module docstring); `key` names the entry in errors."""
+    from fully_async.plugins import load
 
     path = class_name if ":" in class_name else "{}:{}".format(*class_name.rsplit(".", 1))
-    obj = resolve(path)(config=config or {}, tool_schema=schema)
+    obj = load(path, key)(config=config or {}, tool_schema=schema)
 
     async def call(episode: str, args: dict[str, Any]) -> Any:
         return await obj.execute(episode, args)
@@ -222,9 +222,9 @@ def class_tool(class_name: str, config: dict[str, Any], schema: dict[str, Any]) 
 
 def load_tools(paths: list[str], config_path: str | None = None) -> dict[str, Tool]:
     """Tools by name from dotted function paths and a verl-format YAML file; duplicate names are an error."""
-    from fully_async.reward.pool import resolve
+    from fully_async.plugins import load
 
-    tools = [function_tool(resolve(p)) for p in paths]
+    tools = [function_tool(load(p, f"rollout.multi_turn.tools[{i}]")) for i, p in enumerate(paths)]
     if config_path:
         import yaml
 
@@ -233,7 +233,8 @@ def load_tools(paths: list[str], config_path: str | None = None) -> dict[str, To
             try:
                 schema = entry["tool_schema"]
                 schema["function"]["name"]  # noqa: B018 - a missing name fails here, naming the entry
-                tools.append(class_tool(entry["class_name"], entry.get("config") or {}, schema))
+                key = f"{config_path}: tools[{i}].class_name"
+                tools.append(class_tool(entry["class_name"], entry.get("config") or {}, schema, key))
             except (KeyError, TypeError) as e:
                 raise ValueError(
                     f"{config_path}: tools[{i}] needs class_name and tool_schema.function.name ({e!r})"

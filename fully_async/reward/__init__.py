@@ -1,8 +1,9 @@
 """Reward scoring: rule functions (verl's compute_score signature), LLM judges and reward models, run inline per
 trajectory under cluster-wide limits, timeouts, retries and per-source failure policies."""
 
-from fully_async.reward.agent import RewardAgent, RewardDrop, RewardFatal, RewardResult
-from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
+from fully_async.reward.agent import RewardAgent, RewardResult
+from fully_async.reward.errors import RewardDrop, RewardFatal
+from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool
 
 __all__ = [
     "RewardAgent",
@@ -12,5 +13,4 @@ __all__ = [
     "RewardResult",
     "RewardTimeout",
     "ScoringPool",
-    "resolve",
 ]

@@ -27,21 +27,15 @@ import tenacity
 from fully_async.config import RewardConfig, RewardSourceConfig
 from fully_async.config.sections import GROUP_FN_NAME
 from fully_async.data import DataError
+from fully_async.plugins import load
+from fully_async.reward.errors import RewardDrop, RewardFatal
 from fully_async.reward.group import GroupScorer
 from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
 from fully_async.reward.limiter import RateLimiter, build_limiter
-from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool, resolve
+from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool
 from fully_async.reward.sources import VERL_SCORER, JudgeSource, RuleSource, Source, compute_score_kwargs
 
 log = logging.getLogger(__name__)
-
-
-class RewardDrop(RuntimeError):
-    """A source with on_failure=drop failed: the sample's group is re-issued."""
-
-
-class RewardFatal(RuntimeError):
-    """A source with on_failure=raise failed: the run stops with this message."""
 
 
 @dataclass
@@ -142,7 +136,7 @@ class RewardAgent:
             for source, origin in first.items():
                 path = g.source.path_for(source)
                 try:
-                    resolve(path)
+                    load(path, f"{g.source.key}.kind")
                 except (ImportError, AttributeError, ValueError) as e:
                     raise DataError(f"{g.source.key}.kind={path!r} cannot be loaded: {e}") from e
                 if path != VERL_SCORER:
@@ -326,7 +320,7 @@ class RewardAgent:
 
 def _resolve_group_fn(path: str):
     try:
-        return resolve(path)
+        return load(path, "reward.group_fn")
     except (ImportError, AttributeError, ValueError) as e:
         raise DataError(f"reward.group_fn={path!r} cannot be loaded: {e}") from e
 

@@ -28,7 +28,9 @@ from typing import Any
 
 from fully_async.config import RewardConfig
 from fully_async.config.sections import GROUP_FN_NAME as NAME
-from fully_async.reward.pool import RewardTimeout, ScoringPool, resolve
+from fully_async.plugins import load
+from fully_async.reward.errors import RewardDrop, RewardFatal
+from fully_async.reward.pool import RewardTimeout, ScoringPool
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class GroupScorer:
         self.path = cfg.group_fn
         self.timeout_s = cfg.group_fn_timeout_s
         self.on_failure = cfg.group_fn_on_failure
-        self.is_async = inspect.iscoroutinefunction(resolve(self.path))
+        self.is_async = inspect.iscoroutinefunction(load(self.path, "reward.group_fn"))
         if not self.is_async and pool is None:
             raise ValueError("a sync reward.group_fn needs the reward ScoringPool")
         self.pool = pool
@@ -54,8 +56,6 @@ class GroupScorer:
 
     async def apply(self, trajs: Sequence[Any], responses: Sequence[str], meta: dict[str, Any], uid: str) -> None:
         """Re-score `trajs` (one group, each already scored) in place. Raises RewardDrop / RewardFatal by policy."""
-        from fully_async.reward.agent import RewardDrop, RewardFatal
-
         group = {
             "prompt_uid": uid,
             **{k: meta.get(k) for k in ("data_source", "ground_truth", "extra_info", "question")},
@@ -71,7 +71,7 @@ class GroupScorer:
         start = time.monotonic()
         try:
             if self.is_async:
-                out = await asyncio.wait_for(resolve(self.path)(group=group), self.timeout_s)
+                out = await asyncio.wait_for(load(self.path, "reward.group_fn")(group=group), self.timeout_s)
             else:
                 out = await self.pool.call(self.path, {"group": group}, self.timeout_s)
             rewards, infos = _parse(out, len(trajs))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import multiprocessing as mp
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
+
+from fully_async.plugins import load
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +27,6 @@ class RewardTimeout(TimeoutError):
 
 class RewardCallError(RuntimeError):
     """A reward function raised, or its worker died; the message carries the function's traceback."""
-
-
-def resolve(path: str):
-    """'pkg.module:attr' -> the object; a clear ImportError/AttributeError naming the path otherwise."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward function must be 'package.module:function', got {path!r}")
-    module = importlib.import_module(module_name)
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise AttributeError(f"{path}: module {module_name!r} has no attribute {attr!r}") from e
-    return obj
 
 
 def _worker_main(conn: Connection) -> None:
@@ -54,7 +40,7 @@ def _worker_main(conn: Connection) -> None:
             return
         path, kwargs = msg
         try:
-            fn = cache.get(path) or cache.setdefault(path, resolve(path))
+            fn = cache.get(path) or cache.setdefault(path, load(path, "reward function"))
             conn.send(("started", None))  # the import is done: the parent's timeout clock starts now
             conn.send(("ok", fn(**kwargs)))
         except BaseException:  # report every failure to the parent; the worker stays usable

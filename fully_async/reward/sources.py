@@ -16,8 +16,9 @@ from typing import Any
 
 from fully_async.config import RewardSourceConfig
 from fully_async.data import SYNTHETIC_SOURCE
+from fully_async.plugins import load
 from fully_async.reward.judge import Judge, Reply
-from fully_async.reward.pool import ScoringPool, resolve
+from fully_async.reward.pool import ScoringPool
 
 SYNTHETIC_SCORER = "fully_async.reward.rule:synthetic_score"
 VERL_SCORER = "verl.utils.reward_score:default_compute_score"
@@ -55,7 +56,7 @@ class RuleSource(Source):
 
     def is_async(self, path: str) -> bool:
         if path not in self._is_async:
-            self._is_async[path] = inspect.iscoroutinefunction(resolve(path))
+            self._is_async[path] = inspect.iscoroutinefunction(load(path, f"{self.key}.kind"))
         return self._is_async[path]
 
     async def attempt(self, solution: str, meta: dict[str, Any]) -> Reply:
@@ -63,7 +64,7 @@ class RuleSource(Source):
         path = self.path_for(source)
         kwargs = compute_score_kwargs(source, solution, meta.get("ground_truth"), meta.get("extra_info") or {})
         if self.is_async(path):
-            out = await asyncio.wait_for(resolve(path)(**kwargs), self.cfg.timeout_s)
+            out = await asyncio.wait_for(load(path, f"{self.key}.kind")(**kwargs), self.cfg.timeout_s)
         else:
             out = await self.pool.call(path, kwargs, self.cfg.timeout_s)
         score, info = to_score(out)

@@ -67,28 +67,3 @@ def resolve_kind(kind: str) -> str:
     if kind not in TRANSPORTS:
         raise ConfigError(f"async_training.weight_transport must be one of {list(TRANSPORTS)}, got {kind!r}")
     return "disk" if kind == "auto" else kind
-
-
-def build_transport(
-    kind: str,
-    rollouter: Any,
-    backend: Any,
-    weights_root: str | Path,
-    dtype: str,
-    *,
-    bucket_mb: float = 16,
-    sync_timeout_s: float = 300.0,
-    device: str = "cpu",
-) -> WeightTransport:
-    """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
-    `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport); `bucket_mb`,
-    `sync_timeout_s` (its group timeout is a share of it) and `device` (cpu: gloo, cuda: nccl): the collective's."""
-    if resolve_kind(kind) == "disk":
-        from fully_async.weights.disk import DiskTransport
-
-        return DiskTransport(rollouter, backend, weights_root, dtype)
-    from fully_async.weights.collective import CollectiveTransport
-
-    return CollectiveTransport(
-        rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb, sync_timeout_s=sync_timeout_s, device=device
-    )

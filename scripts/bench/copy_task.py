@@ -26,22 +26,15 @@ import itertools
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-# This folder holds queue.py (the queue benchmark), which would shadow the standard library's queue module.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parents[1]))
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from fully_async.config import TinyModelConfig  # noqa: E402
-from fully_async.data import synthetic_rows  # noqa: E402
-from fully_async.models.tiny import build_tiny_model  # noqa: E402
+from fully_async.config import TinyModelConfig
+from fully_async.data import synthetic_rows
+from fully_async.models.tiny import build_tiny_model
 
 PROMPTS, SAMPLES = 8, 8
 

@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import yaml
 
-# This folder holds queue.py (the queue benchmark), which would shadow the standard library's queue module.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parents[1]))
-
-from fully_async.data import synthetic_rows  # noqa: E402
-from fully_async.protocol import PromptRef  # noqa: E402
-from fully_async.report import read_jsonl  # noqa: E402
+from fully_async.data import synthetic_rows
+from fully_async.protocol import PromptRef
+from fully_async.report import read_jsonl
 
 LEVELS = (0.8, 0.9, 0.95)
 

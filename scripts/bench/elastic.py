@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or ".") != str(Path(__file__).parent)]
+sys.path.insert(0, str(REPO))  # tests.cluster: the repository's test helpers
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
 
 from tests.cluster import script_env, start_cluster  # noqa: E402

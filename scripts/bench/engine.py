@@ -28,12 +28,9 @@ from pathlib import Path
 
 import aiohttp
 
-# Replace (not prepend to) the script directory on the path: its queue.py would shadow the standard library module.
-sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from fully_async.config import EngineConfig, TinyModelConfig  # noqa: E402
-from fully_async.engines import EngineClient, Sampling, build_engine  # noqa: E402
-from fully_async.models import build_tiny_model  # noqa: E402
+from fully_async.config import EngineConfig, TinyModelConfig
+from fully_async.engines import EngineClient, Sampling, build_engine
+from fully_async.models import build_tiny_model
 
 SIZES = {  # name -> TinyModelConfig overrides
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256),

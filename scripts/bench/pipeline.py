@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# scripts/bench/queue.py shadows the stdlib's `queue` when this folder is on the path: replace it by the repository.
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:] = [str(REPO)] + [p for p in sys.path if os.path.abspath(p or ".") != str(Path(__file__).parent)]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import psutil  # noqa: E402

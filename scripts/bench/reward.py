@@ -25,23 +25,19 @@ reward delays overlap generation.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import random
+import statistics
 import sys
-
-# scripts/bench/queue.py is named like the stdlib's `queue`; drop this folder from the path so imports find the stdlib.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from fully_async.config import RewardConfig, RewardLimitsConfig, RewardSourceConfig  # noqa: E402
-from fully_async.reward import RewardAgent  # noqa: E402
-from fully_async.reward.limiter import RateLimiter, limiter_actor  # noqa: E402
+from fully_async.config import RewardConfig, RewardLimitsConfig, RewardSourceConfig
+from fully_async.reward import RewardAgent
+from fully_async.reward.limiter import RateLimiter, limiter_actor
 
 
 async def overhead(n: int = 20000) -> None:
@@ -193,7 +189,7 @@ def sim_delay(versions: int, time_scale: float) -> None:
 
     here = Path(__file__).resolve().parent
     spec = importlib.util.spec_from_file_location("fully_async_bench_pipeline", here / "pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)  # the sibling script, by path: its folder shadows stdlib `queue`
+    pipeline = importlib.util.module_from_spec(spec)  # the sibling script, by path (scripts/ is no package)
     spec.loader.exec_module(pipeline)
     out = Path(tempfile.mkdtemp(prefix="fully_async-reward-delay-"))
     source = "reward.sources=[{kind: 'fully_async.reward.sim:delayed_score', timeout_s: 120}]"

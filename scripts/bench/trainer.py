@@ -12,27 +12,20 @@ token-budget micro-batching, FSDP2 wrapping). Prints Markdown tables.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import os
+import statistics
+import tempfile
+import time
 from pathlib import Path
-
-# This folder holds queue.py (the queue benchmark), which would shadow the standard library's queue module.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parents[1]))
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from fully_async.config import AlgorithmConfig, TinyModelConfig, TrainerConfig  # noqa: E402
-from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, flatten  # noqa: E402
+from fully_async.config import AlgorithmConfig, TinyModelConfig, TrainerConfig
+from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, flatten
 
 PHASES = ("timing_s/log_probs", "timing_s/train")
 """Update phases timed in both trainers (the backend reports them in its update metrics)."""

@@ -382,7 +382,6 @@ def main() -> None:
     args = ap.parse_args()
     args.servers = [int(s) for s in args.servers.split(",")]
     args.bucket_mb = [int(s) for s in args.bucket_mb.split(",")]
-    sys.path[0] = str(REPO)  # the script's own directory holds a queue.py that shadows the standard library's
 
     import ray
 

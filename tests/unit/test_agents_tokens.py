@@ -200,7 +200,6 @@ def test_transcript_arrays():
     tr.add_inserted([20, 21, 22])
     tr.add_model([12], [-1.0], [1])
     assert tr.ids == [1, 2, 3, 10, 11, 20, 21, 22, 12] and len(tr) == 6 and tr.last_token == 12
-    assert tr.model_spans() == [(0, 2), (5, 6)]
     t = tr.to_trajectory(prompt=PromptRef(0, 7), sample_index=1, start_version=0)
     assert t.loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
     assert t.token_versions.tolist() == [0, 0, NO_VERSION, NO_VERSION, NO_VERSION, 1]

@@ -1,7 +1,7 @@
 """MessageQueue throughput and latency through the real Ray actor.
 
-    .venv/bin/python scripts/bench/queue.py            # full table (~2 min on 2 cores)
-    .venv/bin/python scripts/bench/queue.py --quick    # fewer groups
+    .venv/bin/python scripts/bench/message_queue.py            # full table (~2 min on 2 cores)
+    .venv/bin/python scripts/bench/message_queue.py --quick    # fewer groups
 
 For group sizes of ~1 KB and ~1 MB, single and batched calls, 1 and 8 producers: groups/s end to end (producers
 putting while the driver gets) and p50/p99 latency of each put and get call. Target: >= 5,000 small groups/s with
@@ -10,23 +10,18 @@ batched calls on a 2-core machine.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
+import time
 
-# This file is named like the stdlib's `queue`; drop its folder from the path so `import queue` finds the stdlib.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
+import ray
 
-from fully_async.message_queue import create_message_queue  # noqa: E402
-from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, encode_groups  # noqa: E402
+from fully_async.message_queue import create_message_queue
+from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, encode_groups
 
 
 def group_of_bytes(index: int, nbytes: int) -> TrajectoryGroup:
