@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import textwrap
 import types
 import typing
@@ -206,6 +207,16 @@ def schema_node(cls: type, path: typing.Sequence[str]) -> tuple[type | None, str
             if inner:
                 node = inner[0]
     return node, None
+
+
+DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""A plug-in path 'package.module:attribute' (agent loops, reward functions, tools, group_fn)."""
+
+
+def check_dotted(key: str, value: str | None) -> None:
+    """Raise ConfigError naming `key` unless `value` is null or a dotted path 'package.module:attribute'."""
+    if value is not None and not DOTTED_PATH.match(value):
+        raise ConfigError(f"{key} must be a dotted path 'package.module:attribute', got {value!r}")
 
 
 def require(cond: bool, key: str, value: Any, allowed: str) -> None:

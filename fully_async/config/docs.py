@@ -71,7 +71,7 @@ def render() -> str:
         "out-of-range values stop the run with a `ConfigError` naming the key and what is allowed.",
         "",
         "Defaults are what `python -m fully_async.runner` composes with no overrides: the dataclass defaults in",
-        "`fully_async/config/sections.py`, then the default group options and `fully_async/config/fully_async.yaml`.",
+        "`fully_async/config/sections/`, then the default group options and `fully_async/config/fully_async.yaml`.",
         "",
         "## Config groups",
         "",
