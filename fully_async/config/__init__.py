@@ -143,6 +143,8 @@ class FullyAsyncConfig:
     def validate(self) -> FullyAsyncConfig:
         """Check every section and the cross-section rules; raise one ConfigError naming every key at fault (the
         first problem of each section, then each cross-section rule broken). Returns self."""
+        if self.engine.max_model_len == 0:  # derived: resolved here so every reader sees the number
+            self.engine.max_model_len = self.data.max_prompt_length + self.rollout.response_length
         problems: list[str] = []
         collect(problems, validate_tree, self)
         for rule in self._cross_section_problems():

@@ -104,8 +104,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Convert one YAML/CLI value to the annotated type, or raise ConfigError naming the key."""
+def _convert(value: Any, tp: Any, key: str, problems: list[str] | None = None) -> Any:
+    """Convert one YAML/CLI value to the annotated type, or raise ConfigError naming the key (a section's own keys'
+    problems go to `problems` when given, as in from_dict)."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -136,7 +137,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
+        return from_dict(tp, value, key, problems)
     if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
             raise ConfigError(f"{key} must be a list, got {value!r}")
@@ -207,8 +208,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "", problems:
             problems.append(f"unknown config key '{key}'{hint}; valid keys here: {', '.join(names)}")
             continue
         before = len(problems)
-        converted = collect(problems, _convert, _paths_value(value, fields[name].metadata), hints[name], key)
-        if len(problems) == before:
+        converted = collect(problems, _convert, _paths_value(value, fields[name].metadata), hints[name], key, problems)
+        if len(problems) == before or dataclasses.is_dataclass(converted):  # a section keeps its good keys
             kwargs[name] = converted
     if raise_now:
         raise_problems(problems)  # every unknown key and wrong type of the mapping at once

@@ -60,6 +60,11 @@ MAPPED: dict[str, str] = {
     "trainer.experiment_name": "logger.run_name",
     "trainer.logger": "logger.backends",
     "trainer.resume_from_path": "trainer.resume",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "rollout.multi_turn.max_parallel_calls",
+    "reward_model.overlong_buffer.len": "reward.overlong_buffer",
+    "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty",
     # The fully-async recipe's own keys (recipe/fully_async_policy/config/fully_async_ppo_trainer.yaml).
     "async_training.trigger_parameter_sync_step": "async_training.sync_every",
     # The recipe's rollouter validates every test_freq parameter versions: our val_every's unit.
@@ -67,6 +72,10 @@ MAPPED: dict[str, str] = {
 }
 """verl key -> our key with the same meaning and unit."""
 
+_PROX = {"true": "algorithm.recompute_prox=false", "false": "algorithm.recompute_prox=true"}
+"""Training on the engine's log-probs as pi_old (verl's bypass) = not recomputing pi_prox here."""
+_TOOL_LOOP = "rollout.agent_loop=fully_async.agents.tool:ToolAgentLoop"
+_SINGLE_LOOP = "rollout.agent_loop=fully_async.agents.single_turn:SingleTurnAgentLoop"
 CHOICES: dict[str, dict[str, str]] = {
     "actor_rollout_ref.rollout.name": {"vllm": "engine=vllm", "sglang": "engine=sglang"},
     "actor_rollout_ref.actor.strategy": {"fsdp2": "trainer.strategy=fsdp2", "megatron": "trainer.strategy=megatron"},
@@ -74,10 +83,10 @@ CHOICES: dict[str, dict[str, str]] = {
         "nccl": "async_training.weight_transport=collective",
         "naive": "async_training.weight_transport=disk",
     },
-    "actor_rollout_ref.actor.use_rollout_log_probs": {
-        "true": "algorithm.recompute_prox=false",
-        "false": "algorithm.recompute_prox=true",
-    },
+    "actor_rollout_ref.actor.use_rollout_log_probs": _PROX,
+    "algorithm.rollout_correction.bypass_mode": _PROX,
+    "actor_rollout_ref.rollout.multi_turn.enable": {"true": _TOOL_LOOP, "false": _SINGLE_LOOP},
+    "actor_rollout_ref.rollout.agent.default_agent_loop": {"tool_agent": _TOOL_LOOP, "single_turn_agent": _SINGLE_LOOP},
 }
 """verl key -> {verl value: our override}; another value is refused, naming the ones read."""
 
@@ -111,6 +120,11 @@ SAME: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "critic.strategy": (("fsdp2",), "the critic trains with the policy's trainer.strategy"),
     "trainer.critic_warmup": (("0",), "the policy trains from the first step"),
+    "reward_model.overlong_buffer.enable": (
+        ("true",),
+        "the overlong penalty is on when reward.overlong_buffer > 0 (reward_model.overlong_buffer.len); leave len out "
+        "for off",
+    ),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (("false",), _OFFLOAD),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (("false",), _OFFLOAD),
     "actor_rollout_ref.ref.fsdp_config.param_offload": (("false",), _OFFLOAD),
@@ -139,6 +153,10 @@ REPLACED: dict[str, str] = {
     "keeps generating until async_training.groups_per_step varying groups are queued (algorithm.filter_groups)",
     "async_training.use_trainer_do_validate": "trainer.val_every (validation runs on the rollout engines)",
     "async_training.use_dynamic_resource_scheduling": "nothing: trainer GPUs do not join rollout",
+    "async_training.concurrent_samples_per_replica": "rollout.max_concurrent=<concurrent_samples_per_replica x "
+    "engine servers> (ours is the total over all servers)",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_tokens "
+    "(ours cuts tool responses in tokens, not characters)",
 }
 """verl key -> the exact replacement, where the meaning or unit differs."""
 
@@ -237,8 +255,18 @@ def translate(overrides: list[str]) -> Translation:
         k: o.partition("=")[2] for k, o in out
     }
     out += _convert(given, mine, t)
+    if "engine.max_model_len" not in mine and any(MAPPED.get(k) == "rollout.response_length" for k in _keys(overrides)):
+        out.append(("engine.max_model_len", "engine.max_model_len=0"))
+        t.notes.append(
+            "verl derives the engine's context length from the prompt and response lengths: read as "
+            "engine.max_model_len=0 (= data.max_prompt_length + rollout.response_length)"
+        )
     t.overrides = plain + _without_clashes(out, plain, t.problems)
     return t
+
+
+def _keys(overrides: list[str]) -> list[str]:
+    return [o.lstrip("+").partition("=")[0].strip() for o in overrides]
 
 
 def _choices(choices: dict[str, str]) -> str:
@@ -349,6 +377,8 @@ def _batch_sizes(given: dict[str, str], t: Translation, put) -> int | None:
             f"{required * mini} prompts per step; set {TRAIN_BATCH}=0 as the recipe does"
         )
         return None
+    if batch == 0:
+        t.notes.append(f"verl key {TRAIN_BATCH}=0 is the recipe's 'derive it': the step's size comes from {MINI_BATCH}")
     put("async_training.groups_per_step", required * mini,
         f"verl's {REQUIRE_BATCHES}={required} x {MINI_BATCH}={mini} prompts per trainer step")  # fmt: skip
     put("trainer.num_mini_batches", required, f"verl's {REQUIRE_BATCHES}={required} mini-batches per step")

@@ -68,7 +68,8 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine weight dtype; auto = float32 on CPU (bf16 log-probs drift ~1e-2), bfloat16 on GPU."""
     max_model_len: int = 512
-    """Longest prompt + response the engine accepts."""
+    """Longest prompt + response the engine accepts; 0 = data.max_prompt_length + rollout.response_length (what a
+    verl command line gets, as verl derives it)."""
     kv_cache_gib: float = 1.0
     """KV cache size in whole GiB on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE; SGLang's --max-total-tokens from it)."""
     gpu_memory_utilization: float = 0.85
@@ -110,7 +111,8 @@ class EngineConfig:
         require(self.replace_retry_s > 0, p + "replace_retry_s", self.replace_retry_s, "> 0")
         require(self.tensor_parallel_size >= 1, p + "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         require(bool(str(self.host).strip()), p + "host", self.host, "'auto' or an address")
-        require(self.max_model_len >= 2, p + "max_model_len", self.max_model_len, ">= 2")
+        require(self.max_model_len == 0 or self.max_model_len >= 2, p + "max_model_len", self.max_model_len,
+                "0 (derived) or >= 2")  # fmt: skip
         require(
             self.kv_cache_gib >= 1 and float(self.kv_cache_gib).is_integer(),
             p + "kv_cache_gib",
