@@ -5,8 +5,11 @@ engine.py (inference servers, placement), model.py, trainer.py, algorithm.py (ad
 reward.py, data.py, logger.py. Each field carries a one-line docstring (read by `field_docs` for error messages and
 the generated reference); each section's `validate_section(prefix)` raises ConfigError.
 
-No torch or ray imports here: the runner validates config before any heavy import.
+No torch or ray imports here: the runner validates config before any heavy import. This module only re-exports,
+so `from fully_async.config.sections import X` works whichever module holds X (hence no F401).
 """
+
+# ruff: noqa: F401
 
 from fully_async.config.sections.algorithm import (
     GROUP_ESTIMATORS,
@@ -41,39 +44,3 @@ from fully_async.config.sections.rollout import (
     RolloutConfig,
 )
 from fully_async.config.sections.trainer import SimTrainerConfig, TrainerConfig
-
-__all__ = [
-    "AlgorithmConfig",
-    "AsyncTrainingConfig",
-    "DEFAULT_AGENT_LOOP",
-    "DataConfig",
-    "EngineConfig",
-    "FAILURE_POLICIES",
-    "FilterGroupsConfig",
-    "GROUP_ESTIMATORS",
-    "GROUP_FN_NAME",
-    "GUESS_LOOP",
-    "JUDGE_FIELDS",
-    "JudgeConfig",
-    "LOGGER_BACKENDS",
-    "LOGGER_PACKAGES",
-    "LoggerConfig",
-    "ModelConfig",
-    "MultiTurnConfig",
-    "NEEDS_CRITIC",
-    "NEEDS_PROX",
-    "NEEDS_UNBUILT",
-    "POLICY_LOSS_ARGS",
-    "PlacementConfig",
-    "REWARD_KINDS",
-    "ROLLOUT_FN_LOOP",
-    "RewardConfig",
-    "RewardLimitsConfig",
-    "RewardModelConfig",
-    "RewardSourceConfig",
-    "RolloutConfig",
-    "SimEngineConfig",
-    "SimTrainerConfig",
-    "TinyModelConfig",
-    "TrainerConfig",
-]
