@@ -25,11 +25,13 @@ def check_data(cfg: FullyAsyncConfig) -> None:
 
 
 def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
-    """Check the data files, then resolve the run's model directory (None with `plan_only`: `--plan` needs no
-    model). Raises DataError or ConfigError (model.path)."""
-    check_data(cfg)
+    """Check the data files, then resolve the run's model directory. Raises DataError or ConfigError (model.path).
+
+    `plan_only` (`--plan`): nothing is checked and None returned; a placement plan needs neither the model nor the
+    data, and is often made on a machine that has neither (a laptop planning a GPU cluster's run)."""
     if plan_only:
         return None
+    check_data(cfg)
     from fully_async.models import resolve_run_model
 
     return resolve_run_model(cfg)

@@ -63,7 +63,8 @@ def test_preflight_returns_the_model_directory_and_reads_the_data(tmp_path):
     (model / "config.json").write_text("{}")
     train = _jsonl(tmp_path / "train.jsonl", [ROW])
     assert preflight(compose([f"model.path={model}", f"data.train_files={train}"])) == model.resolve()
-    assert preflight(compose([f"model.path={tmp_path}/none"]), plan_only=True) is None  # --plan needs no model
+    missing = [f"model.path={tmp_path}/none", f"data.train_files={tmp_path}/none.jsonl"]
+    assert preflight(compose(missing), plan_only=True) is None  # --plan needs neither
     (model / "config.json").unlink()
     with pytest.raises(ConfigError, match="has no config.json"):
         preflight(compose([f"model.path={model}"]))
