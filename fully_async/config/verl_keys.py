@@ -246,7 +246,7 @@ def translate(overrides: list[str]) -> Translation:
             if accepted and _plain(value) not in accepted:
                 t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
             else:
-                t.notes.append(f"verl key {key}={value} is what fully_async does anyway ({why}); nothing to set")
+                t.notes.append(f"verl key {key}={value} is what fully_async does anyway, nothing to set: {why}")
         elif key in CONVERTED:
             given[key] = value
         else:
