@@ -121,6 +121,9 @@ def trajectory_records(groups: Sequence[TrajectoryGroup], step: int, trainer_ver
             "response_length": t.response_length,
             "num_aborts": t.num_aborts,
             "finish_reason": t.finish_reason,
+            # Counted by the multi-turn loops (tool.py, rollout_fn.py); a single-turn loop's sample is one turn.
+            "turns": t.reward_info.get("turns", 1),
+            "tool_calls": t.reward_info.get("tool_calls", 0),
             "generate_s": t.timings.get("generate_s", 0.0),
             "reward_s": t.timings.get("reward_s", 0.0),
             **({"reward_failed": True} if t.reward_info.get("reward_failed") else {}),

@@ -1,9 +1,10 @@
 """Entry point: python -m fully_async.runner [--plan] [group=option ...] [key=value ...]
 
-Validates the config (before any heavy import), prints the effective limits, connects to Ray (RAY_ADDRESS, else a
+Validates the command line (every problem at once, before any heavy import; verl's keys are read as ours), checks the
+model and the data files (fully_async/preflight.py), prints the effective limits, connects to Ray (RAY_ADDRESS, else a
 local one), and hands over to the job (fully_async/job.py), which places, builds, runs and shuts everything down
 (engines included) on success, error or Ctrl-C. `--plan` prints the placement table and exits (exit code 2, with the
-arithmetic, when the run does not fit). `--cfg job` prints the composed config; `hydra.run.dir=DIR` chooses the run
+arithmetic, when the run does not fit). `--cfg job` prints the composed config once it is valid; `hydra.run.dir=DIR` chooses the run
 directory (and `trainer.resume=auto` resumes from it).
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from fully_async.config import ConfigError, build_config, check_overrides, expand_overrides, register_defaults
+from fully_async.config import PRIMARY_CONFIG, ConfigError, build_config, compose, expand_overrides, register_defaults
+from fully_async.preflight import preflight
 
 # Hydra flags that take a value: their value is not an override.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -26,38 +29,52 @@ PLAN_ONLY = False
 """`--plan`: connect to the cluster (RAY_ADDRESS, else a local one), print where everything would run, exit."""
 
 
-def _overrides(argv: list[str]) -> list[str]:
-    out, skip = [], False
+def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Hydra's command line -> (overrides, {flag: value})."""
+    out, flags, flag = [], {}, None
     for arg in argv:
-        if skip:
-            skip = False
+        if flag:
+            flags[flag], flag = arg, None
         elif arg.startswith("-"):
-            skip = arg in _FLAGS_WITH_VALUE
+            flag = arg if arg in _FLAGS_WITH_VALUE else None
         else:
             out.append(arg)
-    return out
+    return out, flags
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Compose and validate what Hydra will run, raising one ConfigError with every problem of the command line
+    (`--cfg job` included, which Hydra would otherwise print unchecked)."""
+    overrides, flags = _split(argv)
+    name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
+    where = flags.get("--config-dir") or flags.get("-cd") or flags.get("--config-path") or flags.get("-cp")
+    # Hydra reads --config-path relative to this file, --config-dir relative to the working directory.
+    base = Path(__file__).parent if (flags.get("--config-path") or flags.get("-cp")) else Path.cwd()
+    compose([o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
+            config_dir=(base / where).resolve() if where else None, config_name=name)  # fmt: skip
 
 
 @hydra.main(config_path="config", config_name="fully_async", version_base=None)
 def main(composed: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from fully_async.data import DataError
+
     try:
         cfg = build_config(composed)
-    except ConfigError as e:  # Hydra would print a traceback; the message alone says what to fix
-        print(f"ConfigError: {e}", file=sys.stderr)
+        print("fully_async: effective limits:", ", ".join(f"{k}={v}" for k, v in cfg.limits().items()), flush=True)
+        model = preflight(cfg, plan_only=PLAN_ONLY)  # the model and the data files, before Ray starts
+    except (ConfigError, DataError) as e:  # Hydra would print a traceback; the message alone says what to fix
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
-    print("fully_async: effective limits:", ", ".join(f"{k}={v}" for k, v in cfg.limits().items()), flush=True)
     print(f"fully_async: run dir {run_dir}", flush=True)
 
     import ray  # heavy imports only after the config is known to be good
 
-    from fully_async.data import DataError
     from fully_async.engines import EngineError
     from fully_async.job import Job, TrainerLost, connect_ray
     from fully_async.loggers import LoggerError
-    from fully_async.models import resolve_run_model
     from fully_async.param_sync import ParamSyncError
     from fully_async.trainer import TrainerError
 
@@ -73,7 +90,7 @@ def main(composed: DictConfig) -> None:
     )
     try:
         connect_ray(cfg)
-        with Job(cfg, run_dir, "(not resolved for --plan)" if PLAN_ONLY else resolve_run_model(cfg)) as job:
+        with Job(cfg, run_dir, model or "(not resolved for --plan)") as job:
             if PLAN_ONLY:
                 job.plan()
                 print(f"fully_async: placement plan (device {job.cfg.trainer.device}, engine dtype "
@@ -110,8 +127,9 @@ def cli() -> int:
         PLAN_ONLY = True
         sys.argv.remove("--plan")
     try:
-        sys.argv[1:] = expand_overrides(sys.argv[1:])  # logger=[a,b] -> logger.backends=[a,b], before Hydra parses argv
-        check_overrides(_overrides(sys.argv[1:]))
+        check_command_line(sys.argv[1:])  # says what it read of verl's keys, once
+        # Hydra parses argv: give it our spelling (verl keys read, logger=[a,b] -> logger.backends=[a,b], task=X).
+        sys.argv[1:] = expand_overrides(sys.argv[1:], problems=[], announce=False)
         register_defaults()
         main()
     except ConfigError as e:

@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fully_async.config.base import ConfigError, field_docs, from_dict, schema_node, suggest, to_dict, validate_tree
+from fully_async.config.base import (
+    ConfigError,
+    collect,
+    field_docs,
+    from_dict,
+    raise_problems,
+    schema_node,
+    suggest,
+    to_dict,
+    validate_tree,
+)
 from fully_async.config.sections import (
     DEFAULT_AGENT_LOOP,
     GROUP_ESTIMATORS,
@@ -40,12 +50,13 @@ from fully_async.config.sections import (
     TinyModelConfig,
     TrainerConfig,
 )
+from fully_async.config.tasks import TASK_GROUP, task_problems, with_task_option
 from fully_async.config.verl_keys import translate as translate_verl_keys
 from fully_async.config.verl_keys import verl_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent
 PRIMARY_CONFIG = "fully_async"
-GROUPS = ("engine", "trainer", "reward", "data", "model", "logger")
+GROUPS = ("engine", "trainer", "reward", "data", "model", "logger", TASK_GROUP)
 
 __all__ = [
     "AlgorithmConfig",
@@ -130,36 +141,48 @@ class FullyAsyncConfig:
     """Metric sinks."""
 
     def validate(self) -> FullyAsyncConfig:
-        """Check every section and the cross-section rules; raise ConfigError naming the key. Returns self."""
-        validate_tree(self)
+        """Check every section and the cross-section rules; raise one ConfigError naming every key at fault (the
+        first problem of each section, then each cross-section rule broken). Returns self."""
+        if self.engine.max_model_len == 0:  # derived: resolved here so every reader sees the number
+            self.engine.max_model_len = self.data.max_prompt_length + self.rollout.response_length
+        problems: list[str] = []
+        collect(problems, validate_tree, self)
+        for rule in self._cross_section_problems():
+            problems.append(rule)
+        raise_problems(problems)
+        return self
+
+    def _cross_section_problems(self) -> list[str]:
+        out = []
         if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
-            raise ConfigError(
+            out.append(
                 f"rollout.n must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} "
                 f"(a group baseline needs two samples), got {self.rollout.n}"
             )
         both_sim = self.engine.kind == "sim" and self.trainer.backend == "sim"
         if both_sim and self.engine.sim.time_scale != self.trainer.sim.time_scale:
-            raise ConfigError(
+            out.append(
                 f"trainer.sim.time_scale must equal engine.sim.time_scale={self.engine.sim.time_scale:g} "
                 f"(both clocks run at one speed), got {self.trainer.sim.time_scale:g}"
             )
         if self.reward.overlong_buffer > self.rollout.response_length:
-            raise ConfigError(
+            out.append(
                 f"reward.overlong_buffer must be <= rollout.response_length = {self.rollout.response_length} (the "
                 f"penalty ramps up over the last overlong_buffer tokens of the budget), got {self.reward.overlong_buffer}"
             )
         if self.async_training.weight_transport == "collective" and self.engine.kind != "vllm":
-            raise ConfigError(
+            out.append(
                 "async_training.weight_transport=collective needs engine.kind=vllm (the weight receiver is a vLLM "
                 f"worker extension); use disk or auto with engine.kind={self.engine.kind}"
             )
         longest = self.data.max_prompt_length + self.rollout.response_length
         if longest > self.engine.max_model_len:
-            raise ConfigError(
+            out.append(
                 f"engine.max_model_len must be >= data.max_prompt_length + rollout.response_length = {longest}, "
                 f"got {self.engine.max_model_len}"
             )
-        return self
+        out += task_problems(self)
+        return out
 
     def limits(self) -> dict[str, int]:
         """The effective limits the run enforces, printed at start."""
@@ -184,7 +207,11 @@ def build_config(data: Any) -> FullyAsyncConfig:
 
         data = OmegaConf.to_container(data, resolve=True)
     data = {k: v for k, v in data.items() if k != "hydra"}
-    return from_dict(FullyAsyncConfig, data).validate()
+    problems: list[str] = []
+    cfg = from_dict(FullyAsyncConfig, data, problems=problems)
+    collect(problems, cfg.validate)  # the other keys' problems too, with defaults in place of the ones refused above
+    raise_problems(problems)
+    return cfg
 
 
 def group_options(group: str) -> list[str]:
@@ -206,47 +233,73 @@ def _quote_tilde(override: str) -> str:
     return key + sep + _TILDE_ITEM.sub(lambda m: f"{m.group(1)}'{m.group(2).strip()}'", value)
 
 
-def expand_overrides(overrides: list[str]) -> list[str]:
+def expand_overrides(overrides: list[str], problems: list[str] | None = None, announce: bool = True) -> list[str]:
     """`logger=[console,wandb]` (a list of sinks) -> `logger.backends=[console,wandb]`; `logger=wandb` still picks the
-    shipped option logger/wandb.yaml. verl keys with the same meaning as ours (`actor_rollout_ref.rollout.n=8`) are
-    rewritten to ours (config/verl_keys.py), with a line on stderr; a `~` path is quoted for Hydra. Everything else is
-    returned unchanged."""
-    overrides = [_quote_tilde(o) for o in translate_verl_keys(overrides)]
-    return [
-        _LOGGER_LIST.sub(r"logger.backends=\1", o.strip()) if o.strip().startswith("logger=") else o for o in overrides
+    shipped option logger/wandb.yaml. verl keys are read as ours (config/verl_keys.py: renamed, converted or noted,
+    one line each on stderr unless `announce` is false); `data.synthetic_task=X` also selects `task=X`
+    (config/tasks.py); a `~` path is quoted for Hydra. Everything else is returned unchanged.
+
+    The verl keys that cannot be read are dropped and their problems appended to `problems`, or raised together
+    when no list is given."""
+    t = translate_verl_keys(overrides)
+    if announce:
+        t.announce()
+    if problems is None:
+        raise_problems(t.problems)
+    else:
+        problems.extend(t.problems)
+    out = [
+        _LOGGER_LIST.sub(r"logger.backends=\1", o.strip()) if o.strip().startswith("logger=") else o
+        for o in (_quote_tilde(o) for o in t.overrides)
     ]
+    return with_task_option(out, group_options(TASK_GROUP))
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Reject unknown keys and group options in command-line overrides before Hydra sees them.
+def check_overrides(overrides: list[str], problems: list[str] | None = None) -> list[str]:
+    """Reject unknown keys and group options in command-line overrides before Hydra sees them, all at once.
 
-    Hydra's own messages name neither the valid keys nor the closest one; ours do. `hydra.*` keys and
-    Hydra flags are left to Hydra.
-    """
+    Hydra's own messages name neither the valid keys nor the closest one; ours do. `hydra.*` keys and Hydra flags are
+    left to Hydra. Raises one ConfigError listing `problems` (those found earlier, e.g. by expand_overrides) and every
+    bad override; with `problems` given, appends instead and returns the good overrides (to validate the rest too)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    found: list[str] = []
+    good: list[str] = []
     try:
         parsed = OverridesParser.create().parse_overrides(overrides=overrides)
     except Exception as e:  # Hydra's grammar error: say which argument, keep its message
-        raise ConfigError(f"cannot parse overrides {overrides}: {e}") from e
-    for ov in parsed:
-        key = ov.key_or_group
-        if key == "hydra" or key.startswith("hydra."):
-            continue
-        if key in GROUPS and isinstance(ov.value(), str) and not ov.is_delete():
-            options = group_options(key)
-            if ov.value() not in options:
-                raise ConfigError(
-                    f"{key}={ov.value()} is not a shipped option of the '{key}' group; "
-                    f"choose one of {options}{suggest(ov.value(), options)}"
-                )
-            continue
-        _, err = schema_node(FullyAsyncConfig, key.split("."))
-        if err:
-            hint = verl_hint(key)
-            if hint:  # a verl key: its replacement instead of the nearest spelling
-                raise ConfigError(f"unknown config key '{key}'{hint}")
-            raise ConfigError(err)
+        found.append(f"cannot parse overrides {overrides}: {e}")
+        parsed = []
+    for raw, ov in zip(overrides, parsed):
+        problem = _override_problem(ov)
+        if problem:
+            found.append(problem)
+        else:
+            good.append(raw)
+    if problems is None:
+        raise_problems(found)
+    else:
+        problems.extend(found)
+    return good
+
+
+def _override_problem(ov: Any) -> str | None:
+    key = ov.key_or_group
+    if key == "hydra" or key.startswith("hydra."):
+        return None
+    if key in GROUPS and isinstance(ov.value(), str) and not ov.is_delete():
+        options = group_options(key)
+        if ov.value() not in options:
+            return (
+                f"{key}={ov.value()} is not a shipped option of the '{key}' group; "
+                f"choose one of {options}{suggest(ov.value(), options)}"
+            )
+        return None
+    _, err = schema_node(FullyAsyncConfig, key.split("."))
+    if err:
+        hint = verl_hint(key)
+        return f"unknown config key '{key}'{hint}" if hint else err  # a verl key: its replacement, not a spelling
+    return None
 
 
 def register_defaults() -> None:
@@ -260,15 +313,23 @@ def register_defaults() -> None:
 def compose(
     overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = PRIMARY_CONFIG
 ) -> FullyAsyncConfig:
-    """Compose a config with overrides, as the runner does, and validate it (tests, notebooks).
+    """Compose a config with overrides, as the runner does, and validate it (tests, notebooks, the runner's check
+    before Hydra runs). Raises one ConfigError listing every problem of the command line: verl keys that cannot be
+    read, unknown keys, and what validating the config composed from the other overrides finds.
 
     `config_dir`/`config_name` select another primary config (an example's), which lists `fully_async` in its
     defaults and `pkg://fully_async.config` in hydra.searchpath."""
+    problems: list[str] = []
+    overrides = check_overrides(expand_overrides(list(overrides or []), problems), problems)
+    cfg = collect(problems, _compose, overrides, config_dir, config_name)
+    raise_problems(problems)
+    return cfg
+
+
+def _compose(overrides: list[str], config_dir: str | Path | None, config_name: str) -> FullyAsyncConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = expand_overrides(list(overrides or []))
-    check_overrides(overrides)
     register_defaults()
     with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base=None):
         composed = hydra_compose(config_name=config_name, overrides=overrides)

@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import textwrap
 import types
 import typing
@@ -23,8 +24,38 @@ T = TypeVar("T")
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range.
 
-    The message always names the full key, the offending value and what is allowed.
+    The message always names the full key, the offending value and what is allowed. One ConfigError may hold several
+    problems (`problems`, one line each: `ConfigError.of`), so a command line is fixed in one pass, not one per run.
     """
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem this error reports (one, unless built by `of`)."""
+        return getattr(self, "_problems", None) or [str(self)]
+
+    @classmethod
+    def of(cls, problems: typing.Sequence[str]) -> ConfigError:
+        """One error listing every problem: the problem itself when there is one, else a numbered list."""
+        if len(problems) == 1:
+            return cls(problems[0])
+        err = cls(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+        err._problems = list(problems)
+        return err
+
+
+def collect(problems: list[str], fn: typing.Callable[..., T], *args: Any) -> T | None:
+    """fn(*args), with a ConfigError's problems appended to `problems` instead of raised (None then)."""
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
+
+
+def raise_problems(problems: typing.Sequence[str]) -> None:
+    """Raise one ConfigError listing `problems`, if there are any."""
+    if problems:
+        raise ConfigError.of(problems)
 
 
 def suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -73,8 +104,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Convert one YAML/CLI value to the annotated type, or raise ConfigError naming the key."""
+def _convert(value: Any, tp: Any, key: str, problems: list[str] | None = None) -> Any:
+    """Convert one YAML/CLI value to the annotated type, or raise ConfigError naming the key (a section's own keys'
+    problems go to `problems` when given, as in from_dict)."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -105,7 +137,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
+        return from_dict(tp, value, key, problems)
     if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, typing.Sequence):
             raise ConfigError(f"{key} must be a list, got {value!r}")
@@ -157,21 +189,30 @@ def _paths_value(value: Any, meta: Mapping[str, Any]) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "", problems: list[str] | None = None) -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys (with the nearest valid key, or the replacement
-    of a verl key) and wrong types."""
+    of a verl key) and wrong types: all of them in one ConfigError, or, with `problems` given, appended there and the
+    dataclass built with defaults in their place (so validation can report the other keys' problems too)."""
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     names = list(fields)
     kwargs: dict[str, Any] = {}
+    raise_now = problems is None
+    problems = [] if problems is None else problems
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in names:
             from fully_async.config.verl_keys import verl_hint
 
             hint = verl_hint(key) or suggest(str(name), names)
-            raise ConfigError(f"unknown config key '{key}'{hint}; valid keys here: {', '.join(names)}")
-        kwargs[name] = _convert(_paths_value(value, fields[name].metadata), hints[name], key)
+            problems.append(f"unknown config key '{key}'{hint}; valid keys here: {', '.join(names)}")
+            continue
+        before = len(problems)
+        converted = collect(problems, _convert, _paths_value(value, fields[name].metadata), hints[name], key, problems)
+        if len(problems) == before or dataclasses.is_dataclass(converted):  # a section keeps its good keys
+            kwargs[name] = converted
+    if raise_now:
+        raise_problems(problems)  # every unknown key and wrong type of the mapping at once
     return cls(**kwargs)
 
 
@@ -208,6 +249,16 @@ def schema_node(cls: type, path: typing.Sequence[str]) -> tuple[type | None, str
     return node, None
 
 
+DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""A plug-in path 'package.module:attribute' (agent loops, reward functions, tools, group_fn)."""
+
+
+def check_dotted(key: str, value: str | None) -> None:
+    """Raise ConfigError naming `key` unless `value` is null or a dotted path 'package.module:attribute'."""
+    if value is not None and not DOTTED_PATH.match(value):
+        raise ConfigError(f"{key} must be a dotted path 'package.module:attribute', got {value!r}")
+
+
 def require(cond: bool, key: str, value: Any, allowed: str) -> None:
     """Raise ConfigError('<key> must be <allowed>, got <value>') unless cond holds."""
     if not cond:
@@ -215,14 +266,17 @@ def require(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def validate_tree(cfg: Any, prefix: str = "") -> None:
-    """Call validate(prefix) on every nested dataclass section, children first."""
+    """Call validate_section(prefix) on every nested dataclass section, children first; one ConfigError lists the
+    first problem of every section."""
+    problems: list[str] = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            validate_tree(value, f"{prefix}{f.name}.")
+            collect(problems, validate_tree, value, f"{prefix}{f.name}.")
     own = getattr(cfg, "validate_section", None)
     if own is not None:
-        own(prefix)
+        collect(problems, own, prefix)
+    raise_problems(problems)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

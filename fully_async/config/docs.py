@@ -68,10 +68,10 @@ def render() -> str:
         "",
         "Set any key on the command line (`python -m fully_async.runner rollout.n=8 trainer.total_steps=50`) or in a",
         "YAML config; `python -m fully_async.runner --cfg job` prints the composed result. Unknown keys, wrong types and",
-        "out-of-range values stop the run with a `ConfigError` naming the key and what is allowed.",
+        "out-of-range values stop the run with one `ConfigError` that names every key at fault and what is allowed.",
         "",
         "Defaults are what `python -m fully_async.runner` composes with no overrides: the dataclass defaults in",
-        "`fully_async/config/sections.py`, then the default group options and `fully_async/config/fully_async.yaml`.",
+        "`fully_async/config/sections/`, then the default group options and `fully_async/config/fully_async.yaml`.",
         "",
         "## Config groups",
         "",
@@ -83,12 +83,15 @@ def render() -> str:
     for group in GROUPS:
         opts = []
         for name in group_options(group):
-            first = (CONFIG_DIR / group / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+            lines = (CONFIG_DIR / group / f"{name}.yaml").read_text().splitlines()
+            first = next(ln for ln in lines if "@package" not in ln).lstrip("# ").strip()  # the header, not Hydra's
             opts.append(f"`{group}={name}`: {_cell(first)}")
         out.append(f"| `{group}` | {'<br>'.join(opts)} |")
     out += [
         "",
         "`logger=[console,jsonl,wandb,tensorboard]` (a list) sets `logger.backends` to exactly those sinks.",
+        "`data.synthetic_task=X` alone also picks `task=X`: the built-in task's own settings, which the command line",
+        "still overrides.",
         "",
         "## Top level",
         "",

@@ -1,16 +1,25 @@
-"""verl 0.9.1 command-line keys a verl user types first, and what they are here.
+"""verl 0.9.1 command-line keys a verl user types first (its fully-async recipe's included), and what they are here.
 
-Two kinds (names checked against verl's `trainer/config/_generated_ppo_trainer.yaml`):
-- MAPPED: the same quantity under another name. `expand_overrides` rewrites `verl.key=value` to `our.key=value` and
-  says so once on stderr, so a verl script's command line runs unchanged where it can.
-- REPLACED: a different unit or mechanism. The override is refused with a ConfigError giving the exact replacement.
+Five kinds (names checked against verl's `trainer/config/_generated_ppo_trainer.yaml` and the fully-async recipe's
+`fully_async_ppo_trainer.yaml`):
+- MAPPED: the same quantity under another name. `verl.key=value` is rewritten to `our.key=value`, said once on stderr.
+- CHOICES: a verl value that names one of our settings (`actor_rollout_ref.rollout.name=sglang` -> `engine=sglang`).
+- SAME: a setting whose accepted values are what fully_async does anyway (`use_dynamic_bsz=True`): dropped with one
+  note line; any other value would change what verl does and is refused with the reason.
+- converted (`translate`): verl's units turned into ours with the arithmetic printed: `staleness_threshold` ->
+  `max_staleness`, the batch sizes (`data.train_batch_size`, `require_batches`, `ppo_mini_batch_size`) ->
+  `groups_per_step` and `num_mini_batches`, the rollout GPUs -> engine servers, `total_rollout_steps` -> trainer steps.
+- REPLACED: a different unit or mechanism with no one-to-one reading: refused with the exact replacement.
 
-Imports only the standard library.
+`translate` reads the whole command line in one pass and returns every problem at once. Imports only the standard
+library (and the config dataclasses for the defaults a conversion needs).
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from dataclasses import dataclass, field
 
 MAPPED: dict[str, str] = {
     "actor_rollout_ref.rollout.n": "rollout.n",
@@ -21,6 +30,7 @@ MAPPED: dict[str, str] = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "engine.gpu_memory_utilization",
     "actor_rollout_ref.rollout.max_model_len": "engine.max_model_len",
     "actor_rollout_ref.rollout.enforce_eager": "engine.enforce_eager",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "engine.tensor_parallel_size",
     "actor_rollout_ref.actor.optim.lr": "trainer.lr",
     "actor_rollout_ref.actor.optim.weight_decay": "trainer.weight_decay",
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "trainer.lr_warmup_steps",
@@ -44,22 +54,92 @@ MAPPED: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "data.max_response_length": "rollout.response_length",
-    # One verl prompt of a training batch is one group here (rollout.n samples): prompts per step = groups per step.
-    "data.train_batch_size": "async_training.groups_per_step",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.save_freq": "trainer.save_every",
     "trainer.project_name": "logger.project",
     "trainer.experiment_name": "logger.run_name",
     "trainer.logger": "logger.backends",
     "trainer.resume_from_path": "trainer.resume",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "rollout.multi_turn.max_parallel_calls",
+    "reward_model.overlong_buffer.len": "reward.overlong_buffer",
+    "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty",
+    # The fully-async recipe's own keys (recipe/fully_async_policy/config/fully_async_ppo_trainer.yaml).
+    "async_training.trigger_parameter_sync_step": "async_training.sync_every",
+    # The recipe's rollouter validates every test_freq parameter versions: our val_every's unit.
+    "rollout.test_freq": "trainer.val_every",
 }
 """verl key -> our key with the same meaning and unit."""
 
+_PROX = {"true": "algorithm.recompute_prox=false", "false": "algorithm.recompute_prox=true"}
+"""Training on the engine's log-probs as pi_old (verl's bypass) = not recomputing pi_prox here."""
+_TOOL_LOOP = "rollout.agent_loop=fully_async.agents.tool:ToolAgentLoop"
+_SINGLE_LOOP = "rollout.agent_loop=fully_async.agents.single_turn:SingleTurnAgentLoop"
+CHOICES: dict[str, dict[str, str]] = {
+    "actor_rollout_ref.rollout.name": {"vllm": "engine=vllm", "sglang": "engine=sglang"},
+    "actor_rollout_ref.actor.strategy": {"fsdp2": "trainer.strategy=fsdp2", "megatron": "trainer.strategy=megatron"},
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": {
+        "nccl": "async_training.weight_transport=collective",
+        "naive": "async_training.weight_transport=disk",
+    },
+    "actor_rollout_ref.actor.use_rollout_log_probs": _PROX,
+    "algorithm.rollout_correction.bypass_mode": _PROX,
+    "actor_rollout_ref.rollout.multi_turn.enable": {"true": _TOOL_LOOP, "false": _SINGLE_LOOP},
+    "actor_rollout_ref.rollout.agent.default_agent_loop": {"tool_agent": _TOOL_LOOP, "single_turn_agent": _SINGLE_LOOP},
+}
+"""verl key -> {verl value: our override}; another value is refused, naming the ones read."""
+
+_DYNAMIC = "dynamic batch size is always on here (micro-batches are cut at trainer.max_token_len_per_gpu tokens)"
+_MICRO = "a micro-batch size is unused with dynamic batch size (verl ignores it too when use_dynamic_bsz=True)"
+_OFFLOAD = (
+    "the trainer keeps parameters and optimizer state on its devices: verl's FSDP CPU offload is not wired into our "
+    "training backend (untested here without GPUs), so only false is accepted"
+)
+SAME: dict[str, tuple[tuple[str, ...], str]] = {
+    "data.gen_batch_size": (("1",), "prompts are admitted one group at a time"),
+    "data.return_raw_chat": (("true",), "prompts stay chat messages until the agent loop renders them"),
+    "data.truncation": (
+        ("error", "left", "right", "middle"),
+        "prompts are never cut here: a prompt over data.max_prompt_length is an error naming its file and row",
+    ),
+    "actor_rollout_ref.actor.use_dynamic_bsz": (("true",), _DYNAMIC),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (("true",), _DYNAMIC),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (("true",), _DYNAMIC),
+    "critic.use_dynamic_bsz": (("true",), _DYNAMIC),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ((), _MICRO),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ((), _MICRO),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": ((), _MICRO),
+    "critic.ppo_micro_batch_size_per_gpu": ((), _MICRO),
+    "actor_rollout_ref.rollout.calculate_log_probs": (("true",), "behaviour log-probs always come from the engine"),
+    "actor_rollout_ref.rollout.mode": (("async",), "engines are always asynchronous HTTP servers"),
+    "actor_rollout_ref.hybrid_engine": (("false",), "the trainer and the engines are always separate processes"),
+    "algorithm.use_kl_in_reward": (
+        ("false",),
+        "no KL penalty in the reward; a KL term is a loss here (algorithm.use_kl_loss=true)",
+    ),
+    "critic.strategy": (("fsdp2",), "the critic trains with the policy's trainer.strategy"),
+    "trainer.critic_warmup": (("0",), "the policy trains from the first step"),
+    "reward_model.overlong_buffer.enable": (
+        ("true",),
+        "the overlong penalty is on when reward.overlong_buffer > 0 (reward_model.overlong_buffer.len); leave len out "
+        "for off",
+    ),
+    "actor_rollout_ref.actor.fsdp_config.param_offload": (("false",), _OFFLOAD),
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (("false",), _OFFLOAD),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": (("false",), _OFFLOAD),
+    "critic.model.fsdp_config.param_offload": (("false",), _OFFLOAD),
+    "critic.model.fsdp_config.optimizer_offload": (("false",), _OFFLOAD),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
+        ("1",),
+        "no Ulysses sequence parallelism: every trainer rank holds whole sequences (long contexts: "
+        "trainer.strategy=megatron with trainer.context_parallel_size)",
+    ),
+}
+"""verl key -> (the values that are our behaviour anyway, lower case; () = any value, why). Accepted with one note
+line; another value is refused naming the key, the value and why."""
+
 REPLACED: dict[str, str] = {
-    "actor_rollout_ref.actor.ppo_mini_batch_size": "trainer.num_mini_batches=<data.train_batch_size / "
-    "ppo_mini_batch_size> (optimizer steps per trainer step; the step's size is async_training.groups_per_step)",
-    "actor_rollout_ref.rollout.name": "engine=vllm (or engine=sim); engines are config groups here",
-    "actor_rollout_ref.actor.strategy": "trainer.strategy=fsdp2 (or megatron)",
     "trainer.total_epochs": "trainer.total_steps=<epochs x dataset rows / async_training.groups_per_step> "
     "(we count trainer steps)",
     "trainer.test_freq": "trainer.val_every=<test_freq / async_training.sync_every> (validation runs every this "
@@ -69,15 +149,29 @@ REPLACED: dict[str, str] = {
     "compute_score(data_source, solution_str, ground_truth, extra_info) signature)",
     "custom_reward_function.name": "reward.sources=[{kind: package.module:function}] (the function is named in the "
     "dotted path)",
-    "algorithm.use_kl_in_reward": "algorithm.use_kl_loss=true (the KL term is a loss here, not a reward penalty)",
     "algorithm.filter_groups.max_num_gen_batches": "nothing: a filtered group frees its staleness slot and admission "
     "keeps generating until async_training.groups_per_step varying groups are queued (algorithm.filter_groups)",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": "engine.num_servers (one model replica per server; "
-    "engines are not tensor-parallel here)",
+    "async_training.use_trainer_do_validate": "trainer.val_every (validation runs on the rollout engines)",
+    "async_training.use_dynamic_resource_scheduling": "nothing: trainer GPUs do not join rollout",
+    "async_training.concurrent_samples_per_replica": "rollout.max_concurrent=<concurrent_samples_per_replica x "
+    "engine servers> (ours is the total over all servers)",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_tokens "
+    "(ours cuts tool responses in tokens, not characters)",
 }
 """verl key -> the exact replacement, where the meaning or unit differs."""
 
-_SECTIONS = sorted({k.split(".")[0] for k in [*MAPPED, *REPLACED]} - {"algorithm", "data", "trainer"})
+STALENESS = "async_training.staleness_threshold"
+TRAIN_BATCH = "data.train_batch_size"
+MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
+REQUIRE_BATCHES = "async_training.require_batches"
+ROLLOUT_NODES, ROLLOUT_GPUS = "rollout.nnodes", "rollout.n_gpus_per_node"
+ROLLOUT_STEPS = "rollout.total_rollout_steps"
+CONVERTED = (STALENESS, TRAIN_BATCH, MINI_BATCH, REQUIRE_BATCHES, ROLLOUT_NODES, ROLLOUT_GPUS, ROLLOUT_STEPS)
+"""verl keys whose value is converted to our unit (`translate`), with the arithmetic printed."""
+
+_OURS = {"algorithm", "async_training", "data", "rollout", "trainer"}
+"""Top-level sections verl and we share: an unknown key there gets the nearest of ours, not the migration table."""
+_SECTIONS = sorted({k.split(".")[0] for k in [*MAPPED, *REPLACED, *SAME, *CHOICES, *CONVERTED]} - _OURS)
 
 
 def verl_hint(key: str) -> str:
@@ -86,25 +180,206 @@ def verl_hint(key: str) -> str:
         return f" (verl's key; here it is {MAPPED[key]})"
     if key in REPLACED:
         return f" (verl's key; here use {REPLACED[key]})"
+    if key in SAME or key in CHOICES or key in CONVERTED:
+        return " (verl's key; read on the command line, see docs/migration-from-verl.md)"
     if key.split(".")[0] in _SECTIONS:
         return " (a verl section; its keys and ours are listed in docs/migration-from-verl.md)"
     return ""
 
 
-def translate(overrides: list[str], announce: bool = True) -> list[str]:
-    """Rewrite `verl.key=value` overrides of MAPPED keys to ours (a `+` / `++` prefix is kept); other overrides are
-    returned unchanged (REPLACED keys are refused later by check_overrides with their replacement).
+@dataclass
+class Translation:
+    """A command line with verl's keys read as ours."""
 
-    `announce`: print one line per rewritten key on stderr, so the run's command line and config agree."""
-    out = []
+    overrides: list[str]
+    """The command line with every read verl key replaced by ours (unread ones are left for the key check)."""
+    notes: list[str] = field(default_factory=list)
+    """One line per verl key read: what it became and why."""
+    problems: list[str] = field(default_factory=list)
+    """One line per verl key refused or a conversion that does not work out (the key is dropped from overrides)."""
+
+    def announce(self) -> None:
+        for note in self.notes:
+            print(f"fully_async: {note}", file=sys.stderr)
+
+
+def _plain(value: str) -> str:
+    """A command-line value as the user meant it: outer quotes off, case folded (True/true/TRUE)."""
+    return value.strip().strip("'\"").lower()
+
+
+def _number(key: str, value: str, problems: list[str], kind: type = int) -> int | float | None:
+    try:
+        number = kind(_plain(value))
+    except ValueError:
+        problems.append(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        return None
+    return number
+
+
+def translate(overrides: list[str]) -> Translation:
+    """Read a command line's verl keys as ours in one pass (a `+` / `++` prefix is kept); every problem is listed.
+
+    Arguments that are not `key=value` (Hydra flags) and keys that are not verl's pass through unchanged."""
+    out: list[tuple[str, str]] = []  # (our key, override) of what we produced, in order
+    plain: list[str] = []
+    given: dict[str, str] = {}  # converted verl keys -> value
+    t = Translation([])
     for o in overrides:
-        plus = len(o) - len(o.lstrip("+~"))
-        key, sep, value = o[plus:].partition("=")
-        ours = MAPPED.get(key.strip()) if sep else None
-        if ours is None:
-            out.append(o)
-            continue
-        out.append(f"{o[:plus]}{ours}={value}")
-        if announce:
-            print(f"fully_async: verl key {key.strip()} read as {ours}", file=sys.stderr)
+        plus = o[: len(o) - len(o.lstrip("+"))]
+        key, sep, value = o[len(plus) :].partition("=")
+        key = key.strip()
+        if not sep or key.startswith("~"):
+            plain.append(o)
+        elif key in MAPPED:
+            out.append((MAPPED[key], f"{plus}{MAPPED[key]}={value}"))
+            t.notes.append(f"verl key {key} read as {MAPPED[key]}")
+        elif key in CHOICES:
+            ours = CHOICES[key].get(_plain(value))
+            if ours is None:
+                t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(CHOICES[key])}")
+            else:
+                out.append((ours.partition("=")[0], ours))
+                t.notes.append(f"verl key {key}={value} read as {ours}")
+        elif key in SAME:
+            accepted, why = SAME[key]
+            if accepted and _plain(value) not in accepted:
+                t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
+            else:
+                t.notes.append(f"verl key {key}={value} is what fully_async does anyway, nothing to set: {why}")
+        elif key in CONVERTED:
+            given[key] = value
+        else:
+            plain.append(o)
+    mine = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in plain} | {
+        k: o.partition("=")[2] for k, o in out
+    }
+    out += _convert(given, mine, t)
+    if "engine.max_model_len" not in mine and any(MAPPED.get(k) == "rollout.response_length" for k in _keys(overrides)):
+        out.append(("engine.max_model_len", "engine.max_model_len=0"))
+        t.notes.append(
+            "verl derives the engine's context length from the prompt and response lengths: read as "
+            "engine.max_model_len=0 (= data.max_prompt_length + rollout.response_length)"
+        )
+    t.overrides = plain + _without_clashes(out, plain, t.problems)
+    return t
+
+
+def _keys(overrides: list[str]) -> list[str]:
+    return [o.lstrip("+").partition("=")[0].strip() for o in overrides]
+
+
+def _choices(choices: dict[str, str]) -> str:
+    return ", ".join(f"{v} (-> {ours})" for v, ours in choices.items())
+
+
+def _without_clashes(produced: list[tuple[str, str]], plain: list[str], problems: list[str]) -> list[str]:
+    """The produced overrides, less those whose key the command line also sets itself (the same value: dropped as a
+    repeat; another value: a problem, since the line would mean two things)."""
+    mine = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in plain}
+    kept, seen = [], {}
+    for key, override in produced:
+        value = override.partition("=")[2]
+        earlier = mine.get(key, seen.get(key))
+        if earlier is None:
+            seen[key] = value
+            kept.append(override)
+        elif _plain(earlier) != _plain(value):
+            problems.append(f"{key} is set twice, to {earlier} and (from a verl key) to {value}; keep one")
+    return kept
+
+
+def _convert(given: dict[str, str], mine: dict[str, str], t: Translation) -> list[tuple[str, str]]:
+    """The converted keys (CONVERTED) -> our overrides, the arithmetic in t.notes, what does not work out in
+    t.problems."""
+    from fully_async.config.sections import AsyncTrainingConfig
+
+    out: list[tuple[str, str]] = []
+
+    def put(key: str, value: int, why: str) -> None:
+        out.append((key, f"{key}={value}"))
+        t.notes.append(f"{why}: read as {key}={value}")
+
+    if STALENESS in given:
+        threshold = _number(STALENESS, given[STALENESS], t.problems, float)
+        if threshold is not None and threshold < 0:
+            t.problems.append(f"{STALENESS} must be >= 0, got {given[STALENESS]}")
+        elif threshold is not None:
+            put("async_training.max_staleness", math.ceil(threshold),
+                f"verl's {STALENESS}={given[STALENESS]} (a production budget) -> ceil = a hard bound in versions per "
+                "trajectory")  # fmt: skip
+    groups = _batch_sizes(given, t, put)
+    if groups is None:
+        groups = int(mine.get("async_training.groups_per_step") or AsyncTrainingConfig().groups_per_step)
+    if ROLLOUT_STEPS in given:
+        samples = _number(ROLLOUT_STEPS, given[ROLLOUT_STEPS], t.problems)
+        if samples is not None and samples >= 1:
+            put("trainer.total_steps", math.ceil(samples / groups),
+                f"verl's {ROLLOUT_STEPS}={samples} prompts / {groups} groups per step (rounded up)")  # fmt: skip
+        elif samples is not None:
+            t.problems.append(f"{ROLLOUT_STEPS} must be >= 1, got {samples}")
+    if ROLLOUT_NODES in given or ROLLOUT_GPUS in given:
+        nodes = _number(ROLLOUT_NODES, given.get(ROLLOUT_NODES, "1"), t.problems)
+        gpus = _number(ROLLOUT_GPUS, given.get(ROLLOUT_GPUS, "1"), t.problems)
+        tp = _number("engine.tensor_parallel_size", mine.get("engine.tensor_parallel_size", "1"), t.problems)
+        if None not in (nodes, gpus, tp):
+            if nodes < 1 or gpus < 1 or tp < 1 or (nodes * gpus) % tp:
+                t.problems.append(
+                    f"{ROLLOUT_NODES}={nodes} x {ROLLOUT_GPUS}={gpus} rollout GPUs must be >= 1 and a multiple of "
+                    f"the tensor-parallel size {tp} (one engine server per model replica)"
+                )
+            else:
+                put("engine.num_servers", nodes * gpus // tp,
+                    f"verl's {ROLLOUT_NODES}={nodes} x {ROLLOUT_GPUS}={gpus} rollout GPUs / tensor-parallel size {tp} "
+                    "= one engine server per replica")  # fmt: skip
     return out
+
+
+def _batch_sizes(given: dict[str, str], t: Translation, put) -> int | None:
+    """verl's batch sizes -> async_training.groups_per_step and trainer.num_mini_batches; the groups per step, or None
+    when the command line gives none. One verl prompt is one group here (rollout.n samples).
+
+    The fully-async recipe sets data.train_batch_size=0 and takes require_batches x ppo_mini_batch_size prompts per
+    trainer step, one optimizer step per mini-batch; verl's synchronous trainer takes train_batch_size prompts cut into
+    mini-batches of ppo_mini_batch_size."""
+    sizes = {k: _number(k, given[k], t.problems) for k in (TRAIN_BATCH, MINI_BATCH, REQUIRE_BATCHES) if k in given}
+    if None in sizes.values():
+        return None
+    for key, size in sizes.items():
+        if size < (0 if key == TRAIN_BATCH else 1):
+            t.problems.append(f"{key} must be >= {0 if key == TRAIN_BATCH else 1}, got {size}")
+            return None
+    batch, mini, required = sizes.get(TRAIN_BATCH), sizes.get(MINI_BATCH), sizes.get(REQUIRE_BATCHES)
+    if mini is None:
+        if required is not None:
+            t.problems.append(f"{REQUIRE_BATCHES}={required} needs {MINI_BATCH} (a trainer step is their product)")
+        elif batch == 0:
+            t.problems.append(
+                f"{TRAIN_BATCH}=0 is the fully-async recipe's 'derive it': pass {MINI_BATCH} (and {REQUIRE_BATCHES}), "
+                "or async_training.groups_per_step, for the prompts per trainer step"
+            )
+        elif batch is not None:
+            put("async_training.groups_per_step", batch, f"verl's {TRAIN_BATCH}={batch} prompts per step")
+            return batch
+        return None
+    if required is None and batch:  # verl's synchronous trainer: the batch cut into mini-batches
+        if batch % mini:
+            t.problems.append(f"{TRAIN_BATCH}={batch} must be a multiple of {MINI_BATCH}={mini}")
+            return None
+        put("async_training.groups_per_step", batch, f"verl's {TRAIN_BATCH}={batch} prompts per step")
+        put("trainer.num_mini_batches", batch // mini,
+            f"verl's {TRAIN_BATCH}={batch} / {MINI_BATCH}={mini} optimizer steps per pass")  # fmt: skip
+        return batch
+    required = required or 1
+    if batch and batch != required * mini:
+        t.problems.append(
+            f"{TRAIN_BATCH}={batch} disagrees with {REQUIRE_BATCHES}={required} x {MINI_BATCH}={mini} = "
+            f"{required * mini} prompts per step; set {TRAIN_BATCH}=0 as the recipe does"
+        )
+        return None
+    if batch == 0:
+        t.notes.append(f"verl key {TRAIN_BATCH}=0 is the recipe's 'derive it': the step's size comes from {MINI_BATCH}")
+    put("async_training.groups_per_step", required * mini,
+        f"verl's {REQUIRE_BATCHES}={required} x {MINI_BATCH}={mini} prompts per trainer step")  # fmt: skip
+    put("trainer.num_mini_batches", required, f"verl's {REQUIRE_BATCHES}={required} mini-batches per step")
+    return required * mini

@@ -22,14 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-TASK = [
-    "data.synthetic_task=guess",
-    "rollout.response_length=64",
-    "rollout.multi_turn.max_turns=2",
-    "rollout.multi_turn.max_tokens_per_turn=1",
-    "logger=[jsonl]",
-]
-"""The guess task's overrides: two one-token guesses, room for the environment's answer between them."""
+TASK = ["data.synthetic_task=guess", "logger=[jsonl]"]
+"""The guess task: its own settings (two one-token guesses, room for the environment's answer between them) come with
+it (fully_async/config/task/guess.yaml)."""
 
 
 def run(args: argparse.Namespace) -> None:

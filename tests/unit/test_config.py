@@ -243,7 +243,19 @@ VERL_MAPPED = [
     ("algorithm.rollout_correction.rollout_is", "sequence", "algorithm.rollout_is", "sequence"),
     ("algorithm.rollout_correction.rollout_is_threshold", "3.0", "algorithm.rollout_is_threshold", 3.0),
     ("data.max_response_length", "48", "rollout.response_length", 48),
-    ("data.train_batch_size", "16", "async_training.groups_per_step", 16),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", "2", "engine.tensor_parallel_size", 2),
+    ("async_training.trigger_parameter_sync_step", "4", "async_training.sync_every", 4),
+    ("rollout.test_freq", "5", "trainer.val_every", 5),
+    (
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+        "/t.yaml",
+        "rollout.multi_turn.tool_config_path",
+        "/t.yaml",
+    ),
+    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "3", "rollout.multi_turn.max_turns", 3),
+    ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls", "2", "rollout.multi_turn.max_parallel_calls", 2),
+    ("reward_model.overlong_buffer.len", "1", "reward.overlong_buffer", 1),
+    ("reward_model.overlong_buffer.penalty_factor", "0.5", "reward.overlong_penalty", 0.5),
     ("trainer.total_training_steps", "7", "trainer.total_steps", 7),
     ("trainer.save_freq", "5", "trainer.save_every", 5),
     ("trainer.project_name", "p", "logger.project", "p"),
@@ -272,13 +284,14 @@ def test_a_verl_key_with_our_meaning_is_read_as_ours(verl_key, value, ours, expe
 @pytest.mark.parametrize(
     ("override", "replacement"),
     [
-        ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.num_mini_batches=<data.train_batch_size / "),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=0", "must be >= 1"),
         ("trainer.total_epochs=3", "trainer.total_steps=<epochs x dataset rows"),
         ("trainer.test_freq=5", "trainer.val_every=<test_freq / async_training.sync_every>"),
         ("trainer.resume_mode=auto", "trainer.resume=auto"),
         ("+custom_reward_function.path=r.py", "reward.sources=[{kind: package.module:function}]"),
-        ("actor_rollout_ref.rollout.name=vllm", "engine=vllm"),
-        ("+actor_rollout_ref.actor.fsdp_config.param_offload=true", "docs/migration-from-verl.md"),
+        ("actor_rollout_ref.rollout.name=hf", "vllm (-> engine=vllm), sglang (-> engine=sglang)"),
+        ("+actor_rollout_ref.actor.fsdp_config.param_offload=true", "FSDP CPU offload is not wired"),
+        ("+actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "no Ulysses sequence parallelism"),
     ],
 )
 def test_a_verl_key_with_another_meaning_is_refused_with_its_replacement(override, replacement):

@@ -52,3 +52,12 @@ def test_multi_turn_metrics_only_for_multi_turn_batches():
         t.timings["env_s"] = 0.5 * env
     m = batch_metrics(groups, trainer_version=0)
     assert m["agent/env_turns/mean"] == 1.0 and m["timing_s/agent_loop/env_turns/max"] == 1.0
+
+
+def test_trajectory_records_carry_turns_and_tool_calls():
+    from fully_async.metrics import trajectory_records
+
+    single, multi = make_group(0), make_group(1)
+    multi.trajectories[0].reward_info.update(turns=3, tool_calls=2)
+    records = trajectory_records([single, multi], step=1, trainer_version=0)
+    assert [(r["turns"], r["tool_calls"]) for r in records] == [(1, 0), (1, 0), (3, 2), (1, 0)]

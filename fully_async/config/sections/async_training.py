@@ -1,0 +1,56 @@
+"""async_training: the staleness bound, the weight-sync cadence and transport, the step's size in groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fully_async.config.base import require
+
+
+@dataclass
+class AsyncTrainingConfig:
+    max_staleness: int = 1
+    """Staleness bound eta in versions: no trajectory with trainer_version - min_token_version > eta is trained; 0 = synchronous on-policy."""
+    sync_every: int = 1
+    """Trainer steps per weight sync; every sync bumps the version by one."""
+    partial_rollout: bool = True
+    """At a weight sync keep the tokens generated so far and continue under the new weights (false: restart the sample)."""
+    groups_per_step: int = 8
+    """Prompt groups (rollout.n samples each) consumed by one trainer step."""
+    queue_capacity: int = 0
+    """MessageQueue capacity in groups; 0 = (max_staleness + 1) * groups_per_step * sync_every, what the bound can fill."""
+    get_timeout_s: float = 1800.0
+    """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
+    sync_timeout_s: float = 300.0
+    """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
+    drain_on_sync: bool = False
+    """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
+    weight_transport: Literal["disk", "collective", "auto"] = "auto"
+    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
+    bucket_mb: int = 16
+    """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
+
+    @property
+    def groups_per_version(self) -> int:
+        """Groups consumed between two weight syncs."""
+        return self.groups_per_step * self.sync_every
+
+    def effective_queue_capacity(self) -> int:
+        return self.queue_capacity or (self.max_staleness + 1) * self.groups_per_version
+
+    def validate_section(self, p: str) -> None:
+        require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, ">= 0")
+        require(self.sync_every >= 1, p + "sync_every", self.sync_every, ">= 1")
+        require(self.groups_per_step >= 1, p + "groups_per_step", self.groups_per_step, ">= 1")
+        bound = (self.max_staleness + 1) * self.groups_per_version
+        require(
+            self.queue_capacity == 0 or self.queue_capacity >= bound,
+            p + "queue_capacity",
+            self.queue_capacity,
+            f"0 (derived) or >= (max_staleness + 1) * groups_per_step * sync_every = {bound}, what admission can fill "
+            "(a smaller queue would stall producers that the staleness rule already admitted)",
+        )
+        require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
+        require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
+        require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")

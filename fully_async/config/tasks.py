@@ -1,0 +1,50 @@
+"""The built-in tasks' own settings: `task=<name>` selects config/task/<name>.yaml, which sets data.synthetic_task and
+whatever else the task needs to run as named (the guess task: two one-token turns and room for the environment's
+answer). `data.synthetic_task=<name>` on the command line selects the same option unless `task=` is given too, so
+naming the task alone is enough; the command line still overrides any key the option sets.
+
+A synthetic task configured so that it cannot work (the guess task with one turn) is refused by `task_problems`.
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fully_async.config.sections import GUESS_LOOP
+
+if TYPE_CHECKING:
+    from fully_async.config import FullyAsyncConfig
+
+TASK_GROUP = "task"
+TASK_KEY = "data.synthetic_task"
+
+
+def with_task_option(overrides: list[str], options: list[str]) -> list[str]:
+    """`data.synthetic_task=X` (a shipped task option) without a `task=` override -> also `task=X` (Hydra applies
+    the command line's keys after the option's, so they still win)."""
+    keys = [o.lstrip("+").partition("=")[0].strip() for o in overrides]
+    if TASK_GROUP in keys or TASK_KEY not in keys:
+        return overrides
+    value = overrides[keys.index(TASK_KEY)].partition("=")[2].strip().strip("'\"")
+    return [f"{TASK_GROUP}={value}", *overrides] if value in options else overrides
+
+
+def task_problems(cfg: FullyAsyncConfig) -> list[str]:
+    """Why the configured built-in task cannot run as named, one line per reason (none: it can)."""
+    if cfg.data.train_files or cfg.data.synthetic_task != "guess" or cfg.agent_loop_path() != GUESS_LOOP:
+        return []
+    turns = cfg.rollout.multi_turn
+    out = []
+    if turns.max_turns < 2:
+        out.append(
+            f"rollout.multi_turn.max_turns must be >= 2 for data.synthetic_task=guess (the digit is told only after a "
+            f"first wrong guess), got {turns.max_turns}; task=guess sets the task's settings"
+        )
+    if not 1 <= turns.max_tokens_per_turn < cfg.rollout.response_length:
+        out.append(
+            f"rollout.multi_turn.max_tokens_per_turn must be in [1, rollout.response_length = "
+            f"{cfg.rollout.response_length}) for data.synthetic_task=guess (a guess is one token and the environment's "
+            f"answer needs room after it), got {turns.max_tokens_per_turn}; task=guess sets the task's settings"
+        )
+    return out

@@ -1,0 +1,84 @@
+"""The runner's checks before Ray starts (fully_async/preflight.py): a wrong model path or a broken data file answers
+in seconds with our own one line, exit code 2, not as a RayTaskError after the engines are placed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fully_async.config import ConfigError, compose
+from fully_async.data import DataError
+from fully_async.preflight import check_data, preflight
+
+REPO = Path(__file__).resolve().parents[2]
+ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "user", "content": "1+1?"}],
+    "reward_model": {"ground_truth": "2"},
+}
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "", "HF_HUB_OFFLINE": "1"}
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fully_async.runner", *overrides, f"hydra.run.dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    return out, time.monotonic() - started
+
+
+def _before_ray(out: subprocess.CompletedProcess, elapsed: float) -> None:
+    assert out.returncode == 2, out.stderr
+    assert "RayTaskError" not in out.stderr and "Traceback" not in out.stderr
+    assert "run dir" not in out.stdout  # printed only once the checks passed, right before Ray starts
+    assert elapsed < 20, f"{elapsed:.1f} s"  # a few seconds on an idle machine (docs/migration-from-verl.md)
+
+
+def test_a_missing_model_path_is_refused_before_ray(tmp_path):
+    out, elapsed = _run(tmp_path, "model.path=/nonexistent")
+    _before_ray(out, elapsed)
+    assert "ConfigError: model.path must be an existing Hugging Face model directory" in out.stderr
+
+
+def test_a_broken_data_file_is_refused_before_ray_naming_the_row(tmp_path):
+    bad = _jsonl(tmp_path / "train.jsonl", [ROW, {"prompt": "no source", "reward_model": {"ground_truth": "1"}}])
+    out, elapsed = _run(tmp_path, f"data.train_files={bad}")
+    _before_ray(out, elapsed)
+    assert f"DataError: {bad}:line 2: missing field 'data_source'" in out.stderr
+
+
+def test_preflight_returns_the_model_directory_and_reads_the_data(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    train = _jsonl(tmp_path / "train.jsonl", [ROW])
+    assert preflight(compose([f"model.path={model}", f"data.train_files={train}"])) == model.resolve()
+    missing = [f"model.path={tmp_path}/none", f"data.train_files={tmp_path}/none.jsonl"]
+    assert preflight(compose(missing), plan_only=True) is None  # --plan needs neither
+    (model / "config.json").unlink()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        preflight(compose([f"model.path={model}"]))
+
+
+def test_a_hub_id_not_in_the_local_cache_is_refused_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="hub id 'org/not-here' is not in the local Hugging Face cache"):
+        preflight(compose(["model.path=org/not-here"]))
+
+
+def test_validation_files_are_read_only_when_validation_runs(tmp_path):
+    bad = _jsonl(tmp_path / "val.jsonl", [{"data_source": "x"}])
+    check_data(compose([f"data.val_files={bad}"]))  # trainer.val_every=0: never read by the run
+    with pytest.raises(DataError, match="val.jsonl:line 1: missing field 'prompt'"):
+        check_data(compose([f"data.val_files={bad}", "trainer.val_every=1"]))
