@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config.base import (
+    KEY_HINTS,
     ConfigError,
     collect,
     field_docs,
@@ -56,6 +57,8 @@ from fully_async.config.verl_keys import verl_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent
 PRIMARY_CONFIG = "fully_async"
+KEY_HINTS.append(verl_hint)  # unknown-key messages name the verl key a user may have meant
+
 GROUPS = ("engine", "trainer", "reward", "data", "model", "logger", TASK_GROUP)
 
 __all__ = [

@@ -189,6 +189,11 @@ def _paths_value(value: Any, meta: Mapping[str, Any]) -> Any:
     return value
 
 
+KEY_HINTS: list[typing.Callable[[str], str]] = []
+"""Functions key -> a hint for an unknown key ('' where they know nothing), asked before the spelling suggestion.
+fully_async.config adds verl's key table here, so this module needs no import of it (no import circle)."""
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "", problems: list[str] | None = None) -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys (with the nearest valid key, or the replacement
     of a verl key) and wrong types: all of them in one ConfigError, or, with `problems` given, appended there and the
@@ -202,9 +207,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "", problems:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in names:
-            from fully_async.config.verl_keys import verl_hint
-
-            hint = verl_hint(key) or suggest(str(name), names)
+            hint = next((h for h in (known(key) for known in KEY_HINTS) if h), "") or suggest(str(name), names)
             problems.append(f"unknown config key '{key}'{hint}; valid keys here: {', '.join(names)}")
             continue
         before = len(problems)
