@@ -13,8 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from fully_async.config import ConfigError, EngineConfig
-from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling
 from fully_async.engines.client import EngineClient
+from fully_async.engines.errors import EngineError
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.types import GenerationResult, Sampling
 
 __all__ = ["EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine"]
 
