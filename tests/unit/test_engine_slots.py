@@ -78,6 +78,13 @@ async def test_a_removed_server_is_retired_and_never_picked_again():
     await client.close()
 
 
+async def test_the_pool_retires_a_server_it_removes_on_its_own():
+    pool = sim_pool(2)
+    epoch = pool.epoch
+    await pool.remove(1)  # no client in front: the pool itself takes it out of rotation and of the weight group
+    assert pool.slots[1] is S.RETIRED and pool.live == [0] and pool.epoch == epoch + 1
+
+
 async def test_a_stale_server_gets_the_next_sync_and_serves_again():
     pool = sim_pool(2)
     pool.slots.mark_stale(1)
