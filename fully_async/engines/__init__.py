@@ -1,4 +1,5 @@
 """Inference engines behind one interface: `build_engine` gives an `EngineServers` pool, `EngineClient` talks to it.
+Which module holds what: docs/engines.md (the table at the top).
 
 servers = build_engine(cfg.engine, resolve_model_path(cfg.model), run_dir)
 servers.start()                                   # blocks until every server is healthy

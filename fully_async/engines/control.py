@@ -35,7 +35,7 @@ class ControlPlane:
         self.pool = pool
         self.deadline_s = deadline_s
 
-    # ---- pool-wide operations ------------------------------------------------------------------------------------------
+    # ---- pool-wide operations ----------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort") -> None:
         """abort: in-flight requests return their tokens so far (the client continues them after resume);
         keep: they freeze and finish after resume."""
@@ -80,7 +80,7 @@ class ControlPlane:
         if errors:
             raise EngineError("; ".join(str(e) for e in errors))
 
-    # ---- weight syncs ----------------------------------------------------------------------------------------------------
+    # ---- weight syncs ------------------------------------------------------------------------------------------------
     async def load_weights(
         self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
     ) -> None:
@@ -139,7 +139,7 @@ class ControlPlane:
         nodes = [self.pool.node_of(i)["node_id"] if node_dirs else None for i in indices]
         await self.reload(weights_dir, node_dirs, [self.pool.procs[i] for i in indices], nodes)
 
-    # ---- the fan-out -----------------------------------------------------------------------------------------------------
+    # ---- the fan-out -------------------------------------------------------------------------------------------------
     async def call_all(
         self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
     ) -> list[Any]:

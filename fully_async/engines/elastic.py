@@ -103,9 +103,32 @@ async def leave(pool: Any, index: int, drained: Any = None) -> None:
     pool.pool_events.append(("leave", index, url, None))
 
 
+async def bring_current(pool: Any, indices) -> None:
+    """Servers `indices` of `pool`, healthy again (started or restarted): the current weights (or STALE where their
+    node has no copy yet), the current version, and paused when the pool is."""
+    urls = [pool.procs[i].url for i in indices]
+    if pool.weights_dir is not None:
+        try:
+            await pool.control.reload_indices(pool.weights_dir, pool.node_dirs, list(indices))
+        except EngineError as e:
+            # Multi-node disk weights: a server replaced onto a node that has no copy yet cannot read the
+            # trainer's directory. It waits out of rotation (stale) for the next sync, which copies to its node.
+            uncopied = [i for i in indices if pool.node_dirs and pool.node_of(i)["node_id"] not in pool.node_dirs]
+            if not uncopied:
+                raise
+            logger.warning("servers %s have no copy of the weights on their node yet (%s); they serve from the "
+                           "next sync on", [pool.procs[i].url for i in uncopied], e)  # fmt: skip
+            for i in uncopied:
+                pool.slots.mark_stale(i)
+            pool.epoch += 1
+    await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
+    if pool.state.paused:  # back during a sync: paused like the others until its resume
+        await pool.control.call_all("pause", pool.pause_call("abort"), urls)
+
+
 def relaunch(pool: Any, index: int) -> None:
-    """Start server `index` of `pool` again and wait until healthy (weights not loaded yet). A server whose engine host is
-    gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
+    """Start server `index` of `pool` again and wait until healthy (weights not loaded yet). A server whose engine
+    host is gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
     proc = pool.procs[index]
     pool.epoch += 1  # its workers are new processes: any weight group it was in is gone
     if pool.stale_on_return and pool.slots[index] is SlotState.SERVING:

@@ -24,7 +24,7 @@ from typing import Any
 from fully_async.config import EngineConfig
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
-from fully_async.engines.elastic import join, leave, relaunch
+from fully_async.engines.elastic import bring_current, join, leave, relaunch
 from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import Slots, SlotState
@@ -100,7 +100,8 @@ class EngineServers(EngineKind):
     @property
     def serving(self) -> list[int]:
         """Servers in the pool and not down: pool-wide control calls go to these (stale ones too: the next sync must
-        reach them); one that comes back gets the current weights and version before it serves (`_after_start`)."""
+        reach them); one that comes back gets the current weights and version before it serves
+        (`elastic.bring_current`)."""
         return self.slots.indices(SlotState.SERVING, SlotState.STALE)
 
     @property
@@ -202,7 +203,7 @@ class EngineServers(EngineKind):
             logger.error("the engine router died (log %s); restarting it", self.router.proc.log_path)
             self.router.restart(self.routed_urls(), self.cfg.startup_timeout_s)
 
-    # ---- control plane (control.py), as the pool's own calls -----------------------------------------------------------
+    # ---- control plane (control.py), as the pool's own calls ---------------------------------------------------------
     @property
     def membership(self) -> asyncio.Lock:
         """Held while the pool's members or their weights change (a sync's reload and version, a join, a rejoin), so a
@@ -231,7 +232,7 @@ class EngineServers(EngineKind):
         """`method(spec)` on every worker of server `index`; the workers' answers."""
         return await self.control.rpc(self.procs[index].url, method, spec, timeout_s)
 
-    # ---- weights (control.py) -------------------------------------------------------------------------------------------
+    # ---- weights (control.py) ----------------------------------------------------------------------------------------
     async def load_weights(
         self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
     ) -> None:
@@ -252,29 +253,7 @@ class EngineServers(EngineKind):
                    for i in self.live if i not in down]  # fmt: skip
         return {"epoch": self.epoch, "servers": servers}
 
-    async def _after_start(self, indices) -> None:
-        """Servers `indices`, healthy again: the current weights (or STALE where their node has no copy yet), the
-        current version, and paused when the pool is."""
-        urls = [self.procs[i].url for i in indices]
-        if self.weights_dir is not None:
-            try:
-                await self.control.reload_indices(self.weights_dir, self.node_dirs, list(indices))
-            except EngineError as e:
-                # Multi-node disk weights: a server replaced onto a node that has no copy yet cannot read the
-                # trainer's directory. It waits out of rotation (stale) for the next sync, which copies to its node.
-                uncopied = [i for i in indices if self.node_dirs and self.node_of(i)["node_id"] not in self.node_dirs]
-                if not uncopied:
-                    raise
-                logger.warning("servers %s have no copy of the weights on their node yet (%s); they serve from the "
-                               "next sync on", [self.procs[i].url for i in uncopied], e)  # fmt: skip
-                for i in uncopied:
-                    self.slots.mark_stale(i)
-                self.epoch += 1
-        await self.control.call_all("set version", self.set_version_call(self.state.version), urls)
-        if self.state.paused:  # back during a sync: paused like the others until its resume
-            await self.control.call_all("pause", self.pause_call("abort"), urls)
-
-    # ---- lifecycle -----------------------------------------------------------------------------------------------------
+    # ---- lifecycle ---------------------------------------------------------------------------------------------------
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:
         name, log_path = f"{self.kind}-{index}", self.run_dir / "engines" / f"{self.kind}-{index}.log"
         if host is None and self.hosts is not None and index < len(self.hosts):
@@ -303,7 +282,7 @@ class EngineServers(EngineKind):
                 p.launch()
             for p in self.procs:
                 p.wait_healthy(self.cfg.startup_timeout_s)
-            run_sync(self._after_start(range(len(self.procs))))
+            run_sync(bring_current(self, range(len(self.procs))))
             self.router = self.make_router()
             if self.router is not None:
                 self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
@@ -325,7 +304,7 @@ class EngineServers(EngineKind):
         """Restart server `index` with the latest weights and version (replaced on another node when its engine host
         is gone; see `relaunch`). Blocks until healthy."""
         self.relaunch(index)
-        run_sync(self._after_start([index]))
+        run_sync(bring_current(self, [index]))
         self.slots.back_up(index, stale=self.stale_on_return)
         self.sync_router()
 
@@ -334,7 +313,7 @@ class EngineServers(EngineKind):
         under `membership`, so a sync's reload and version never interleave with it."""
         await asyncio.to_thread(self.relaunch, index)
         async with self.membership:
-            await self._after_start([index])
+            await bring_current(self, [index])
             self.slots.back_up(index, stale=self.stale_on_return)
         await self.sync_router_async()  # back (or replaced at a new address): the router sends to it again
 
@@ -346,7 +325,7 @@ class EngineServers(EngineKind):
         """Whether server `index` can move to a new engine host (hosts placed by Ray and a factory for more)."""
         return self.host_factory is not None and hasattr(self.procs[index], "host_alive")
 
-    # ---- elastic changes (elastic.py) -----------------------------------------------------------------------------------
+    # ---- elastic changes (elastic.py) --------------------------------------------------------------------------------
     async def add(self, count: int = 1) -> list[int]:
         """Start `count` more servers; each joins once it holds the current weights and version (`elastic.join`)."""
         if self._growing_lock is None:

@@ -202,8 +202,9 @@ def _group_gone(pgid: int, timeout: float) -> bool:
 
 
 def node_of(proc: Any) -> dict[str, Any]:
-    """{"node_id", "node_ip", "host"} of a server process: a `RemoteServer`'s engine host node and handle (engines/host.py);
-    node_id None for a child of this process or a server attached by address (this process's node)."""
+    """{"node_id", "node_ip", "host"} of a server process: a `RemoteServer`'s engine host node and handle
+    (engines/host.py); node_id None for a child of this process or a server attached by address (this process's
+    node)."""
     if hasattr(proc, "node"):  # a RemoteServer: its engine host's node
         return {**proc.node, "host": proc.host}
     return {"node_id": None, "node_ip": None, "host": None}

@@ -38,11 +38,12 @@ class EngineService:
         self.join_s: list[float] = []
         """Seconds each `add` took, from the call to every new server holding the current weights."""
 
-    # ---- weight transports ----------------------------------------------------------------------------------------------
+    # ---- weight transports -------------------------------------------------------------------------------------------
     def nodes(self) -> list[dict[str, Any]]:
         """Per engine server in the pool and not down: {"node_id", "node_ip", "host"} (its engine host's node and
         handle; a server that is a child of this process has this process's node and no host). The disk transport
-        copies weights by it; one that is down (its node may be gone) gets its copy at the next sync after it is back."""
+        copies weights by it; one that is down (its node may be gone) gets its copy at the next sync after it is
+        back."""
         import ray
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
@@ -57,7 +58,7 @@ class EngineService:
         client holds down), each with its index, URL and worker count."""
         return self.servers.layout(self.servers.down)
 
-    # ---- fully_async.ctl engines ----------------------------------------------------------------------------------------
+    # ---- fully_async.ctl engines -------------------------------------------------------------------------------------
     async def rows(self) -> list[dict[str, Any]]:
         """One row per server slot: index, url, state (serving, down, removed), requests in flight, seconds busy so
         far, and the Ray node it runs on (None for a child process of this one)."""
@@ -110,8 +111,8 @@ class EngineService:
     def stats(self) -> dict[str, Any]:
         """The pool's size and changes so far (the Rollouter's `pool` stats)."""
         replacements = sum(1 for e in self.servers.pool_events if e[0] == "replace")
-        return {"size": len(self.servers.live), "joins": self.joins, "leaves": self.leaves,
-                "replacements": replacements, "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
+        return {"size": len(self.servers.live), "joins": self.joins, "leaves": self.leaves, "replacements": replacements,
+                "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
 
     def _trace(self, lane: str, name: str, start: float, **fields: Any) -> None:
         if self.tracer is not None:

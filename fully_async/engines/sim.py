@@ -309,7 +309,7 @@ class SimServers(VLLMControlCalls, EngineServers):
     def make_control(self) -> ControlPlane:
         return SimControl(self, self.cfg.control_timeout_s)
 
-    # ---- adapter hooks (the same endpoint descriptions as vLLM's) --------------------------------------------------------
+    # ---- adapter hooks (the same endpoint descriptions as vLLM's) ----------------------------------------------------
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         raise EngineError("engine=sim launches no server processes")
 
