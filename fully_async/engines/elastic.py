@@ -126,6 +126,17 @@ async def bring_current(pool: Any, indices) -> None:
         await pool.control.call_all("pause", pool.pause_call("abort"), urls)
 
 
+def came_back(pool: Any, index: int) -> None:
+    """Server `index`, restarted and brought current, serves again; or, where the current weights are in no directory
+    (collective transport), waits as STALE for the next sync. A server that was down may have missed a weight group
+    formed meanwhile without it: the epoch moves, so the next sync re-forms the group with it (else that group's
+    "every server received it" would clear a mark it never reached)."""
+    was_down = pool.slots[index] is SlotState.DOWN
+    pool.slots.back_up(index, stale=pool.stale_on_return)
+    if was_down and pool.slots[index] is SlotState.STALE:
+        pool.epoch += 1
+
+
 def relaunch(pool: Any, index: int) -> None:
     """Start server `index` of `pool` again and wait until healthy (weights not loaded yet). A server whose engine
     host is gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""

@@ -24,7 +24,7 @@ from typing import Any
 from fully_async.config import EngineConfig
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
-from fully_async.engines.elastic import bring_current, join, leave, relaunch
+from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
 from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import Slots, SlotState
@@ -305,7 +305,7 @@ class EngineServers(EngineKind):
         is gone; see `relaunch`). Blocks until healthy."""
         self.relaunch(index)
         run_sync(bring_current(self, [index]))
-        self.slots.back_up(index, stale=self.stale_on_return)
+        came_back(self, index)
         self.sync_router()
 
     async def restart_async(self, index: int) -> None:
@@ -314,7 +314,7 @@ class EngineServers(EngineKind):
         await asyncio.to_thread(self.relaunch, index)
         async with self.membership:
             await bring_current(self, [index])
-            self.slots.back_up(index, stale=self.stale_on_return)
+            came_back(self, index)
         await self.sync_router_async()  # back (or replaced at a new address): the router sends to it again
 
     def relaunch(self, index: int) -> None:

@@ -94,3 +94,32 @@ async def test_a_stale_server_gets_the_next_sync_and_serves_again():
     await pool.load_weights("/tmp", 2)  # a disk sync reloads every serving server, stale ones included
     assert pool.stale == frozenset() and [e.version for e in pool.engines] == [2, 2]
     assert pool.engines[1].reloads == ["/tmp"]
+
+
+async def test_a_dead_server_back_on_old_weights_is_stale_until_a_group_formed_after_its_return_reaches_it(tmp_path):
+    import asyncio
+
+    from fully_async.engines.elastic import bring_current, came_back
+    from tests.fakes import FakeEngine
+
+    fakes = [await FakeEngine().start() for _ in range(2)]
+    pool = build_engine(EngineConfig(control_timeout_s=5.0), "/nonexistent", tmp_path, addresses=[f.url for f in fakes])
+    try:
+        await pool.weights_received(2, pool.epoch)  # a collective sync: version 2 exists in no directory
+        pool.server_died(1)
+        await pool.restart_async(1)
+        assert pool.slots[1] is S.STALE and fakes[1].version == "2"  # labelled, but on its start-up weights
+        pool.server_died(1)
+        # restart_async step by step, with the next sync's weight group formed while the server is still down
+        await asyncio.to_thread(pool.relaunch, 1)
+        layout = pool.layout(pool.down)
+        async with pool.membership:
+            await bring_current(pool, [1])
+            came_back(pool, 1)
+        await pool.weights_received(3, layout["epoch"])  # that group never reached it
+        assert pool.stale == {1}
+        await pool.weights_received(4, pool.layout(pool.down)["epoch"])  # a group formed after its return
+        assert pool.stale == frozenset() and pool.serving == [0, 1]
+    finally:
+        for f in fakes:
+            await f.stop()
