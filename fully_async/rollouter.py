@@ -29,6 +29,7 @@ from fully_async.agents import Sample, build_agent_loop
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import DataError, EpochCursor, PromptRow, load_rows, synthetic_rows
 from fully_async.engines.auth import TOKEN_ENV
+from fully_async.engines.service import EngineService
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.handles import NAMESPACE
 from fully_async.host import device as run_device
@@ -112,7 +113,8 @@ class Rollouter:
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
         self._paused_at: float | None = None
         self._filtered: list[dict[str, Any]] = []
-        self._pool: dict[str, Any] = {"joins": 0, "leaves": 0, "join_s": []}
+        self.engine_service: EngineService | None = None
+        """The engine pool's calls (engines/service.py), once `start` has started the pool and its client."""
         self._c = {"groups_pushed": 0, "groups_failed": 0, "groups_dropped_by_reward": 0, "samples": 0, "tokens": 0,
                    "aborted_samples": 0, "groups_filtered": 0}  # fmt: skip
 
@@ -174,6 +176,7 @@ class Rollouter:
             await self.servers.set_version(self.ledger.version)
         self.client = EngineClient(self.servers)
         self.client.on_segment = self._trace_segment
+        self.engine_service = EngineService(self.servers, self.client, self.tracer)
         self.tracer.meta(engines=len(self.servers.addresses))
         if self._tune_gc:
             tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
@@ -423,26 +426,12 @@ class Rollouter:
         self.ledger.on_sync(version)
 
     def engine_nodes(self) -> list[dict[str, Any]]:
-        """Per engine server in the pool and not down: {"node_id", "node_ip", "host"} (its engine host's node and
-        handle; a server that is a child of this actor has this actor's node and no host). The disk transport copies
-        weights by it."""
-        import ray
-
-        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-        out = []
-        for i in self.servers.live:
-            if (
-                i in self.servers.down
-            ):  # dead or being replaced (its node may be gone): the next sync after it is back copies
-                continue
-            server = self.servers.node_of(i)
-            out.append(server if server["node_id"] is not None else {**server, "node_id": here})
-        return out
+        """Per engine server that a weight copy must reach: its node (the disk transport; `EngineService.nodes`)."""
+        return self.engine_service.nodes()
 
     def engine_layout(self) -> dict[str, Any]:
-        """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
-        client holds down), each with its index, URL and worker count."""
-        return self.servers.layout(self.servers.down)
+        """The pool's epoch and the servers a weight group spans now (the collective transport)."""
+        return self.engine_service.layout()
 
     async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
         """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
@@ -464,79 +453,21 @@ class Rollouter:
         if val_every and self.ledger.version % val_every == 0 and self.val_rows:
             self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
 
-    # -- elastic engine pool (fully_async.ctl engines) ------------------------------------------------------------------
+    # -- elastic engine pool (fully_async.ctl engines; engines/service.py) ---------------------------------------------
     async def engines(self) -> list[dict[str, Any]]:
-        """One row per server slot: index, url, state (serving, down, removed), requests in flight, seconds busy so
-        far, and the Ray node it runs on (None for a child process of this actor)."""
-        servers, client = getattr(self, "servers", None), getattr(self, "client", None)
-        if servers is None or client is None:
-            return []
-        client._grow()
-        busy = client.busy_seconds()
-
-        async def node(proc: Any) -> str | None:
-            if getattr(proc, "host", None) is None:
-                return None
-            try:
-                return (await asyncio.wait_for(proc.host.where.remote(), 10))["node_id"]
-            except Exception:  # the host (or its node) is gone: that is what the state column says
-                return None
-
-        nodes = await asyncio.gather(*(node(p) for p in servers.procs))
-        rows = []
-        for i, proc in enumerate(servers.procs):
-            state = "removed" if i in servers.retired else "down" if i in client.down else "serving"
-            rows.append({"index": i, "url": proc.url, "state": state, "in_flight": client.outstanding[i],
-                         "busy_s": round(busy[i], 3), "node_id": nodes[i]})  # fmt: skip
-        return rows
+        """One row per server slot: index, url, state, requests in flight, seconds busy, Ray node ([] before start)."""
+        return await self.engine_service.rows() if self.engine_service is not None else []
 
     async def add_engines(self, count: int = 1) -> dict[str, Any]:
-        """Start `count` more engine servers; each serves only once it holds the current weights and version.
-        Refused past engine.max_servers."""
-        en = self.cfg.engine
-        live = len(self.servers.live)
-        if count < 1:
-            raise ValueError(f"add needs a count >= 1, got {count}")
-        if en.max_servers and live + count > en.max_servers:
-            raise ValueError(f"the pool has {live} servers; adding {count} passes engine.max_servers={en.max_servers}")
-        start, wall = time.monotonic(), time.time()
-        joined = await self.servers.add(count)
-        took = time.monotonic() - start
-        self._pool["joins"] += len(joined)
-        self._pool["join_s"].append(took)
-        for i in joined:
-            self.tracer.record(f"engine/{i}", "join", wall, time.time(), version=self.servers.state.version)
-        log.warning("engine pool: %d server(s) joined in %.1f s at version %d: %s", len(joined), took,
-                    self.servers.state.version, [self.servers.address(i) for i in joined])  # fmt: skip
-        return {"joined": [self.servers.address(i) for i in joined], "seconds": took, "live": len(self.servers.live)}
+        """Start `count` more engine servers (serving once current); refused past engine.max_servers."""
+        return await self.engine_service.add(count, self.cfg.engine.max_servers)
 
     async def remove_engine(self, url: str) -> dict[str, Any]:
-        """Take the server at `url` out of the pool: no new requests; what it runs is aborted and continued on the
-        others (restarted from the prompt with partial rollout off); then it is stopped and its resources freed.
-        Refused below engine.min_servers."""
-        index = next((i for i in self.servers.live if self.servers.address(i) == url), None)
-        if index is None:
-            raise ValueError(
-                f"no engine server at {url} in the pool: {[self.servers.address(i) for i in self.servers.live]}"
-            )
-        if len(self.servers.live) - 1 < self.cfg.engine.min_servers:
-            raise ValueError(f"removing {url} leaves {len(self.servers.live) - 1} servers, below engine.min_servers="
-                             f"{self.cfg.engine.min_servers}")  # fmt: skip
-        wall = time.time()
-        moved = await self.client.remove_server(index, self.cfg.engine.control_timeout_s)
-        self._pool["leaves"] += 1
-        self.tracer.record(f"engine/{index}", "leave", wall, time.time(), moved=moved)
-        log.warning("engine pool: %s removed; %d request(s) continued on the others", url, moved)
-        return {"removed": url, "moved": moved, "live": len(self.servers.live)}
+        """Take the server at `url` out of the pool, its requests continued elsewhere; refused below min_servers."""
+        return await self.engine_service.remove(url, self.cfg.engine.min_servers, self.cfg.engine.control_timeout_s)
 
     def _pool_stats(self) -> dict[str, Any]:
-        servers = getattr(self, "servers", None)
-        if servers is None:
-            return {}
-        replacements = sum(1 for e in servers.pool_events if e[0] == "replace")
-        return {"size": len(servers.live), "joins": self._pool["joins"], "leaves": self._pool["leaves"],
-                "replacements": replacements, "join_s": list(self._pool["join_s"]),
-                "moved": self.client.stats.moved if getattr(self, "client", None) else 0}  # fmt: skip
+        return self.engine_service.stats() if self.engine_service is not None else {}
 
     # -- validation --------------------------------------------------------------------------------------------
     async def _validate(self, version: int) -> None:

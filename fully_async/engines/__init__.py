@@ -1,4 +1,5 @@
 """Inference engines behind one interface: `build_engine` gives an `EngineServers` pool, `EngineClient` talks to it.
+Which module holds what: docs/engines.md (the table at the top).
 
 servers = build_engine(cfg.engine, resolve_model_path(cfg.model), run_dir)
 servers.start()                                   # blocks until every server is healthy
@@ -13,8 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from fully_async.config import ConfigError, EngineConfig
-from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling
 from fully_async.engines.client import EngineClient
+from fully_async.engines.errors import EngineError
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.types import GenerationResult, Sampling
 
 __all__ = ["EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine"]
 

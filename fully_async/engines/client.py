@@ -26,7 +26,11 @@ import aiohttp
 import numpy as np
 
 from fully_async.engines.auth import auth_headers
-from fully_async.engines.base import EngineError, EngineServers, GenerationResult, Sampling, Segment
+from fully_async.engines.errors import EngineError
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.recovery import Recovery
+from fully_async.engines.slots import SlotState
+from fully_async.engines.types import GenerationResult, Sampling, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +72,13 @@ class EngineClient:
         self.request_timeout_s = request_timeout_s or cfg.request_timeout_s
         self.max_retries = cfg.max_retries if max_retries is None else max_retries
         self.resume_timeout_s = resume_timeout_s or cfg.resume_timeout_s
-        self.auto_restart = cfg.auto_restart if auto_restart is None else auto_restart
         self.outstanding = [0] * len(servers.addresses)
-        self.down: set[int] = servers.down
-        """Servers whose process died; skipped until restarted (the pool's own set: its control plane skips them too)."""
-        servers.on_dead = self._schedule_restart
-        self.retired: set[int] = set()
-        """Servers removed from the pool (elastic engines): never picked again; their slot index is not reused."""
         self.stats = ClientStats()
+        self.recovery = Recovery(servers, cfg.auto_restart if auto_restart is None else auto_restart, self.stats)
+        """Marks servers that died down and brings them back in the background (recovery.py)."""
+        servers.on_dead = self.recovery.schedule_restart
         self._session: aiohttp.ClientSession | None = None
         self._next = 0
-        self._restarts: dict[int, asyncio.Task] = {}
-        self._router_restart: asyncio.Future | None = None
         # Engine occupancy for the idle ratio: wall seconds each server had >= 1 request in flight.
         self._busy_s = [0.0] * len(servers.addresses)
         self._busy_since: list[float | None] = [None] * len(servers.addresses)
@@ -87,8 +86,18 @@ class EngineClient:
         """Called after every generate request with (server index, wall start, wall end, tokens, finish reason);
         the rollouter records it as a trace span."""
 
-    def _grow(self) -> None:
-        """Servers appended to the pool (elastic engines) start taking requests: one slot each."""
+    @property
+    def down(self) -> frozenset[int]:
+        """Servers whose process died, skipped until restarted (the pool's slots: its control plane skips them too)."""
+        return self.servers.down
+
+    @property
+    def retired(self) -> frozenset[int]:
+        """Servers removed from the pool (elastic engines): never picked again; their slot index is not reused."""
+        return self.servers.retired
+
+    def grow(self) -> None:
+        """Servers appended to the pool (elastic engines) start taking requests: counters for each."""
         for _ in range(len(self.servers.procs) - len(self.outstanding)):
             self.outstanding.append(0)
             self._busy_s.append(0.0)
@@ -96,8 +105,7 @@ class EngineClient:
 
     def retire(self, idx: int) -> None:
         """Server `idx` takes no new request from now on; requests it aborts continue on the others."""
-        self.retired.add(idx)
-        self.down.discard(idx)
+        self.servers.retire(idx)
 
     async def remove_server(self, idx: int, drain_timeout_s: float) -> int:
         """Take server `idx` out of the pool (elastic engines): no new requests go to it, what it still runs is
@@ -133,8 +141,7 @@ class EngineClient:
         return self._session
 
     async def close(self) -> None:
-        for task in self._restarts.values():
-            task.cancel()
+        self.recovery.close()
         if self._session is not None:
             await self._session.close()
 
@@ -142,10 +149,10 @@ class EngineClient:
     def pick(self, exclude: int | None = None) -> int:
         """The live server with the fewest outstanding requests (ties rotate); `exclude` only if it is the last one."""
         if len(self.outstanding) != len(self.servers.procs):
-            self._grow()
+            self.grow()
         n = len(self.outstanding)
-        stale = self.servers.stale
-        if exclude is None and not self.down and not self.retired and not stale:
+        slots = self.servers.slots
+        if exclude is None and slots.all_serving:
             # The common case in O(n) C-level scans: at hundreds of servers the general path below costs more than
             # the rest of a request. The first least-loaded server at or after _next, as the general path picks.
             least = min(self.outstanding)
@@ -155,13 +162,17 @@ class EngineClient:
                 best = self.outstanding.index(least)
             self._next = (best + 1) % n
             return best
-        order = [i for i in ((self._next + k) % n for k in range(n)) if i not in self.retired]
+        order = [i for i in ((self._next + k) % n for k in range(n)) if slots[i] is not SlotState.RETIRED]
         if not order:
             raise EngineError("no engine server left in the pool (all were removed)")
+        serving = [i for i in order if slots[i] is SlotState.SERVING]
         # A stale server (restarted on old weights, waiting for the next sync) is never picked: its tokens would be
-        # labelled with a version it does not hold.
-        for avoid in ({exclude} | self.down | stale, self.down | stale, stale):
-            candidates = [i for i in order if i not in avoid]
+        # labelled with a version it does not hold. A down one only when nothing serves (the send fails and retries).
+        for candidates in (
+            [i for i in serving if i != exclude],
+            serving,
+            [i for i in order if slots[i] is not SlotState.STALE],
+        ):
             if candidates:
                 break
         else:
@@ -194,7 +205,7 @@ class EngineClient:
                 )
             except _ServerFailure as e:
                 failed = idx
-                await self._on_failure(idx)
+                await self.recovery.on_failure(idx)
                 result.num_retries += 1
                 self.stats.retries += 1
                 if result.num_retries > self.max_retries:
@@ -204,7 +215,7 @@ class EngineClient:
                         f"last failure on {url}: {e}; log {log}:\n{self.servers.log_tail(idx, 15)}"
                     ) from e
                 logger.warning("retrying a request after a failure on %s: %s", url, e)
-                await self._wait_for_a_server()
+                await self.recovery.wait_for_a_server()
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
@@ -236,7 +247,9 @@ class EngineClient:
             self.stats.aborts += 1
             if result.num_aborts > MAX_ABORTS:
                 raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
-            if idx in self.retired:  # its server left the pool: go on elsewhere now, not after a resume
+            if (
+                self.servers.slots[idx] is SlotState.RETIRED
+            ):  # its server left the pool: go on elsewhere now, not after a resume
                 self.stats.moved += 1
                 if state.paused:
                     await self._wait_resumed(None)
@@ -310,81 +323,3 @@ class EngineClient:
                 return
             await asyncio.sleep(0.05)
         raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
-
-    async def _wait_for_a_server(self) -> None:
-        """When every server in the pool is down and some are being restarted or replaced, wait for the first to come
-        back (up to engine.startup_timeout_s) instead of spending the retries on dead servers."""
-        pool = [i for i in range(len(self.outstanding)) if i not in self.retired]
-        if self._restarts and all(i in self.down for i in pool):
-            await asyncio.wait(list(self._restarts.values()), timeout=self.servers.cfg.startup_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-
-    # ---- failures --------------------------------------------------------------------------------------------------
-    async def _on_failure(self, idx: int) -> None:
-        if self.servers.router is not None:
-            await self._on_routed_failure()
-            return
-        await self._check_dead(idx)
-
-    async def _on_routed_failure(self) -> None:
-        """Behind a router the failed request's server is unknown (the router picked it): a dead router is started
-        again; every server in the pool is looked at, and the dead ones are marked down (out of the router) and
-        restarted."""
-        for _ in range(6):  # a killed process's socket closes a moment before it can be reaped: look twice
-            if not self.servers.router.is_alive():
-                if self._router_restart is None or self._router_restart.done():
-                    self._router_restart = asyncio.get_running_loop().create_task(
-                        asyncio.to_thread(self.servers.restart_router)
-                    )
-                try:
-                    await asyncio.shield(self._router_restart)
-                except Exception:  # the retry meets the failure again and, past engine.max_retries, fails with it
-                    logger.exception("restarting the engine router failed")
-                break
-            await asyncio.sleep(0.05)
-        for i in self.servers.serving:
-            if not await asyncio.to_thread(self.servers.is_alive, i):
-                await self._check_dead(i)
-
-    async def _check_dead(self, idx: int) -> None:
-        if idx in self.retired:
-            return  # it left the pool on purpose: nothing to restart
-        # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
-        for _ in range(6):
-            # In a thread: for a server on another node this asks its engine host (a Ray call).
-            if not await asyncio.to_thread(self.servers.is_alive, idx):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            return  # a live server that misbehaved: just avoid it for this retry
-        self.down.add(idx)
-        logger.error("engine server %s died; log %s", self.servers.addresses[idx], self.servers.log_path(idx))
-        self._schedule_restart(idx)
-        await self.servers._sync_router()  # out of the router until it is back
-
-    def _schedule_restart(self, idx: int) -> None:
-        """Restart (or replace) server `idx` in the background, once, when engine.auto_restart allows it."""
-        self.down.add(idx)
-        if self.auto_restart and idx not in self._restarts and idx not in self.retired:
-            self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
-
-    async def _restart(self, idx: int) -> None:
-        """Restart server `idx` in place; when its engine host (or the host's node) is gone, replace it on whatever
-        node has room, trying again every engine.replace_retry_s until one does. Requests go to the others meanwhile."""
-        try:
-            while True:
-                try:
-                    await self.servers.restart_async(idx)
-                    break
-                except Exception as e:  # the server stays down; requests keep going to the others
-                    if idx in self.retired or not self.servers.replaceable(idx):
-                        logger.exception("restarting engine server %s failed", self.servers.addresses[idx])
-                        return
-                    logger.error("replacing engine server %s failed (%s: %s); trying again in %g s",
-                                 self.servers.addresses[idx], type(e).__name__, e, self.servers.cfg.replace_retry_s)  # fmt: skip
-                    await asyncio.sleep(self.servers.cfg.replace_retry_s)
-            self.stats.restarts += 1
-            self.down.discard(idx)
-            logger.info("engine server %s restarted", self.servers.addresses[idx])
-        finally:
-            self._restarts.pop(idx, None)

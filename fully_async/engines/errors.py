@@ -1,5 +1,6 @@
-"""EngineError on its own: engines/process.py raises it and engines/base.py imports process.py, so it lives below
-both (base.py re-exports it; `from fully_async.engines import EngineError` stays the public name)."""
+"""EngineError on its own, below every module of the engine package that raises it (process.py, host.py, router.py,
+control.py, pool.py, ...), so none imports another for it; `from fully_async.engines import EngineError` stays the
+public name."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, free_port, tail
 
 LOOPBACK = "127.0.0.1"
@@ -199,8 +200,6 @@ class RemoteServer:
 
     def wait_healthy(self, timeout_s: float) -> None:
         import ray
-
-        from fully_async.engines.base import EngineError
 
         try:
             ray.get(self.host.wait_healthy.remote(timeout_s), timeout=timeout_s + 60)

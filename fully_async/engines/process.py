@@ -24,6 +24,7 @@ import urllib.request
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fully_async.engines.errors import EngineError
 
@@ -198,3 +199,12 @@ def _group_gone(pgid: int, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def node_of(proc: Any) -> dict[str, Any]:
+    """{"node_id", "node_ip", "host"} of a server process: a `RemoteServer`'s engine host node and handle
+    (engines/host.py); node_id None for a child of this process or a server attached by address (this process's
+    node)."""
+    if hasattr(proc, "node"):  # a RemoteServer: its engine host's node
+        return {**proc.node, "host": proc.host}
+    return {"node_id": None, "node_ip": None, "host": None}

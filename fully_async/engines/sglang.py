@@ -22,14 +22,14 @@ from typing import Any
 
 import aiohttp
 
-from fully_async.config import ConfigError
-from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
+from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versions
 from fully_async.engines.errors import EngineError
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
 """Import shims put on the CPU server's PYTHONPATH (never on the project's)."""
 SGLANG_VENV = REPO_ROOT / ".venv-sglang"
@@ -37,21 +37,12 @@ SGLANG_VENV = REPO_ROOT / ".venv-sglang"
 
 def sglang_python(configured: str | None) -> str:
     """The SGLang environment's interpreter: engine.python, else .venv-sglang/bin/python at the repository root."""
-    path = Path(configured).expanduser() if configured else SGLANG_VENV / "bin" / "python"
-    if not path.exists():
-        hint = "" if configured else "; create it with: bash scripts/setup_engine_env.sh --sglang"
-        raise ConfigError(
-            f"engine.python must be an existing interpreter with SGLang installed (engine.kind=sglang), "
-            f"got {str(path)!r}{hint}"
-        )
-    return str(path)
-
-
-def _parse_version(label: Any) -> int | None:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return None  # "default" before the first /update_weight_version, or a foreign label
+    return engine_interpreter(
+        configured,
+        SGLANG_VENV,
+        "SGLang installed (engine.kind=sglang)",
+        "bash scripts/setup_engine_env.sh --sglang",
+    )
 
 
 def kv_tokens(model_path: Path, gib: float, dtype: str = "float32") -> int:
@@ -179,12 +170,7 @@ class SGLangServers(EngineServers):
             raise ValueError(f"unexpected generate response ({type(e).__name__}: {e}): {str(body)[:300]}") from e
         if len(logprobs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs: {str(body)[:300]}")
-        versions: list[int | None] = [None] * len(token_ids)
-        for span in spans:
-            v = _parse_version(span.get("version"))
-            for i in range(max(0, int(span["start"])), min(len(token_ids), int(span["end"]))):
-                versions[i] = v
-        return Segment(token_ids, logprobs, finish, versions)
+        return Segment(token_ids, logprobs, finish, parse_versions(spans, len(token_ids)))
 
     def make_router(self) -> Any:
         """engine.router=sglang: an sglang-router (from the SGLang environment) in front of the servers."""
@@ -279,7 +265,7 @@ class SGLangServers(EngineServers):
         world = 1 + len(self.procs) * tp
         await asyncio.gather(
             *(
-                self._call_all(
+                self.control.call_all(
                     "join weight group",
                     self.init_weights_group_call(master_address, master_port, 1 + i * tp, world, group_name),
                     [url],
@@ -292,11 +278,11 @@ class SGLangServers(EngineServers):
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
     ) -> None:
         """Every server receives the bucket the caller broadcasts meanwhile; the servers' version becomes `version`."""
-        await self._call_all(
+        await self.control.call_all(
             "NCCL weight update", self.update_weights_from_distributed_call(names, dtypes, shapes, group_name, version)
         )
         self.state.version = version
 
     async def model_info(self) -> list[dict]:
         """Per server, /model_info: model_path (the weights loaded last), weight_version, model_type, ..."""
-        return await self._call_all("model info", HttpCall("GET", "/model_info"))
+        return await self.control.call_all("model info", HttpCall("GET", "/model_info"))

@@ -2,9 +2,9 @@
 
 Why in-process and not HTTP: at hundreds of engines and ~10^4 requests per simulated minute, an aiohttp round trip
 (JSON of thousands of token ids both ways) would cost more CPU than everything else the rollout path does, and the
-benchmark would measure the emulation instead of the framework. So `SimServers` keeps the real `EngineServers`
-control plane (pause / resume / reload / set version / reset prefix cache go through the same base-class methods and
-the same `HttpCall` descriptions as vLLM's; only `_call_all` delivers them to in-process engines instead of sockets),
+benchmark would measure the emulation instead of the framework. So `SimServers` keeps the real control plane
+(pause / resume / reload / set version / reset prefix cache go through the same `ControlPlane` methods and the same
+`HttpCall` descriptions as vLLM's; only `SimControl.call_all` delivers them to in-process engines instead of sockets),
 and `EngineClient` hands generate requests to `send_direct` instead of posting them, keeping its own balancing,
 abort/continue, budget and version logic.
 
@@ -36,7 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from fully_async.engines.base import EngineError, EngineServers, HttpCall, PauseMode, Sampling, Segment
+from fully_async.engines.control import ControlPlane
+from fully_async.engines.errors import EngineError
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.engines.vllm import VLLMControlCalls
 
 LOGPROB = -0.5
@@ -280,7 +283,7 @@ class SimServers(VLLMControlCalls, EngineServers):
         super().__init__(cfg, model_path, run_dir, addresses=urls, device=device or "cpu")
         rng = random.Random(cfg.sim.seed)
         self.engines = [SimEngine(i, cfg.sim, random.Random(rng.random())) for i in range(cfg.num_servers)]
-        self._index = {url: i for i, url in enumerate(self.addresses)}
+        self.by_url = {url: i for i, url in enumerate(self.addresses)}
 
     # ---- lifecycle: nothing to launch --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -293,6 +296,7 @@ class SimServers(VLLMControlCalls, EngineServers):
         old = self.engines[index]
         self.engines[index] = SimEngine(index, self.cfg.sim, old.lengths.rng)
         self.engines[index].version = self.state.version
+        self.slots.back_up(index, stale=False)  # it holds the current (emulated) weights at once
 
     async def restart_async(self, index: int) -> None:
         self.restart(index)
@@ -302,16 +306,42 @@ class SimServers(VLLMControlCalls, EngineServers):
         """What a POST of generate_request() to server `idx` would return, without the socket."""
         return await self.engines[idx].generate(prompt, max_tokens, sampling)
 
-    # ---- control plane: the same calls as vLLM's, delivered in process ------------------------------------------------
-    async def _call_all(self, what: str, call: HttpCall, urls: list[str] | None = None) -> list[Any]:
-        urls = self.addresses if urls is None else urls
-        sim = self.cfg.sim
+    def make_control(self) -> ControlPlane:
+        return SimControl(self, self.cfg.control_timeout_s)
+
+    # ---- adapter hooks (the same endpoint descriptions as vLLM's) ----------------------------------------------------
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
+        raise EngineError("engine=sim launches no server processes")
+
+    def environment(self, index: int) -> dict[str, str]:
+        return {}
+
+    def generate_request(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> tuple[str, dict]:
+        return "/inference/v1/generate", {"token_ids": prompt_ids, "max_tokens": max_tokens}
+
+    def parse_generate(self, body: Any) -> Segment:
+        raise EngineError("engine=sim answers generate requests in process (send_direct)")
+
+    def log_for(self, url: str) -> str:
+        return "emulated engine, no log"
+
+
+class SimControl(ControlPlane):
+    """The control plane of `SimServers`: the same calls as vLLM's, delivered to the in-process engines (no sockets,
+    no deadline: an emulated engine always answers)."""
+
+    async def call_all(
+        self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
+    ) -> list[Any]:
+        pool = self.pool
+        urls = pool.addresses if urls is None else urls
+        sim = pool.cfg.sim
         latency = {"/pause": sim.pause_s, "/resume": sim.resume_s, "/collective_rpc": sim.reload_s}.get(call.path, 0.0)
         if latency:
-            await asyncio.sleep(latency / sim.time_scale)  # all engines at once, as _call_all's gather does
+            await asyncio.sleep(latency / sim.time_scale)  # all engines at once, as ControlPlane.call_all's gather does
         out = []
         for url in urls:
-            engine = self.engines[self._index[url]]
+            engine = pool.engines[pool.by_url[url]]
             if call.path == "/pause":
                 engine.pause(call.params["mode"])
                 out.append(None)
@@ -331,19 +361,3 @@ class SimServers(VLLMControlCalls, EngineServers):
             else:
                 raise EngineError(f"sim {what}: no emulated endpoint {call.method} {call.path}")
         return out
-
-    # ---- adapter hooks (the same endpoint descriptions as vLLM's) --------------------------------------------------------
-    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
-        raise EngineError("engine=sim launches no server processes")
-
-    def environment(self, index: int) -> dict[str, str]:
-        return {}
-
-    def generate_request(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> tuple[str, dict]:
-        return "/inference/v1/generate", {"token_ids": prompt_ids, "max_tokens": max_tokens}
-
-    def parse_generate(self, body: Any) -> Segment:
-        raise EngineError("engine=sim answers generate requests in process (send_direct)")
-
-    def log_for(self, url: str) -> str:
-        return "emulated engine, no log"

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fully_async.config import ConfigError
-from fully_async.engines.base import EngineServers, HttpCall, PauseMode, Sampling, Segment
+from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versions
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 """Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the weight receiver."""
 EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"
@@ -23,18 +23,9 @@ EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"
 
 def engine_python(configured: str | None) -> str:
     """The engine environment's interpreter: engine.python, else .venv-engine/bin/python at the repository root."""
-    path = Path(configured).expanduser() if configured else REPO_ROOT / ".venv-engine" / "bin" / "python"
-    if not path.exists():
-        hint = "" if configured else "; create it with: bash scripts/setup_engine_env.sh"
-        raise ConfigError(f"engine.python must be an existing interpreter with vLLM installed, got {str(path)!r}{hint}")
-    return str(path)
-
-
-def _parse_version(label: Any) -> int | None:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return None  # "default" before the first /update_weight_version, or a foreign label
+    return engine_interpreter(
+        configured, REPO_ROOT / ".venv-engine", "vLLM installed", "bash scripts/setup_engine_env.sh"
+    )
 
 
 class VLLMControlCalls:
@@ -143,9 +134,4 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             raise ValueError(f"unexpected generate response ({type(e).__name__}: {e}): {str(body)[:300]}") from e
         if len(logprobs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs: {str(body)[:300]}")
-        versions: list[int | None] = [None] * len(token_ids)
-        for span in spans:
-            v = _parse_version(span.get("version"))
-            for i in range(max(0, int(span["start"])), min(len(token_ids), int(span["end"]))):
-                versions[i] = v
-        return Segment(token_ids, logprobs, finish, versions)
+        return Segment(token_ids, logprobs, finish, parse_versions(spans, len(token_ids)))

@@ -22,7 +22,7 @@ the send with an error naming the servers before ParamSync's watchdog would fire
 message names the servers that had not answered.
 
 A server restarted between syncs comes back on its start-up weights: the engine pool keeps it out of rotation
-(`EngineServers.stale`) and bumps its epoch; the next sync re-forms the group and sends it the current version like
+(its slot is STALE, engines/slots.py) and bumps its epoch; the next sync re-forms the group and sends it the current version like
 every other server (weights already in memory on the trainer; nothing is written to disk).
 
 `export` still writes safetensors (checkpoints and resume) through the backend.

@@ -191,7 +191,7 @@ class DiskTransport(WeightTransport):
                 done[node] = ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
                 # The writing host died (its node lost): that node's servers are down and get replaced; a server
-                # that comes back without a copy on its node waits for the next sync (EngineServers._after_start).
+                # that comes back without a copy on its node waits for the next sync (engines/elastic.py bring_current).
                 log.warning("weights v%d: node %s lost during the copy (%s); the sync goes on without it", version,
                             _node_label(plan[node]), type(e).__name__)  # fmt: skip
                 self.writers.pop(node, None)

@@ -115,7 +115,10 @@ class BenchRollouter:
     the collective transport's calls where they exist)."""
 
     def __init__(self, servers: Any) -> None:
+        from fully_async.engines.service import EngineService
+
         self.servers = servers
+        self.engine_service = EngineService(servers, None)
         self.ledger = _Ledger()
 
     async def pause(self) -> None:

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fully_async.config import AlgorithmConfig, EngineConfig, SimTrainerConfig, TrainerConfig
 from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
+from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.rollouter import Rollouter
@@ -51,6 +52,7 @@ class Pool:
 
     def __init__(self, servers):
         self.servers = servers
+        self.engine_service = EngineService(servers, None)
 
     async def pause(self):
         await self.servers.pause("abort")

@@ -57,14 +57,16 @@ def models(tmp_path_factory):
 async def _outputs(servers, index: int) -> list[tuple[list[int], list[float], list[int]]]:
     """(tokens, log-probs, versions) of the greedy prompts on server `index` alone."""
     client = EngineClient(servers)
-    # Held down for this client only: the set is the pool's own (its control plane skips down servers), so the
+    # Held down for this client only: the state is the pool's own (its control plane skips down servers), so the
     # servers marked here are put back afterwards.
-    marked = set(range(len(servers.addresses))) - {index} - client.down
+    marked = {i: servers.slots[i] for i in set(range(len(servers.addresses))) - {index} - client.down}
     try:
-        client.down |= marked
+        for i in marked:
+            servers.slots.mark_down(i)
         out = [await client.generate(p, N, GREEDY) for p in PROMPTS]
     finally:
-        client.down -= marked
+        for i, state in marked.items():
+            servers.slots.set(i, state)
         await client.close()
     return [(list(r.token_ids), list(r.logprobs), list(r.versions)) for r in out]
 

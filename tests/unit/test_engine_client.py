@@ -39,9 +39,10 @@ def test_pick_prefers_least_outstanding_and_skips_down_servers():
     client.outstanding[:] = [3, 1, 2]
     assert client.pick() == 1
     assert client.pick(exclude=1) == 2
-    client.down.add(2)
+    client.servers.slots.mark_down(2)
     assert client.pick(exclude=1) == 0
-    client.down.update({0, 1})
+    for i in (0, 1):
+        client.servers.slots.mark_down(i)
     assert client.pick() in {0, 1, 2}  # all down: still answers (the send then fails and is counted)
 
 
@@ -49,12 +50,14 @@ def test_pick_never_sends_to_a_stale_server_even_as_the_last_resort():
     """A server restarted on old weights (collective transport) waits for the next sync out of rotation."""
     client = make(["http://a", "http://b", "http://c"])
     client.outstanding[:] = [3, 1, 2]
-    client.servers.stale.add(1)
+    client.servers.slots.mark_stale(1)
     assert client.pick() == 2
     assert {client.pick(exclude=2) for _ in range(3)} == {0}
-    client.down.update({0, 2})
+    for i in (0, 2):
+        client.servers.slots.mark_down(i)
     assert client.pick() in {0, 2}  # down ones before a stale one
-    client.servers.stale.update({0, 2})
+    for i in (0, 2):
+        client.servers.slots.mark_stale(i)
     with pytest.raises(EngineError, match="every engine server is waiting for the next weight sync"):
         client.pick()
 
@@ -68,11 +71,11 @@ def test_pick_fast_path_agrees_with_the_general_one():
     import random
 
     rng = random.Random(0)
-    fast, general = make([f"http://s{i}" for i in range(7)]), make([f"http://s{i}" for i in range(7)])
-    general.down.add(99)  # a server that does not exist: forces the general path, changes nothing else
+    fast, general = make([f"http://s{i}" for i in range(7)]), make([f"http://s{i}" for i in range(8)])
+    general.servers.retire(7)  # a server removed from the pool: forces the general path, changes nothing else
     for _ in range(500):
         load = [rng.randrange(3) for _ in range(7)]
-        fast.outstanding[:], general.outstanding[:] = load, list(load)
+        fast.outstanding[:], general.outstanding[:] = load, [*load, 0]
         assert fast.pick() == general.pick()
 
 

@@ -37,7 +37,7 @@ def test_router_command_line_and_where_generate_requests_go(model, tmp_path, pyt
     pool.router = router
     assert pool.generate_url(0) == pool.generate_url(1) == router.url != pool.address(0)
     assert pool.log_for(router.url).endswith("sglang-router.log")
-    pool.stale.add(1)
+    pool.slots.mark_stale(1)
     assert pool.routed_urls() == [pool.address(0)]  # a stale server (old weights) is out of the router
     assert build_engine(EngineConfig(kind="sglang", python=python), model, tmp_path, device="cpu").make_router() is None
 

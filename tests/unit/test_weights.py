@@ -11,6 +11,7 @@ import pytest
 
 from fully_async.config import AlgorithmConfig, ConfigError, EngineConfig, SimTrainerConfig, TrainerConfig
 from fully_async.engines import build_engine
+from fully_async.engines.elastic import bring_current
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
@@ -148,7 +149,7 @@ async def test_the_reload_goes_to_each_nodes_copy_and_a_restarted_server_reloads
         await servers.load_weights(src, 1, {"nodeB": str(copy_b)})
         assert [f.reloads for f in fakes] == [[str(copy_b)], [str(copy_b)], [str(src)]]
         assert [f.version for f in fakes] == ["1"] * 3
-        await servers._after_start([1])  # what restart() runs once the server is healthy again
+        await bring_current(servers, [1])  # what restart() runs once the server is healthy again
         assert fakes[1].reloads == [str(copy_b)] * 2
         await servers.load_weights(src, 2)  # back on one node: everything from the source
         assert [f.reloads[-1] for f in fakes] == [str(src.resolve())] * 3 and servers.node_dirs == {}

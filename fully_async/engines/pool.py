@@ -1,0 +1,356 @@
+"""The engine pool: N servers of one kind, their lifecycle (start, stop, restart, relaunch, replace), membership and
+elastic changes (add, remove), one state per server slot (slots.py), and the router's worker list.
+
+An `EngineServers` owns its server processes (children of this process, or each under an `EngineHost` actor on its
+node, or attached by address) and drives all of them at once through its `ControlPlane` (control.py). A subclass per
+engine kind (vllm.py, sglang.py, sim.py) fills the hooks of `EngineKind` (base.py); `EngineClient` (client.py) sends
+generate requests to the servers and tells the pool which ones died (`server_died`) or leave (`retire`).
+
+Versions: `state.version` is the number of completed weight syncs whose weights the serving servers hold. A server
+that joins or comes back gets the current weights and version before it serves (under `membership`, the lock a
+sync's reload and version also hold), or waits out of rotation as STALE when those weights exist in no directory.
+`epoch` changes whenever the servers' workers change (a restart, a join, a node without a weights copy): a weight
+group formed at an older epoch must be re-formed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from fully_async.config import EngineConfig
+from fully_async.engines.base import EngineKind
+from fully_async.engines.control import ControlPlane
+from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
+from fully_async.engines.errors import EngineError
+from fully_async.engines.process import ServerProcess, node_of
+from fully_async.engines.slots import Slots, SlotState
+from fully_async.engines.types import EngineState, PauseMode
+
+logger = logging.getLogger(__name__)
+
+
+class EngineServers(EngineKind):
+    """A pool of engine servers of one kind (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_path: str | Path,
+        run_dir: str | Path,
+        addresses: list[str] | None = None,
+        hosts: list[Any] | None = None,
+        device: str | None = None,
+        weight_receiver: bool = False,
+    ):
+        """addresses: attach to servers already running there (nothing is launched, restart is impossible);
+        hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
+        host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
+        fully_async.host.device; None = this machine's). weight_receiver: start the servers with the collective
+        transport's receiver (async_training.weight_transport=collective)."""
+        from fully_async.host import device as run_device
+
+        self.cfg = cfg
+        self.model_path = Path(model_path)
+        self.run_dir = Path(run_dir)
+        self.device = device or run_device("auto")
+        self.state = EngineState()
+        self.weights_dir: Path | None = None
+        """Directory of the weights loaded last; a restarted server reloads it (or its node's copy, below)."""
+        self.node_dirs: dict[str, Path] = {}
+        """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
+        transport, fully_async/weights/disk.py)."""
+        self.weight_receiver = weight_receiver
+        self.epoch = 0
+        """Bumped whenever the servers' workers change: a weight group formed at an older epoch must be re-formed."""
+        self.hosts = hosts
+        self.host_factory: Any = None
+        """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
+        set by the rollouter when the job placed the servers through Ray."""
+        self.on_dead: Any = None
+        """Called with the index of a server a control call found dead (the client schedules its restart)."""
+        self._membership: asyncio.Lock | None = None
+        self._growing_lock: asyncio.Lock | None = None
+        self.pool_events: list[tuple[str, int, str, str | None]] = []
+        """(event, index, url, new url) for joins, leaves and replacements, in order (the rollouter's metrics)."""
+        self.router: Any = None
+        """A router process in front of the servers (engine.router; `make_router`), started and stopped with the pool:
+        generation goes through it, control calls still go to each server. Its worker list follows the pool."""
+        if addresses is not None:
+            self.procs = [ServerProcess.external(url) for url in addresses]
+        else:
+            count = len(hosts) if hosts is not None else cfg.num_servers
+            self.procs = [self.new_process(i) for i in range(count)]
+        self.slots = Slots(len(self.procs))
+        self.control = self.make_control()
+
+    def make_control(self) -> ControlPlane:
+        """The control plane that delivers this pool's control calls (engine=sim delivers them in process)."""
+        return ControlPlane(self, self.cfg.control_timeout_s)
+
+    # ---- slots -------------------------------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        """Indices of the servers in the pool (not removed)."""
+        return self.slots.indices(SlotState.SERVING, SlotState.DOWN, SlotState.STALE)
+
+    @property
+    def serving(self) -> list[int]:
+        """Servers in the pool and not down: pool-wide control calls go to these (stale ones too: the next sync must
+        reach them); one that comes back gets the current weights and version before it serves
+        (`elastic.bring_current`)."""
+        return self.slots.indices(SlotState.SERVING, SlotState.STALE)
+
+    @property
+    def down(self) -> frozenset[int]:
+        """Servers whose process died, being restarted or replaced (a snapshot of the slots)."""
+        return self.slots.of(SlotState.DOWN)
+
+    @property
+    def stale(self) -> frozenset[int]:
+        """Servers on weights older than the current version, out of rotation until the next sync reaches them."""
+        return self.slots.of(SlotState.STALE)
+
+    @property
+    def retired(self) -> frozenset[int]:
+        """Servers removed from the pool; slots are never reused, so indices stay stable."""
+        return self.slots.of(SlotState.RETIRED)
+
+    def server_died(self, index: int) -> None:
+        """Server `index` is gone: out of rotation and of pool-wide calls, handed to `on_dead` (the client restarts
+        or replaces it)."""
+        self.slots.mark_down(index)
+        if self.on_dead is not None:
+            self.on_dead(index)
+
+    def retire(self, index: int) -> None:
+        """Server `index` takes no new request from now on (the first step of `remove`)."""
+        self.slots.retire(index)
+
+    @property
+    def stale_on_return(self) -> bool:
+        """Whether a server that (re)starts now cannot get the current weights: they are in no directory (collective
+        transport) and differ from the start-up ones."""
+        return self.weights_dir is None and self.state.version > 0
+
+    # ---- addresses, logs, router -------------------------------------------------------------------------------------
+    @property
+    def local_bind(self) -> str:
+        """Bind address of servers started as children of this process ("auto" = loopback)."""
+        return "127.0.0.1" if self.cfg.host == "auto" else self.cfg.host
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def address(self, index: int) -> str:
+        """URL of server `index`; O(1), for per-request paths (`addresses` builds the whole list)."""
+        return self.procs[index].url
+
+    def generate_url(self, index: int) -> str:
+        """Where a generate request the client accounts to server `index` goes: the router when there is one (which
+        then picks the server), else server `index` itself."""
+        return self.router.url if self.router is not None else self.procs[index].url
+
+    def log_tail(self, index: int, lines: int = 40) -> str:
+        """The last lines of server `index`'s log, read on its node."""
+        return self.procs[index].tail(lines)
+
+    def log_path(self, index: int) -> Path | None:
+        return self.procs[index].log_path
+
+    def log_for(self, url: str) -> str:
+        if self.router is not None and url == self.router.url:
+            return str(self.router.proc.log_path)
+        for p in self.procs:
+            if p.url == url:
+                return str(p.log_path) if p.log_path else "external server, no log here"
+        return "unknown server"
+
+    def is_alive(self, index: int) -> bool:
+        return self.procs[index].is_alive()
+
+    def node_of(self, index: int) -> dict[str, Any]:
+        """{"node_id", "node_ip", "host"} of server `index`: its engine host's node and handle; for a server that
+        is a child of this process (or attached by address), node_id is None: this process's node."""
+        return node_of(self.procs[index])
+
+    def routed_urls(self) -> list[str]:
+        """The servers a router may send requests to: the serving ones (not removed, down or stale)."""
+        return [self.procs[i].url for i in self.slots.indices(SlotState.SERVING)]
+
+    def sync_router(self) -> None:
+        """Make the router's worker list follow the pool (no-op without a router). Blocking: call it in a thread."""
+        if self.router is not None:
+            self.router.sync(self.routed_urls(), self.cfg.control_timeout_s)
+
+    async def sync_router_async(self) -> None:
+        """`sync_router` from the event loop; a failure is logged (the router's own health checks still skip a dead
+        server, and the next membership change syncs again)."""
+        if self.router is None:
+            return
+        try:
+            await asyncio.to_thread(self.sync_router)
+        except EngineError as e:
+            logger.warning("router worker list not updated: %s", e)
+
+    def restart_router(self) -> None:
+        """Start a router that died again, over the servers that may serve now (a new port). Blocking."""
+        if self.router is not None and not self.router.is_alive():
+            logger.error("the engine router died (log %s); restarting it", self.router.proc.log_path)
+            self.router.restart(self.routed_urls(), self.cfg.startup_timeout_s)
+
+    # ---- control plane (control.py), as the pool's own calls ---------------------------------------------------------
+    @property
+    def membership(self) -> asyncio.Lock:
+        """Held while the pool's members or their weights change (a sync's reload and version, a join, a rejoin), so a
+        server never joins with weights older than the version it is labelled with."""
+        if self._membership is None:
+            self._membership = asyncio.Lock()
+        return self._membership
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self.control.pause(mode)
+
+    async def resume(self) -> None:
+        await self.control.resume()
+
+    async def set_version(self, version: int) -> None:
+        async with self.membership:
+            await self.control.set_version(version)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.control.reset_prefix_cache()
+
+    async def is_paused(self, url: str) -> bool:
+        return await self.control.is_paused(url)
+
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """`method(spec)` on every worker of server `index`; the workers' answers."""
+        return await self.control.rpc(self.procs[index].url, method, spec, timeout_s)
+
+    # ---- weights (control.py) ----------------------------------------------------------------------------------------
+    async def load_weights(
+        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
+    ) -> None:
+        """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
+        `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead.
+        Call between pause and resume."""
+        await self.control.load_weights(weights_dir, version, node_dirs)
+
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server received `version` through a weight group formed at `epoch` (collective transport): reset
+        prefix caches and set the version, without a reload. Servers restarted since (a newer epoch) stay stale."""
+        await self.control.weights_received(version, epoch)
+
+    def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (all in the pool
+        but `down`), each with its index, URL and worker count."""
+        servers = [{"index": i, "url": self.procs[i].url, "workers": self.workers_per_server}
+                   for i in self.live if i not in down]  # fmt: skip
+        return {"epoch": self.epoch, "servers": servers}
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------------
+    def new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:
+        name, log_path = f"{self.kind}-{index}", self.run_dir / "engines" / f"{self.kind}-{index}.log"
+        if host is None and self.hosts is not None and index < len(self.hosts):
+            host = self.hosts[index]
+        if host is not None:
+            from fully_async.engines.host import RemoteServer
+
+            return RemoteServer(
+                name, host, lambda port, bind: self.command(index, port, bind),
+                self.environment(index), log_path, self.health_path,
+            )  # fmt: skip
+        return ServerProcess(
+            name=name,
+            command=lambda port: self.command(index, port, self.local_bind),
+            env=self.environment(index),
+            log_path=log_path,
+            host=self.local_bind,
+            health_path=self.health_path,
+            port=port,
+        )
+
+    def start(self) -> None:
+        """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
+        try:
+            for p in self.procs:
+                p.launch()
+            for p in self.procs:
+                p.wait_healthy(self.cfg.startup_timeout_s)
+            run_sync(bring_current(self, range(len(self.procs))))
+            self.router = self.make_router()
+            if self.router is not None:
+                self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
+        except BaseException:
+            self.stop()  # a half-started pool would hold memory and cores until interpreter exit
+            raise
+
+    def stop(self) -> None:
+        """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
+        call twice."""
+        if self.router is not None:
+            self.router.stop()  # first: no request should reach a server that is going away
+        for p in self.procs:
+            p.stop()
+        if self.host_factory is not None:
+            self.host_factory.close()
+
+    def restart(self, index: int) -> None:
+        """Restart server `index` with the latest weights and version (replaced on another node when its engine host
+        is gone; see `relaunch`). Blocks until healthy."""
+        self.relaunch(index)
+        run_sync(bring_current(self, [index]))
+        came_back(self, index)
+        self.sync_router()
+
+    async def restart_async(self, index: int) -> None:
+        """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
+        under `membership`, so a sync's reload and version never interleave with it."""
+        await asyncio.to_thread(self.relaunch, index)
+        async with self.membership:
+            await bring_current(self, [index])
+            came_back(self, index)
+        await self.sync_router_async()  # back (or replaced at a new address): the router sends to it again
+
+    def relaunch(self, index: int) -> None:
+        """Start server `index` again and wait until healthy, in place or on a new host (`elastic.relaunch`)."""
+        relaunch(self, index)
+
+    def replaceable(self, index: int) -> bool:
+        """Whether server `index` can move to a new engine host (hosts placed by Ray and a factory for more)."""
+        return self.host_factory is not None and hasattr(self.procs[index], "host_alive")
+
+    # ---- elastic changes (elastic.py) --------------------------------------------------------------------------------
+    async def add(self, count: int = 1) -> list[int]:
+        """Start `count` more servers; each joins once it holds the current weights and version (`elastic.join`)."""
+        if self._growing_lock is None:
+            self._growing_lock = asyncio.Lock()
+        async with self._growing_lock:
+            return await join(self, count)
+
+    async def remove(self, index: int, drained: Any = None) -> None:
+        """Take server `index` out of the pool; its requests move to the others (`elastic.leave`)."""
+        await leave(self, index, drained)
+
+
+def run_sync(coro) -> None:
+    """Run a control coroutine to completion from synchronous lifecycle code. A private thread gives it its own
+    event loop, so this works whether or not the caller's thread already runs one."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name="engine-control")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]

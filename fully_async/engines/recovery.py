@@ -1,0 +1,116 @@
+"""Bringing dead engine servers back while generation goes on: the client's side of a server failure.
+
+A generate request that failed on a server asks `Recovery.on_failure`: is the server dead? Then it is marked down in
+the pool (no request and no pool-wide control call goes to it, the router drops it) and restarted in the background,
+or replaced on another node when its engine host is gone, trying again every engine.replace_retry_s until one has
+room (engine.auto_restart). Behind a router the failed request's server is unknown: a dead router is started again
+and every server is looked at. A control call that finds a server dead hands it here too (`EngineServers.on_dead`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fully_async.engines.slots import SlotState
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Restarts (or replaces) the dead servers of `servers` (an `EngineServers`), once each, in the background;
+    counts them in `stats.restarts`."""
+
+    def __init__(self, servers: Any, auto_restart: bool, stats: Any) -> None:
+        self.servers = servers
+        self.auto_restart = auto_restart
+        self.stats = stats
+        self._restarts: dict[int, asyncio.Task] = {}
+        self._router_restart: asyncio.Future | None = None
+
+    def close(self) -> None:
+        for task in self._restarts.values():
+            task.cancel()
+
+    def _retired(self, idx: int) -> bool:
+        return self.servers.slots[idx] is SlotState.RETIRED
+
+    async def wait_for_a_server(self) -> None:
+        """When every server in the pool is down and some are being restarted or replaced, wait for the first to come
+        back (up to engine.startup_timeout_s) instead of spending the retries on dead servers."""
+        slots = self.servers.slots
+        if self._restarts and all(slots[i] is SlotState.DOWN for i in self.servers.live):
+            await asyncio.wait(list(self._restarts.values()), timeout=self.servers.cfg.startup_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+
+    async def on_failure(self, idx: int) -> None:
+        """A request failed on server `idx` (or, behind a router, somewhere)."""
+        if self.servers.router is not None:
+            await self._on_routed_failure()
+            return
+        await self._check_dead(idx)
+
+    async def _on_routed_failure(self) -> None:
+        """Behind a router the failed request's server is unknown (the router picked it): a dead router is started
+        again; every server in the pool is looked at, and the dead ones are marked down (out of the router) and
+        restarted."""
+        for _ in range(6):  # a killed process's socket closes a moment before it can be reaped: look twice
+            if not self.servers.router.is_alive():
+                if self._router_restart is None or self._router_restart.done():
+                    self._router_restart = asyncio.get_running_loop().create_task(
+                        asyncio.to_thread(self.servers.restart_router)
+                    )
+                try:
+                    await asyncio.shield(self._router_restart)
+                except Exception:  # the retry meets the failure again and, past engine.max_retries, fails with it
+                    logger.exception("restarting the engine router failed")
+                break
+            await asyncio.sleep(0.05)
+        for i in self.servers.serving:
+            if not await asyncio.to_thread(self.servers.is_alive, i):
+                await self._check_dead(i)
+
+    async def _check_dead(self, idx: int) -> None:
+        if self._retired(idx):
+            return  # it left the pool on purpose: nothing to restart
+        # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
+        for _ in range(6):
+            # In a thread: for a server on another node this asks its engine host (a Ray call).
+            if not await asyncio.to_thread(self.servers.is_alive, idx):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            return  # a live server that misbehaved: just avoid it for this retry
+        logger.error("engine server %s died; log %s", self.servers.address(idx), self.servers.log_path(idx))
+        self.schedule_restart(idx)
+        await self.servers.sync_router_async()  # out of the router until it is back
+
+    def schedule_restart(self, idx: int) -> None:
+        """Mark server `idx` down and restart (or replace) it in the background, once, when engine.auto_restart
+        allows it."""
+        self.servers.slots.mark_down(idx)
+        if self.auto_restart and idx not in self._restarts and not self._retired(idx):
+            self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
+
+    async def _restart(self, idx: int) -> None:
+        """Restart server `idx` in place; when its engine host (or the host's node) is gone, replace it on whatever
+        node has room, trying again every engine.replace_retry_s until one does. Requests go to the others meanwhile;
+        the pool serves it again (or holds it stale) once it is back."""
+        servers = self.servers
+        try:
+            while True:
+                try:
+                    await servers.restart_async(idx)
+                    break
+                except Exception as e:  # the server stays down; requests keep going to the others
+                    if self._retired(idx) or not servers.replaceable(idx):
+                        logger.exception("restarting engine server %s failed", servers.address(idx))
+                        return
+                    logger.error("replacing engine server %s failed (%s: %s); trying again in %g s",
+                                 servers.address(idx), type(e).__name__, e, servers.cfg.replace_retry_s)  # fmt: skip
+                    await asyncio.sleep(servers.cfg.replace_retry_s)
+            self.stats.restarts += 1
+            logger.info("engine server %s restarted", servers.address(idx))
+        finally:
+            self._restarts.pop(idx, None)

@@ -1,0 +1,130 @@
+"""What the Rollouter actor answers about its engine pool: to ParamSync and the weight transports (nodes, layout, rpc),
+to `python -m fully_async.ctl engines` (the rows, add, remove) and to its own stats (the pool's joins and leaves).
+
+The Rollouter owns the pool's lifetime (it builds and starts it with its client) and delegates these calls here in
+one line each, so the engine package holds every rule about its pool: engine.min_servers / max_servers, which
+servers a weight copy or a weight group spans, what a row of the `engines` table says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fully_async.engines.slots import SlotState
+
+logger = logging.getLogger(__name__)
+
+ROW_STATE = {
+    SlotState.SERVING: "serving",
+    SlotState.STALE: "serving",
+    SlotState.DOWN: "down",
+    SlotState.RETIRED: "removed",
+}
+"""The `state` column of `fully_async.ctl engines`: a stale server is in rotation again at the next sync."""
+
+
+class EngineService:
+    """The pool-facing calls of the Rollouter over `servers` (an `EngineServers`) and its `client`."""
+
+    def __init__(self, servers: Any, client: Any, tracer: Any = None) -> None:
+        self.servers = servers
+        self.client = client
+        self.tracer = tracer
+        self.joins = 0
+        self.leaves = 0
+        self.join_s: list[float] = []
+        """Seconds each `add` took, from the call to every new server holding the current weights."""
+
+    # ---- weight transports -------------------------------------------------------------------------------------------
+    def nodes(self) -> list[dict[str, Any]]:
+        """Per engine server in the pool and not down: {"node_id", "node_ip", "host"} (its engine host's node and
+        handle; a server that is a child of this process has this process's node and no host). The disk transport
+        copies weights by it; one that is down (its node may be gone) gets its copy at the next sync after it is
+        back."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        out = []
+        for i in self.servers.serving:
+            server = self.servers.node_of(i)
+            out.append(server if server["node_id"] is not None else {**server, "node_id": here})
+        return out
+
+    def layout(self) -> dict[str, Any]:
+        """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
+        client holds down), each with its index, URL and worker count."""
+        return self.servers.layout(self.servers.down)
+
+    # ---- fully_async.ctl engines -------------------------------------------------------------------------------------
+    async def rows(self) -> list[dict[str, Any]]:
+        """One row per server slot: index, url, state (serving, down, removed), requests in flight, seconds busy so
+        far, and the Ray node it runs on (None for a child process of this one)."""
+        servers, client = self.servers, self.client
+        client.grow()
+        busy = client.busy_seconds()
+        nodes = await asyncio.gather(*(_node_id(p) for p in servers.procs))
+        return [{"index": i, "url": proc.url, "state": ROW_STATE[servers.slots[i]], "in_flight": client.outstanding[i],
+                 "busy_s": round(busy[i], 3), "node_id": nodes[i]}
+                for i, proc in enumerate(servers.procs)]  # fmt: skip
+
+    async def add(self, count: int, max_servers: int) -> dict[str, Any]:
+        """Start `count` more engine servers; each serves only once it holds the current weights and version.
+        Refused (ValueError) past `max_servers` (engine.max_servers; 0 = no limit)."""
+        servers = self.servers
+        live = len(servers.live)
+        if count < 1:
+            raise ValueError(f"add needs a count >= 1, got {count}")
+        if max_servers and live + count > max_servers:
+            raise ValueError(f"the pool has {live} servers; adding {count} passes engine.max_servers={max_servers}")
+        start, wall = time.monotonic(), time.time()
+        joined = await servers.add(count)
+        took = time.monotonic() - start
+        self.joins += len(joined)
+        self.join_s.append(took)
+        for i in joined:
+            self._trace(f"engine/{i}", "join", wall, version=servers.state.version)
+        logger.warning("engine pool: %d server(s) joined in %.1f s at version %d: %s", len(joined), took,
+                       servers.state.version, [servers.address(i) for i in joined])  # fmt: skip
+        return {"joined": [servers.address(i) for i in joined], "seconds": took, "live": len(servers.live)}
+
+    async def remove(self, url: str, min_servers: int, drain_timeout_s: float) -> dict[str, Any]:
+        """Take the server at `url` out of the pool: no new requests; what it runs is aborted and continued on the
+        others (restarted from the prompt with partial rollout off), within `drain_timeout_s`; then it is stopped and
+        its resources freed. Refused (ValueError) below `min_servers` (engine.min_servers)."""
+        servers = self.servers
+        index = next((i for i in servers.live if servers.address(i) == url), None)
+        if index is None:
+            raise ValueError(f"no engine server at {url} in the pool: {[servers.address(i) for i in servers.live]}")
+        if len(servers.live) - 1 < min_servers:
+            raise ValueError(f"removing {url} leaves {len(servers.live) - 1} servers, below engine.min_servers="
+                             f"{min_servers}")  # fmt: skip
+        wall = time.time()
+        moved = await self.client.remove_server(index, drain_timeout_s)
+        self.leaves += 1
+        self._trace(f"engine/{index}", "leave", wall, moved=moved)
+        logger.warning("engine pool: %s removed; %d request(s) continued on the others", url, moved)
+        return {"removed": url, "moved": moved, "live": len(servers.live)}
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's size and changes so far (the Rollouter's `pool` stats)."""
+        replacements = sum(1 for e in self.servers.pool_events if e[0] == "replace")
+        return {"size": len(self.servers.live), "joins": self.joins, "leaves": self.leaves, "replacements": replacements,
+                "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
+
+    def _trace(self, lane: str, name: str, start: float, **fields: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.record(lane, name, start, time.time(), **fields)
+
+
+async def _node_id(proc: Any) -> str | None:
+    """The Ray node of a server's engine host; None for a child process, or when the host (or its node) is gone: the
+    state column says which."""
+    if getattr(proc, "host", None) is None:
+        return None
+    try:
+        return (await asyncio.wait_for(proc.host.where.remote(), 10))["node_id"]
+    except Exception:  # the host (or its node) is gone: that is what the state column says
+        return None
