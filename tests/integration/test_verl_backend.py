@@ -78,8 +78,8 @@ def _assert_same_weights(a, b, atol=2e-5):
 def test_world_size_2_matches_world_size_1(be1, be2, tmp_path):
     assert be1.world_size == 1 and be2.world_size == 2
     # fsdp_units=auto: the one CPU rank shards the model as one unit, two ranks per layer; same update either way.
-    (units1,) = {i["fsdp_units"] for i in be1._all("policy", "rank_info")}
-    (units2,) = {i["fsdp_units"] for i in be2._all("policy", "rank_info")}
+    (units1,) = {i["fsdp_units"] for i in be1.ranks.call_all("policy", "rank_info")}
+    (units2,) = {i["fsdp_units"] for i in be2.ranks.call_all("policy", "rank_info")}
     assert units2 - units1 == TinyModelConfig().num_layers
     groups = make_groups(3, 3, seed=11)  # 9 trajectories: not divisible by 2 ranks
     _reset(be1)
@@ -232,13 +232,13 @@ def test_a_rank_that_does_not_answer_in_time_raises_instead_of_hanging(be1):
     from fully_async.training.verl_backend import TrainerTimeout
 
     _reset(be1)
-    timeout = be1.timeout
-    be1.timeout = 0.001
+    timeout = be1.ranks.timeout
+    be1.ranks.timeout = 0.001
     try:
         with pytest.raises(TrainerTimeout, match="policy.infer_batch"):
             be1.compute_log_probs(make_groups(2, 2))
     finally:
-        be1.timeout = timeout
+        be1.ranks.timeout = timeout
     assert len(be1.compute_log_probs(make_groups(1, 1))) == 1  # the late answer does not wedge later calls
 
 
@@ -267,7 +267,7 @@ def test_cpu_set_pins_each_rank_and_sizes_its_threads(ray_local, tiny_model):
     be = build_backend(TrainerConfig(max_token_len_per_gpu=512), AlgorithmConfig(), tiny_model, device="cpu",
                        cpu_set=[core])  # fmt: skip
     try:
-        (info,) = be._all("policy", "rank_info")
+        (info,) = be.ranks.call_all("policy", "rank_info")
         metrics = be.update(make_groups(1, 2))
     finally:
         be.shutdown()
