@@ -32,9 +32,11 @@ def write_safetensors(
     out_dir: str | Path,
     dtype: str = "float32",
     bucket_bytes: int = 512 << 20,
+    progress: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Write `(name, full tensor)` pairs as safetensors shards of about `bucket_bytes` each plus the index; floating
-    tensors are cast to `dtype`. Earlier weight files in `out_dir` are removed first. Returns the file names."""
+    tensors are cast to `dtype`. Earlier weight files in `out_dir` are removed first. Returns the file names;
+    `progress` hears of each file written."""
     from safetensors.torch import save_file
 
     target = DTYPES[dtype]
@@ -53,6 +55,8 @@ def write_safetensors(
         save_file(bucket, str(out / name), metadata={"format": "pt"})
         files.append(name)
         weight_map.update(dict.fromkeys(bucket, name))
+        if progress:
+            progress(f"wrote {name} ({len(bucket)} tensors, {size / 2**20:.1f} MiB)")
         bucket, size = {}, 0
 
     for name, tensor in tensors:
