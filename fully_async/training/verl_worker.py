@@ -174,7 +174,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rank_info(self) -> dict:
-        """Rank, world size, process-group backend and FSDP2 units, for checks and error messages."""
+        """Rank, world size, process-group backend, FSDP2 units and LR-schedule position, for checks and messages."""
         from torch.distributed.fsdp import FSDPModule
 
         module = getattr(self.engine, "module", None)
@@ -184,6 +184,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             "world_size": dist.get_world_size(),
             "backend": str(dist.get_backend()),
             "pid": os.getpid(),
+            "lr_scheduler_steps": getattr(getattr(self.engine, "lr_scheduler", None), "last_epoch", None),
             "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
