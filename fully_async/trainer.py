@@ -105,6 +105,9 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
+        if self.cfg.trainer.save_hf and self.step == self.cfg.trainer.total_steps:
+            dtype = self.cfg.engine.dtype if self.cfg.engine.dtype != "auto" else "float32"
+            self.backend.export_weights(tmp / "hf", dtype=dtype)  # the trained model out (python -m fully_async.export)
         snap = resolve(self.rollouter.snapshot.remote())
         if snap.get("filtered"):  # before the checkpoint exists: a resume from it keeps these records (step <= N)
             out = JsonlWriter(self.run_dir / "trajectories.jsonl")
