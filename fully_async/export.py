@@ -33,10 +33,11 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         raise ExportError(f"{run_dir} is not a run directory with checkpoints (no {root.name}/ in it)")
     steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.name[5:].isdigit())
     if step is None:
-        latest = root / "latest"
-        if not latest.is_file():
+        from fully_async.trainer import latest_checkpoint
+
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
             raise ExportError(f"{root} has no checkpoint (no 'latest'); steps there: {steps or 'none'}")
-        ckpt = root / latest.read_text().strip()
     else:
         ckpt = root / f"step_{step}"
         if not ckpt.is_dir():

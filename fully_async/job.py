@@ -74,9 +74,11 @@ class TrainerLost(RuntimeError):
 def trainer_lost_message(lost: list[str], ips: dict[str, str], ckpt_root: Path) -> str:
     """What to tell the user when trainer nodes are lost: which, the last checkpoint, and how to continue."""
     where = ", ".join(f"{ips.get(n, '?')}/{n[:8]}" for n in lost)
-    latest = ckpt_root / "latest"
-    if latest.exists():
-        last = f"the last checkpoint is {ckpt_root / latest.read_text().strip()}"
+    from fully_async.trainer import latest_checkpoint
+
+    latest = latest_checkpoint(ckpt_root)
+    if latest is not None:
+        last = f"the last checkpoint is {latest}"
     else:
         last = f"no checkpoint was written yet under {ckpt_root} (trainer.save_every)"
     return (

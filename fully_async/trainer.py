@@ -43,6 +43,12 @@ class TrainerError(RuntimeError):
     """The run cannot continue (the rollouter failed, no batch arrived in time); the message says why."""
 
 
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The checkpoint `ckpt_root/latest` names (RUN_DIR/checkpoints), None when none was written."""
+    latest = Path(ckpt_root) / "latest"
+    return Path(ckpt_root) / latest.read_text().strip() if latest.is_file() else None
+
+
 # The backend's update timings, in the order its phases run (reconstructed into trace spans inside the update).
 UPDATE_PHASES = ("prepare", "log_probs", "train")
 
@@ -74,10 +80,7 @@ class Trainer:
         if resume == "none":
             return None
         if resume == "auto":
-            latest = self.ckpt_root / "latest"
-            if not latest.exists():
-                return None
-            return self.ckpt_root / latest.read_text().strip()
+            return latest_checkpoint(self.ckpt_root)
         path = Path(resume).expanduser()
         if not (path / "state.json").is_file():
             raise TrainerError(f"trainer.resume={resume}: no checkpoint there (missing state.json)")
