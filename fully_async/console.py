@@ -7,8 +7,14 @@ dead engine makes the rollouter print "retrying a request" hundreds of times. `W
 handler in the driver:
 
 - every line, with its source (actor and pid), goes to `RUN_DIR/logs/workers.log`;
-- the console gets the first line of each *kind* as Ray would print it; repeats are counted, and every
+- known start-up chatter of the libraries under us (`QUIET`: verl's "engine is not available" warnings and rank
+  set-up lines, NUMA, the CPU platform notice, torch's is_fx_tracing warning, weight-loading bars) goes to that file
+  only: a default run's console holds our own lines and the progress line;
+- the console gets the first line of each other *kind* as Ray would print it; repeats are counted, and every
   `report_every_s` (and at `close()`) one line per kind that repeated says how many times it did.
+
+The same chatter from the driver process itself (Ray's token-auth notice at `ray.init`, torch's is_fx_tracing
+warning) is held by `hold_driver_chatter()` (called before `ray.init`) and written to the same file once it is open.
 
 A line's kind is its source's actor (or task) name, not its pid, so all ranks of a role share kinds, plus its text with
 digit runs replaced by `#` except inside addresses (`scheme://host:port`), so the same retry against two engines is two
@@ -18,6 +24,7 @@ kinds, while the same warning from two ranks, or with a different count in it, i
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import threading
@@ -33,6 +40,29 @@ _OURS = "fully_async_worker_log"
 _ADDRESS = re.compile(r"\w+://[^\s/]+")
 _DIGITS = re.compile(r"\d+")
 _AUTOSCALER_EVENT = ":event_summary:"  # what Ray's own forwarding keeps of the autoscaler's output
+
+QUIET = re.compile(
+    "|".join(
+        (
+            r"engine is not available",  # verl.workers.engine: one per optional engine (torchtitan, veomni, ...)
+            r"^\s*warnings\.warn\(",  # the source line Python prints under each of those warnings
+            r"NUMA affinity",  # verl's rank set-up without libnuma / pynvml
+            r"is registered but not available",  # verl's platform registry on a CPU-only actor (our CPU platform)
+            r"Platform override from VERL_PLATFORM",
+            r"is_fx_tracing will return true",  # torch.fx, once per process
+            r"Skipping monkey patch for",  # verl's model build: its per-rank set-up lines
+            r"contains [\d.]+[KMGT]? parameters",
+            r"memory allocated \(GB\)",
+            r"^Total steps: \d+, num_warmup_steps",
+            r"\[Rank \d+\] (Saved|Loaded) ",  # verl's checkpoint manager, every file of every checkpoint
+            r"Loading weights:",  # transformers' progress bar
+            r"^\s*$",
+        )
+    )
+)
+"""Lines that go to the log file only: third-party start-up chatter that says nothing about this run."""
+DRIVER_CHATTER = ("ray._private.authentication.authentication_token_setup", "torch.fx._symbolic_trace")
+"""Loggers in the driver process whose records go to the log file only (see hold_driver_chatter)."""
 
 
 def line_kind(source: str, line: str) -> tuple[str, str]:
@@ -86,6 +116,8 @@ class WorkerLog:
         with self._lock:
             for line in lines:
                 self._file.write(f"({source} pid={pid}) {line}\n")
+                if QUIET.search(line):
+                    continue
                 kind = line_kind(source, line)
                 seen = self._seen.get(kind)
                 if seen is None:
@@ -111,6 +143,12 @@ class WorkerLog:
                 )
                 seen[1] = 0
 
+    def write_line(self, source: str, pid: Any, line: str) -> None:
+        """One line to the file only (the driver's own chatter)."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(f"({source} pid={pid}) {line}\n")
+
     def counts(self) -> dict[tuple[str, str], int]:
         """Lines seen per kind."""
         with self._lock:
@@ -122,14 +160,55 @@ class WorkerLog:
             self._file.close()
 
 
+class _DriverChatter(logging.Handler):
+    """Holds the driver's DRIVER_CHATTER records (at most `keep`) until a WorkerLog is installed, then writes them, and
+    later ones, to its file as the driver's lines."""
+
+    def __init__(self, keep: int = 100) -> None:
+        super().__init__(logging.INFO)
+        self.keep = keep
+        self.held: list[logging.LogRecord] = []
+        self.sink: WorkerLog | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sink = self.sink
+        if sink is None:
+            if len(self.held) < self.keep:
+                self.held.append(record)
+            return
+        sink.write_line(f"driver:{record.name}", os.getpid(), self.format(record))
+
+    def attach(self, sink: WorkerLog | None) -> None:
+        self.sink = sink
+        if sink is not None:
+            held, self.held = self.held, []
+            for record in held:
+                self.emit(record)
+
+
+_chatter = _DriverChatter()
+
+
+def hold_driver_chatter() -> None:
+    """Keep the driver's DRIVER_CHATTER loggers off the console (before `ray.init`, whose token-auth notice is one):
+    their records wait for `install`'s log file. Idempotent."""
+    for name in DRIVER_CHATTER:
+        logger = logging.getLogger(name)
+        logger.propagate = False
+        if _chatter not in logger.handlers:
+            logger.addHandler(_chatter)
+
+
 _installed: WorkerLog | None = None
+_ray_handler: Callable | None = None
+"""Ray's own forwarding handler, taken out by install() and put back by uninstall()."""
 
 
 def install(run_dir: str | Path, **kwargs: Any) -> WorkerLog | None:
     """Route the Ray workers' output of this driver through a `WorkerLog` writing `RUN_DIR/logs/workers.log`.
     Needs `ray.init` first (it registers the handler replaced here). Returns None, leaving Ray's own forwarding,
     when this Ray has no such handler (log_to_driver=False, or its internals changed)."""
-    global _installed
+    global _installed, _ray_handler
     from ray._private import worker as ray_worker
 
     dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
@@ -140,29 +219,31 @@ def install(run_dir: str | Path, **kwargs: Any) -> WorkerLog | None:
         return None
     uninstall()
     sink = WorkerLog(Path(run_dir) / "logs" / "workers.log", **kwargs)
+    _ray_handler = next((fn for name, fn in dispatcher.handlers if name == _HANDLER), None)
     dispatcher.remove_handler(_HANDLER)
     dispatcher.add_handler(_OURS, sink.handle)
     _installed = sink
+    _chatter.attach(sink)
     print(
-        f"fully_async: worker output in {sink.path}; the console shows each kind of line once, then counts", flush=True
+        f"fully_async: worker output in {sink.path}; the console shows each kind of line once, then counts "
+        "(library start-up chatter: the file only)",
+        flush=True,
     )
     return sink
 
 
 def uninstall() -> None:
     """Flush the counts, close the log file and give the console back to Ray's own forwarding."""
-    global _installed
+    global _installed, _ray_handler
     if _installed is None:
         return
-    import functools
-
     from ray._private import worker as ray_worker
 
     dispatcher = ray_worker.global_worker_stdstream_dispatcher
     if _OURS in {pair[0] for pair in dispatcher.handlers}:
         dispatcher.remove_handler(_OURS)
-        if ray_worker.global_worker.connected:
-            ignore = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
-            dispatcher.add_handler(_HANDLER, functools.partial(ray_worker.print_to_stdstream, ignore_prefix=ignore))
+        if _ray_handler is not None and ray_worker.global_worker.connected:
+            dispatcher.add_handler(_HANDLER, _ray_handler)  # the very handler install() took out
+    _chatter.attach(None)
     _installed.close()
-    _installed = None
+    _installed, _ray_handler = None, None

@@ -44,6 +44,7 @@ def connect_ray(cfg: FullyAsyncConfig) -> None:
 
     if ray.is_initialized():
         return
+    console.hold_driver_chatter()  # Ray's token-auth notice, torch's is_fx_tracing: to logs/workers.log
     os.environ.setdefault("RAY_worker_niceness", "0")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)

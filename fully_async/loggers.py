@@ -44,14 +44,20 @@ class JsonlLogger:
         self.writer.close()
 
 
+ETA_AFTER_STEPS = 3
+"""Steps the ETA waits for: the first ones carry the pipeline's fill (engines warming up, the first batches being
+generated while the trainer waits) and say little about the rest; the ETA is the pace since then."""
+
+
 class ConsoleLogger:
     """A live panel (step, version, reward, staleness, queue, tokens/s, idle ratios, ETA) on a terminal; one plain
     line per step when stdout is not a terminal (log files, CI)."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, console: Any = None) -> None:
+    def __init__(self, total_steps: int, start_step: int = 0, console: Any = None, clock: Any = time.monotonic) -> None:
         from rich.console import Console
 
-        self.total, self.start, self.t0 = total_steps, start_step, time.monotonic()
+        self.total, self.start, self.clock = total_steps, start_step, clock
+        self._at: dict[int, float] = {}  # step -> when it was logged
         self.console = console or Console()
         self.live = None
         if self.console.is_terminal:
@@ -61,8 +67,12 @@ class ConsoleLogger:
             self.live.start()
 
     def eta_s(self, step: int) -> float:
-        done = step - self.start
-        return (time.monotonic() - self.t0) / done * (self.total - step) if done > 0 else math.nan
+        """Seconds to the last step at the pace since step start + ETA_AFTER_STEPS; NaN before there is one."""
+        base = self.start + ETA_AFTER_STEPS
+        if step <= base or base not in self._at:
+            return math.nan
+        now = self._at.get(step, self.clock())
+        return (now - self._at[base]) / (step - base) * (self.total - step)
 
     def line(self, step: int, m: dict[str, Any]) -> str:
         width = 20
@@ -73,7 +83,7 @@ class ConsoleLogger:
             f"reward {m.get('reward/mean', math.nan):.3f} stale {m.get('staleness/mean', math.nan):.2f}"
             f"/{m.get('staleness/max', math.nan):.0f} tok/s {m.get('perf/generated_tokens_per_s', 0):.0f} "
             f"idle T {m.get('fully_async/trainer/idle_ratio', 0):.2f} R {m.get('fully_async/rollouter/idle_ratio', 0):.2f} "
-            f"q {m.get('fully_async/queue/size', 0)} eta {self.eta_s(step):.0f}s"
+            f"q {m.get('fully_async/queue/size', 0)} eta {_seconds(self.eta_s(step))}"
         )
 
     def panel(self, step: int, m: dict[str, Any]) -> Any:
@@ -106,6 +116,7 @@ class ConsoleLogger:
         return Panel(t, title="fully_async", expand=False)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._at[step] = self.clock()
         if self.live is not None:
             self.live.update(self.panel(step, metrics), refresh=True)
         else:
@@ -114,6 +125,10 @@ class ConsoleLogger:
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+def _seconds(s: float) -> str:
+    return "-" if math.isnan(s) else f"{s:.0f}s"
 
 
 class WandbLogger:

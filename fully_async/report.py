@@ -3,7 +3,8 @@
 Reads the run dir's event trace (trace/*.jsonl), metrics.jsonl and trajectories.jsonl, and writes to RUN_DIR/report/
 (or --out):
 - timeline.png: one lane per engine server, reward scoring, tool calls, rollouter (pauses, validation), trainer and weight sync,
-  over wall time, with the end of every trainer step marked;
+  over wall time: the whole run, and under it a close-up of the last WINDOW_STEPS steps (with their ends marked), where
+  a long run's whole view is a solid block;
 - reward_staleness.png: reward and staleness per step; staleness_hist.png: staleness of every trained trajectory;
 - summary.txt (also printed): where the time went per lane, and the idle ratios recomputed from the trace next to
   the ones metrics.jsonl logged;
@@ -211,21 +212,27 @@ def _lanes(spans: Sequence[Span], num_engines: int) -> list[str]:
     return engines + extra + others
 
 
-def render_timeline(run: Run, out: Path) -> Path:
-    import matplotlib
+WINDOW_STEPS = 5
+"""Steps in the timeline's close-up: the run's last ones (the steady state, after the pipeline's fill)."""
+STEP_LINES_MAX = 60
+"""The whole-run view marks step ends only up to this many steps (past it the marks cover the lanes)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    if not run.spans:
-        raise ReportError(f"{run.run_dir} has no event trace (trace/*.jsonl); was logger.trace=false?")
-    t0 = run.spans[0].start
-    lanes = _lanes(run.spans, run.num_engines)
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * len(lanes)))
+def readable_window(run: Run, steps: int = WINDOW_STEPS) -> tuple[int, int, float, float] | None:
+    """(first step, last step, start, end) of the run's last `steps` logged steps, wall clock; None when the run
+    logged fewer than 4x that many (its whole-run view is readable as it is)."""
+    windows = run.windows()
+    if len(windows) < 4 * steps:
+        return None
+    last = windows[-steps:]
+    return last[0][0], last[-1][0], last[0][1], last[-1][2]
+
+
+def _draw_lanes(ax, run: Run, lanes: list[str], t0: float, lo: float, hi: float, step_lines: bool) -> set[str]:
+    """The lanes' spans that overlap [lo, hi] (wall clock) on `ax`, x in seconds since t0; returns the names drawn."""
     used: set[str] = set()
     for row, lane in enumerate(reversed(lanes)):
-        spans = [s for s in run.spans if s.lane == lane]
+        spans = [s for s in run.spans if s.lane == lane and s.end >= lo and s.start <= hi]
         if lane.startswith("engine/") or lane in ("reward", "tools"):
             # Many concurrent requests per lane: draw when the lane had at least one running.
             name = spans[0].name if spans else "generate"
@@ -238,19 +245,61 @@ def render_timeline(run: Run, out: Path) -> Path:
             y, h = (row - 0.15, 0.3) if inner else (row - 0.35, 0.7)
             ax.broken_barh([(s.start - t0, s.dur)], (y, h), color=_COLOURS.get(s.name, "tab:pink"))
             used.add(s.name)
-    for _, _, end in run.windows():
-        ax.axvline(end - t0, color="black", alpha=0.4, linewidth=0.8, linestyle="--")
+    if step_lines:
+        for _, _, end in run.windows():
+            if lo <= end <= hi:
+                ax.axvline(end - t0, color="black", alpha=0.4, linewidth=0.8, linestyle="--")
     ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
-    ax.set_xlabel("wall seconds since the first span (thin lines: end of each trainer step)")
-    ax.set_title(f"timeline: {run.run_dir.name}")
-    ax.legend(
+    ax.set_xlim(lo - t0, hi - t0)
+    ax.grid(axis="x", alpha=0.3)
+    return used
+
+
+def timeline_figure(run: Run, window_steps: int = WINDOW_STEPS):
+    """The timeline: the whole run, and under it (when the run has more than `window_steps` steps) a close-up of
+    its last `window_steps` steps, where single requests and trainer phases can be told apart. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not run.spans:
+        raise ReportError(f"{run.run_dir} has no event trace (trace/*.jsonl); was logger.trace=false?")
+    t0 = run.spans[0].start
+    end = max(s.end for s in run.spans)
+    lanes = _lanes(run.spans, run.num_engines)
+    window = readable_window(run, window_steps)
+    panels = 1 + (window is not None)
+    fig, axes = plt.subplots(panels, 1, figsize=(14, panels * (1.0 + 0.55 * len(lanes))), squeeze=False)
+    whole = axes[0][0]
+    step_lines = len(run.windows()) <= STEP_LINES_MAX
+    used = _draw_lanes(whole, run, lanes, t0, t0, end, step_lines)
+    whole.set_title(f"timeline: {run.run_dir.name}, the whole run ({len(run.windows())} steps)")
+    whole.set_xlabel(
+        "wall seconds since the first span" + (" (thin lines: end of each trainer step)" if step_lines else "")
+    )
+    if window is not None:
+        first, last, lo, hi = window
+        whole.axvspan(lo - t0, hi - t0, color="gold", alpha=0.25, zorder=0)
+        close = axes[1][0]
+        used |= _draw_lanes(close, run, lanes, t0, lo, hi, True)
+        close.set_title(f"the last {last - first + 1} steps ({first}-{last}; shaded above)")
+        close.set_xlabel("wall seconds since the first span (thin lines: end of each trainer step)")
+    whole.legend(
         handles=[Patch(color=_COLOURS.get(n, "tab:pink"), label=n) for n in sorted(used)],
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
     )
-    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def render_timeline(run: Run, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(run)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -44,9 +44,9 @@ class TrainerError(RuntimeError):
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint under `ckpt_root` (the one `checkpoints/latest` names), None before the first."""
-    latest = ckpt_root / "latest"
-    return ckpt_root / latest.read_text().strip() if latest.exists() else None
+    """The checkpoint `ckpt_root/latest` names (RUN_DIR/checkpoints), None when none was written."""
+    latest = Path(ckpt_root) / "latest"
+    return Path(ckpt_root) / latest.read_text().strip() if latest.is_file() else None
 
 
 # The backend's update timings, in the order its phases run (reconstructed into trace spans inside the update).
@@ -108,6 +108,9 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
+        if self.cfg.trainer.save_hf and self.step == self.cfg.trainer.total_steps:
+            dtype = self.cfg.engine.dtype if self.cfg.engine.dtype != "auto" else "float32"
+            self.backend.export_weights(tmp / "hf", dtype=dtype)  # the trained model out (python -m fully_async.export)
         snap = resolve(self.rollouter.snapshot.remote())
         if snap.get("filtered"):  # before the checkpoint exists: a resume from it keeps these records (step <= N)
             out = JsonlWriter(self.run_dir / "trajectories.jsonl")

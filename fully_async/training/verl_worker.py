@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import TrainingWorker
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from fully_async.training import hf_files
 
 
 def _init_gloo(timeout_s: float) -> None:
@@ -90,45 +89,45 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         """Write the full (unsharded) weights as Hugging Face safetensors shards of about `bucket_bytes` each, with
         a `model.safetensors.index.json`. Floating tensors are cast to `dtype`. Returns the file names on rank 0,
         None on the other ranks."""
-        from safetensors.torch import save_file
-
-        target = _DTYPES[dtype]
-        rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
-        out = Path(out_dir)
-        if rank0:
-            out.mkdir(parents=True, exist_ok=True)
-        files: list[str] = []
-        weight_map: dict[str, str] = {}
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-
-        def flush() -> None:
-            nonlocal bucket, size
-            name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(bucket, str(out / name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update(dict.fromkeys(bucket, name))
-            bucket, size = {}, 0
-
         params, _ = self.engine.get_per_tensor_param()
-        for name, tensor in params:  # every rank drains the generator: each step is a collective
-            if not rank0:
-                continue
-            t = tensor.detach()
-            if t.is_floating_point():
-                t = t.to(target)
-            bucket[name] = t.to("cpu").contiguous()
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                flush()
-        if not rank0:
+        if not self._rank0():  # every rank drains the generator: each step is a collective
+            for _ in params:
+                pass
             return None
-        if bucket or not files:
-            flush()
-        total = sum((out / f).stat().st_size for f in files)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        return files
+        return hf_files.write_safetensors(params, out_dir, dtype, bucket_bytes)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint_resharded(self, local_path: str) -> None:
+        """Load a checkpoint written at another world size: every rank reads all the old ranks' shards, joins them to
+        full tensors (fully_async/training/hf_files.py) and keeps its own new shard of the model and the optimizer
+        moments (torch.distributed.checkpoint's full-state-dict setters); LR schedule from rank 0's file, RNG from this
+        rank's (rank 0's for a rank the old run did not have)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        engine = self.engine
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(engine.module, hf_files.merged_model(local_path), options=full)
+        if engine.optimizer is not None:
+            raw = hf_files.merged_optimizer(local_path)
+            # torch keys the saved state by parameter index, in module.parameters() order (how verl built it); the
+            # full-state-dict setter wants parameter names.
+            names = [name for name, _ in engine.module.named_parameters()]
+            osd = {
+                "state": {names[i]: entry for i, entry in raw["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in raw["param_groups"]],
+            }
+            set_optimizer_state_dict(engine.module, engine.optimizer, osd, options=full)
+        extra = hf_files.extra_state(local_path, dist.get_rank() if dist.is_initialized() else 0)
+        if extra.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if "rng" in extra:
+            engine.checkpoint_manager.load_rng_state(extra["rng"])
+        if dist.is_initialized():
+            dist.barrier()
 
     # ---- the collective weight transport's sending side (fully_async/weights/collective.py) -------------------
     # Every rank drains the per-tensor iterator (each step all-gathers one parameter); rank 0 alone is in the
@@ -175,7 +174,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rank_info(self) -> dict:
-        """Rank, world size, process-group backend and FSDP2 units, for checks and error messages."""
+        """Rank, world size, process-group backend, FSDP2 units and LR-schedule position, for checks and messages."""
         from torch.distributed.fsdp import FSDPModule
 
         module = getattr(self.engine, "module", None)
@@ -185,6 +184,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             "world_size": dist.get_world_size(),
             "backend": str(dist.get_backend()),
             "pid": os.getpid(),
+            "lr_scheduler_steps": getattr(getattr(self.engine, "lr_scheduler", None), "last_epoch", None),
             "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -1,6 +1,6 @@
 """The console of a run with real Ray workers: two training-rank processes import verl (its engine-availability
-warnings) and the real engine client retries against two dead engines; the console shows each kind of line once plus
-a count, RUN_DIR/logs/workers.log has every line."""
+warnings, which stay off the console) and the real engine client retries against two dead engines; the console shows
+each kind of line once plus a count, RUN_DIR/logs/workers.log has every line."""
 
 from __future__ import annotations
 
@@ -79,5 +79,5 @@ def test_worker_warnings_and_a_retry_storm_show_once_each_with_counts(ray_local,
         assert "more like this" not in mine[0] and "more like this" in mine[1]
     counts = [int(line.split("[")[1].split()[0]) for line in retry_lines if "more like this" in line]
     assert sum(counts) + len(DEAD) == want
-    megatron = [line for line in screen if "UserWarning: megatron engine is not available" in line]
-    assert len(megatron) == 2 and "[1 more like this, 2 in all" in megatron[1], megatron
+    # verl's import-time chatter is in the file only (console.QUIET): a run's console holds our lines
+    assert not [line for line in screen if "engine is not available" in line or "warnings.warn(" in line]

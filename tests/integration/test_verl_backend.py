@@ -5,6 +5,7 @@ the initial checkpoint so tests are independent."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -78,8 +79,8 @@ def _assert_same_weights(a, b, atol=2e-5):
 def test_world_size_2_matches_world_size_1(be1, be2, tmp_path):
     assert be1.world_size == 1 and be2.world_size == 2
     # fsdp_units=auto: the one CPU rank shards the model as one unit, two ranks per layer; same update either way.
-    (units1,) = {i["fsdp_units"] for i in be1._all("policy", "rank_info")}
-    (units2,) = {i["fsdp_units"] for i in be2._all("policy", "rank_info")}
+    (units1,) = {i["fsdp_units"] for i in be1.ranks.call_all("policy", "rank_info")}
+    (units2,) = {i["fsdp_units"] for i in be2.ranks.call_all("policy", "rank_info")}
     assert units2 - units1 == TinyModelConfig().num_layers
     groups = make_groups(3, 3, seed=11)  # 9 trajectories: not divisible by 2 ranks
     _reset(be1)
@@ -143,25 +144,64 @@ def test_decoupled_ppo_equals_bypass_when_behaviour_is_proximal(be1, tmp_path):
     _assert_same_weights(*weights)
 
 
-def test_exported_weights_reload_with_identical_log_probs(be1, tmp_path):
+def _assert_hf_log_probs(model_dir, groups, want):
+    """The Hugging Face model in `model_dir`, loaded by transformers, gives the log-probs `want` on `groups`."""
     from transformers import AutoModelForCausalLM
 
-    _reset(be1)
-    groups = make_groups(2, 2, seed=3)
-    be1.update(groups)  # export trained weights, not the initial ones
-    files = be1.export_weights(tmp_path / "export")
-    assert files and (tmp_path / "export" / "config.json").exists()
-    model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "export", torch_dtype=torch.float32, attn_implementation="eager"
-    )
-    trainer_lp = be1.compute_log_probs(groups)
-    for t, want in zip(flatten(groups), trainer_lp, strict=True):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    for t, lp_want in zip(flatten(groups), want, strict=True):
         ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
         with torch.no_grad():
             logits = model(ids).logits[0].float() / TEMPERATURE
         p = len(t.prompt_ids)
         lp = torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, ids[0, p:, None])[:, 0]
-        np.testing.assert_allclose(lp.numpy(), want, atol=1e-5)
+        np.testing.assert_allclose(lp.numpy(), lp_want, atol=1e-5)
+
+
+def test_exported_weights_reload_with_identical_log_probs(be1, tmp_path):
+    _reset(be1)
+    groups = make_groups(2, 2, seed=3)
+    be1.update(groups)  # export trained weights, not the initial ones
+    files = be1.export_weights(tmp_path / "export")
+    assert files and (tmp_path / "export" / "config.json").exists()
+    _assert_hf_log_probs(tmp_path / "export", groups, be1.compute_log_probs(groups))
+
+
+def test_a_checkpoint_resumes_at_another_world_size(be1, be2, tmp_path):
+    """1 rank writes, 2 ranks load (model and Adam moments resharded, LR schedule carried): the next update is the
+    one the writer would have made. A fresh optimizer or schedule would move the weights by ~lr, not ~1e-5."""
+    _reset(be1)
+    _reset(be2)
+    g1, g2 = make_groups(2, 2, seed=31), make_groups(3, 3, seed=32)
+    be1.update(g1)
+    be1.update(g1)
+    be1.save_checkpoint(tmp_path / "ck", 2)
+    ma = be1.update(g2)
+    assert be2.load_checkpoint(tmp_path / "ck") == 2
+    # the schedule's position (the LR is constant here, so the update alone would not show a schedule left behind)
+    assert {i["lr_scheduler_steps"] for i in be2.ranks.call_all("policy", "rank_info")} == {2}
+    mb = be2.update(g2)
+    assert ma["actor/loss"] == pytest.approx(mb["actor/loss"], rel=1e-5, abs=1e-7)
+    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
+    assert ma["actor/lr"] == mb["actor/lr"]
+    _assert_same_weights(_weights(be1, tmp_path / "a"), _weights(be2, tmp_path / "b"))
+
+
+def test_export_cli_joins_a_two_rank_checkpoint_into_a_loadable_model(be2, tiny_model, tmp_path, capsys):
+    from fully_async.export import main
+
+    _reset(be2)
+    groups = make_groups(2, 2, seed=5)
+    be2.update(groups)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"
+    be2.save_checkpoint(ckpt / "backend", 1)
+    (ckpt / "state.json").write_text(json.dumps({"config": {"model": {"path": str(tiny_model)}}}))
+    (ckpt.parent / "latest").write_text("step_1")
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert "model_world_size_2_rank_1.pt" in capsys.readouterr().out  # progress names each shard it reads
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).is_file(), name
+    _assert_hf_log_probs(tmp_path / "hf", groups, be2.compute_log_probs(groups))
 
 
 def test_export_casts_to_the_engine_dtype(be1, tmp_path):
@@ -232,13 +272,13 @@ def test_a_rank_that_does_not_answer_in_time_raises_instead_of_hanging(be1):
     from fully_async.training.verl_backend import TrainerTimeout
 
     _reset(be1)
-    timeout = be1.timeout
-    be1.timeout = 0.001
+    timeout = be1.ranks.timeout
+    be1.ranks.timeout = 0.001
     try:
         with pytest.raises(TrainerTimeout, match="policy.infer_batch"):
             be1.compute_log_probs(make_groups(2, 2))
     finally:
-        be1.timeout = timeout
+        be1.ranks.timeout = timeout
     assert len(be1.compute_log_probs(make_groups(1, 1))) == 1  # the late answer does not wedge later calls
 
 
@@ -267,7 +307,7 @@ def test_cpu_set_pins_each_rank_and_sizes_its_threads(ray_local, tiny_model):
     be = build_backend(TrainerConfig(max_token_len_per_gpu=512), AlgorithmConfig(), tiny_model, device="cpu",
                        cpu_set=[core])  # fmt: skip
     try:
-        (info,) = be._all("policy", "rank_info")
+        (info,) = be.ranks.call_all("policy", "rank_info")
         metrics = be.update(make_groups(1, 2))
     finally:
         be.shutdown()

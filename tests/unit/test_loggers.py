@@ -123,3 +123,20 @@ def test_wandb_that_cannot_start_fails_with_what_to_set(tmp_path, monkeypatch):
     cfg = LoggerConfig(backends=["wandb"])
     with pytest.raises(LoggerError, match="WANDB_MODE=offline"):
         build_loggers(cfg, tmp_path, total_steps=1)
+
+
+def test_the_eta_waits_for_the_pipeline_fill_then_follows_the_pace(capsys):
+    """A 19 s first step (engines warming up, the first batches) then 1 s steps: no ETA for the first steps, then the
+    pace since step ETA_AFTER_STEPS, not 19 s per remaining step."""
+    from fully_async.loggers import ETA_AFTER_STEPS
+
+    now = [0.0]
+    plain = ConsoleLogger(total_steps=500, start_step=0, clock=lambda: now[0])
+    for step, t in enumerate([19.0, 20.0, 21.0, 22.0, 23.0, 24.0], start=1):
+        now[0] = t
+        plain.log(step, {"step": step})
+        eta = plain.eta_s(step)
+        assert math.isnan(eta) == (step <= ETA_AFTER_STEPS), step
+    assert plain.eta_s(6) == pytest.approx(1.0 * (500 - 6))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("eta -") and lines[-1].endswith(f"eta {500 - 6}s")

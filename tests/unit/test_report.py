@@ -109,3 +109,41 @@ def test_tool_calls_get_their_own_timeline_lane():
     spans = [Span("engine/0", "generate", 0, 1, {}), Span("tools", "tool_call", 0.5, 0.2, {"tool": "search"}),
              Span("trainer", "update", 1, 1, {})]  # fmt: skip
     assert _lanes(spans, 1) == ["engine/0", "tools", "trainer"]
+
+
+def _long_run(tmp_path, steps: int):
+    """A run of `steps` 2-second steps: two engines generating most of the time, the trainer's phases per step."""
+    from fully_async.report import Run
+
+    spans, metrics = [], []
+    for k in range(steps):
+        t = 2.0 * k
+        for e in range(2):
+            spans += [Span(f"engine/{e}", "generate", t + 0.1 * i, 0.5, {}) for i in range(14)]
+        spans += [Span("trainer", "wait_for_batch", t, 0.4, {}), Span("trainer", "update", t + 0.4, 1.4, {}),
+                  Span("trainer", "param_sync", t + 1.8, 0.2, {})]  # fmt: skip
+        metrics.append({"step": k + 1, "timestamp": t + 2.0, "timing_s/step": 2.0})
+    return Run(tmp_path, spans, {"engines": 2}, metrics)
+
+
+def test_a_long_runs_timeline_adds_a_close_up_of_its_last_steps(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from fully_async.report import STEP_LINES_MAX, WINDOW_STEPS, readable_window, render_timeline, timeline_figure
+
+    run = _long_run(tmp_path, 500)
+    assert readable_window(run) == (496, 500, 990.0, 1000.0)
+    fig = timeline_figure(run)
+    whole, close = fig.axes
+    assert whole.get_xlim() == (0.0, 1000.0) and close.get_xlim() == (990.0, 1000.0)
+    assert "last 5 steps (496-500" in close.get_title()
+    # step edges only where they can be read: in the close-up, its steps' ends and the first one's start
+    assert len(whole.lines) == 0 and len(close.lines) == WINDOW_STEPS + 1
+    plt.close(fig)
+    assert render_timeline(run, tmp_path / "timeline.png").stat().st_size > 5000
+    short = _long_run(tmp_path, 4 * WINDOW_STEPS - 1)  # short enough to read whole: no close-up
+    assert readable_window(short) is None
+    fig = timeline_figure(short)
+    assert len(fig.axes) == 1
+    assert len(fig.axes[0].lines) == 4 * WINDOW_STEPS - 1 <= STEP_LINES_MAX
+    plt.close(fig)

@@ -162,3 +162,19 @@ def test_a_checkpoint_round_trip_restores_step_version_and_queue(roles, tmp_path
     assert (resumed.step, resumed.version) == (3, 2)
     assert queue.size() == 2 and [g.prompt.index for _, g in queue._items] == [5, 6]
     assert start == {"cursor_state": {"epoch": 0}, "ledger_state": {"version": 0}}
+
+
+@pytest.mark.parametrize("save_hf", [True, False])
+def test_the_last_checkpoint_holds_the_model_in_hugging_face_format(roles, tmp_path, save_hf):
+    import dataclasses
+
+    cfg = _cfg(total_steps=3)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, save_hf=save_hf))
+    trainer = _trainer(cfg, roles, tmp_path)
+    trainer.step = 2
+    assert not (trainer.save() / "hf").exists()  # only the run's end: every checkpoint can be exported later
+    trainer.step = 3
+    hf = trainer.save() / "hf"
+    assert hf.is_dir() == save_hf
+    if save_hf:  # the simulated backend's stand-in for the weights, in the engine's dtype
+        assert json.loads((hf / "sim_weights.json").read_text())["dtype"] == "float32"

@@ -43,7 +43,7 @@ def test_megatron_builds_verls_mcore_configs_and_refuses_cpu(tmp_path):
 
     from fully_async.config import TinyModelConfig
     from fully_async.models.tiny import build_tiny_model
-    from fully_async.training.verl_backend import _engine_configs
+    from fully_async.training.verl_config import engine_configs as _engine_configs
 
     model = str(build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), cache_dir=tmp_path))
     trainer = TrainerConfig(
@@ -80,7 +80,7 @@ def test_fsdp_units_choose_verls_wrap_targets(tmp_path, units, cpu, ranks, expec
 
     from fully_async.config import TinyModelConfig
     from fully_async.models.tiny import build_tiny_model
-    from fully_async.training.verl_backend import _engine_configs
+    from fully_async.training.verl_config import engine_configs as _engine_configs
 
     path = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), cache_dir=tmp_path)
     trainer = TrainerConfig(n_gpus_per_node=ranks, fsdp_units=units)

@@ -41,6 +41,10 @@ class TrainerConfig:
     """Trainer steps in the run (each consumes async_training.groups_per_step groups)."""
     save_every: int = 0
     """Checkpoint every this many steps; 0 = only at the end."""
+    save_hf: bool = True
+    """The last step's checkpoint also holds the policy as a Hugging Face model in checkpoints/step_N/hf/ (safetensors in
+    engine.dtype, config, generation config, tokenizer: loads with transformers, serves as model.path); any other
+    checkpoint: python -m fully_async.export RUN_DIR --step N --out DIR."""
     val_every: int = 0
     """Validate every this many versions; 0 = never."""
     resume: str = "none"

@@ -1,0 +1,112 @@
+"""The trained model out of a run, in Hugging Face format: `python -m fully_async.export RUN_DIR [--step N] --out DIR`.
+
+Reads a checkpoint (`RUN_DIR/checkpoints/step_N/`, default the latest) whatever trainer world size wrote it: verl's
+per-rank FSDP shards are joined into full tensors in this process (fully_async/training/hf_files.py; no Ray, no
+ranks), then written as safetensors with the model's config.json, generation_config.json and tokenizer files, so
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it and `model.path=DIR` serves it. Needs memory for
+the full model once (in float32 as FSDP keeps it). The policy only: a critic (`backend/critic/`) is not exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+STATE_FILE = "fully_async_backend.json"
+"""The backend's marker in a checkpoint's `backend/` (step, world size, critic)."""
+
+
+class ExportError(RuntimeError):
+    """The run directory or the step asked for holds no usable checkpoint; the message says what is missing."""
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """`RUN_DIR/checkpoints/step_N` (the one `checkpoints/latest` names when `step` is None), checked complete."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir} does not exist")
+    if not root.is_dir():
+        raise ExportError(f"{run_dir} is not a run directory with checkpoints (no {root.name}/ in it)")
+    steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.name[5:].isdigit())
+    if step is None:
+        from fully_async.trainer import latest_checkpoint
+
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
+            raise ExportError(f"{root} has no checkpoint (no 'latest'); steps there: {steps or 'none'}")
+    else:
+        ckpt = root / f"step_{step}"
+        if not ckpt.is_dir():
+            raise ExportError(f"no checkpoint for step {step} in {root}; steps there: {steps or 'none'}")
+    if not (ckpt / "backend" / STATE_FILE).is_file():
+        raise ExportError(f"{ckpt} is not a complete checkpoint (no backend/{STATE_FILE})")
+    return ckpt
+
+
+def _model_path(ckpt: Path) -> Path | None:
+    """The run's model.path, where the tokenizer files come from (None when the checkpoint does not say)."""
+    state = ckpt / "state.json"
+    if not state.is_file():
+        return None
+    path = json.loads(state.read_text()).get("config", {}).get("model", {}).get("path")
+    return Path(path).expanduser() if path else None
+
+
+def _default_dtype(config_dirs: list[Path | None]) -> str:
+    """The dtype the model's config.json names (float32 when none or another)."""
+    from fully_async.training.hf_files import DTYPES
+
+    for d in config_dirs:
+        if d is not None and (d / "config.json").is_file():
+            cfg = json.loads((d / "config.json").read_text())
+            name = cfg.get("dtype") or cfg.get("torch_dtype")
+            return name if name in DTYPES else "float32"
+    return "float32"
+
+
+def export_checkpoint(
+    ckpt: str | Path, out: str | Path, dtype: str | None = None, progress: Callable[[str], None] | None = print
+) -> list[Path]:
+    """Write checkpoint `ckpt`'s policy into `out` as a Hugging Face model directory; returns the weight files."""
+    from fully_async.training import hf_files
+
+    ckpt, out = Path(ckpt), Path(out)
+    backend = ckpt / "backend"
+    sources = [backend / "huggingface", _model_path(ckpt)]
+    dtype = dtype or _default_dtype(sources)
+    state = json.loads((backend / STATE_FILE).read_text())
+    if progress:
+        progress(f"export: {ckpt} (step {state['step']}, {state['world_size']} ranks) -> {out} as {dtype}")
+    tensors = hf_files.merged_model(backend, progress)
+    files = hf_files.write_safetensors(tensors.items(), out, dtype, progress=progress)
+    copied = hf_files.copy_model_files(sources, out)
+    if "config.json" not in copied and not (out / "config.json").is_file():
+        raise ExportError(f"no config.json for the model: neither {backend / 'huggingface'} nor model.path has one")
+    if progress:
+        progress(f"export: wrote {len(tensors)} tensors in {len(files)} files, and {', '.join(copied)}")
+    return [out / f for f in files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fully_async.export", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", help="the run directory (hydra.run.dir of the run)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--out", required=True, help="directory to write the model into")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="weight dtype (default: the model config's)")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        ckpt = find_checkpoint(args.run_dir, args.step)
+    except ExportError as e:
+        print(f"fully_async.export: {e}", file=sys.stderr)
+        return 2
+    export_checkpoint(ckpt, args.out, args.dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

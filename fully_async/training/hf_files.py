@@ -1,0 +1,164 @@
+"""The trained model as Hugging Face files, and verl's per-rank FSDP checkpoint shards read back as full tensors.
+
+One writer serves every way weights leave the trainer: the weight sync's disk export (each rank drains the engine's
+all-gathering iterator, rank 0 writes), the run's final `checkpoints/step_N/hf/` (trainer.save_hf) and the offline
+`python -m fully_async.export` (which merges a checkpoint's shards in one process, no ranks needed).
+
+verl's FSDP2 checkpoint (`backend/` of a `checkpoints/step_N/`) holds, per rank r of W, `model_world_size_W_rank_r.pt`
+(the module's state dict of DTensors, each sharded along dim 0 the way `torch.chunk` splits it),
+`optim_world_size_W_rank_r.pt` (the optimizer's state dict: param-index keys, DTensor moments, the same sharding) and
+`extra_state_world_size_W_rank_r.pt` (LR schedule, RNG). Concatenating the local shards in rank order gives the full
+tensor, whatever W was: that is how a checkpoint is exported and how it is loaded at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+"""Files besides the weights that make a directory loadable by transformers and servable by vLLM."""
+INDEX = "model.safetensors.index.json"
+
+
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    dtype: str = "float32",
+    bucket_bytes: int = 512 << 20,
+    progress: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Write `(name, full tensor)` pairs as safetensors shards of about `bucket_bytes` each plus the index; floating
+    tensors are cast to `dtype`. Earlier weight files in `out_dir` are removed first. Returns the file names;
+    `progress` hears of each file written."""
+    from safetensors.torch import save_file
+
+    target = DTYPES[dtype]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("model-*.safetensors")) + list(out.glob("model.safetensors*")):
+        old.unlink()
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(bucket, str(out / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update(dict.fromkeys(bucket, name))
+        if progress:
+            progress(f"wrote {name} ({len(bucket)} tensors, {size / 2**20:.1f} MiB)")
+        bucket, size = {}, 0
+
+    for name, tensor in tensors:
+        t = tensor.detach()
+        if t.is_floating_point():
+            t = t.to(target)
+        # clone: tied weights (embedding and LM head) are one storage, which safetensors refuses to write twice
+        bucket[name] = t.to("cpu").contiguous().clone()
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            flush()
+    if bucket or not files:
+        flush()
+    total = sum((out / f).stat().st_size for f in files)
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return files
+
+
+def copy_model_files(sources: Iterable[str | Path], out_dir: str | Path) -> list[str]:
+    """Copy MODEL_FILES into `out_dir` from the first of `sources` that has each (later sources fill gaps only);
+    files already in `out_dir` are kept. Returns the names copied."""
+    out = Path(out_dir)
+    copied = []
+    for name in MODEL_FILES:
+        if (out / name).exists():
+            continue
+        for src in sources:
+            if src is not None and (Path(src) / name).is_file():
+                shutil.copy2(Path(src) / name, out / name)
+                copied.append(name)
+                break
+    return copied
+
+
+# ---------------------------------------------------------------------------------------- checkpoint shards
+def shard_world_size(backend_dir: str | Path) -> int:
+    """The world size that wrote a verl FSDP checkpoint directory, read from its file names."""
+    sizes = {int(p.name.split("_")[3]) for p in Path(backend_dir).glob("model_world_size_*_rank_*.pt")}
+    if len(sizes) != 1:
+        raise FileNotFoundError(
+            f"{backend_dir} holds no verl FSDP checkpoint (model_world_size_W_rank_R.pt)"
+            if not sizes
+            else f"{backend_dir} holds shards of several world sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def _local(value) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _concat(parts: list, what: str):
+    """Join one entry's per-rank values: DTensor shards along their shard dim (rank order), others from rank 0."""
+    first = parts[0]
+    if not hasattr(first, "placements"):
+        return first
+    dims = {p.dim for p in first.placements if hasattr(p, "dim")}
+    if not dims:  # replicated
+        return _local(first)
+    if len(dims) != 1 or len(first.placements) != 1:
+        raise ValueError(f"{what}: cannot merge placements {first.placements} (one sharded dimension expected)")
+    full = torch.cat([_local(p) for p in parts], dim=dims.pop())
+    if tuple(full.shape) != tuple(first.shape):
+        raise ValueError(f"{what}: the shards join to {tuple(full.shape)}, the checkpoint says {tuple(first.shape)}")
+    return full
+
+
+def _load_ranks(backend_dir: Path, kind: str, world: int, progress: Callable[[str], None] | None) -> list[dict]:
+    out = []
+    for r in range(world):
+        path = backend_dir / f"{kind}_world_size_{world}_rank_{r}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint in {backend_dir} is incomplete")
+        if progress:
+            progress(f"reading {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
+        out.append(torch.load(path, map_location="cpu", weights_only=False))
+    return out
+
+
+def merged_model(backend_dir: str | Path, progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The module's full state dict from every rank's shard of a verl FSDP checkpoint (names as the module's)."""
+    backend_dir = Path(backend_dir)
+    ranks = _load_ranks(backend_dir, "model", shard_world_size(backend_dir), progress)
+    return {name: _concat([r[name] for r in ranks], name) for name in ranks[0]}
+
+
+def merged_optimizer(backend_dir: str | Path, progress: Callable[[str], None] | None = None) -> dict:
+    """The optimizer's state dict (param-index keys, as torch saves it) with every moment joined to its full
+    tensor, from every rank's shard."""
+    backend_dir = Path(backend_dir)
+    ranks = _load_ranks(backend_dir, "optim", shard_world_size(backend_dir), progress)
+    state = {
+        idx: {k: _concat([r["state"][idx][k] for r in ranks], f"optimizer state {idx}.{k}") for k in entry}
+        for idx, entry in ranks[0]["state"].items()
+    }
+    return {"state": state, "param_groups": ranks[0]["param_groups"]}
+
+
+def extra_state(backend_dir: str | Path, rank: int) -> dict:
+    """LR-schedule and RNG state of `rank` (rank 0's when the checkpoint had fewer ranks: the schedule is the same on
+    every rank; the RNG stream of a new rank starts from rank 0's)."""
+    backend_dir = Path(backend_dir)
+    world = shard_world_size(backend_dir)
+    path = backend_dir / f"extra_state_world_size_{world}_rank_{rank if rank < world else 0}.pt"
+    return torch.load(path, map_location="cpu", weights_only=False)

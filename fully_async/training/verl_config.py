@@ -1,0 +1,161 @@
+"""verl's config dataclasses built from ours: the policy engine (FSDP2 on CPU or GPUs, Megatron on GPUs), its policy
+loss, and the forward-only reference and the critic derived from it. Pure translation: nothing here starts a rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+
+_NO_MODULE = "FullyAsyncNoSuchModule"
+
+
+def engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool):
+    """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss).
+
+    fsdp2 runs on CPU (float32, padded sequences, eager attention) and GPUs (bf16); megatron (GPU only) adds TP/PP/CP
+    from the trainer config. Loss, dispatch and weight export are the same for both."""
+    from verl.workers import config as vc
+
+    megatron = trainer.strategy == "megatron"
+    if megatron and cpu:
+        raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
+    model = vc.HFModelConfig(
+        path=str(model_path),
+        load_tokenizer=False,
+        # eager on CPU: no flash-attn; SDPA's CPU kernels differ from the engine's by more than the 1e-4 we promise.
+        override_config={"attn_implementation": "eager"} if cpu else {},
+        # Packing sequences (remove-padding) pays off with flash-attn's varlen kernels; on CPU attention runs over the
+        # whole packed length (quadratic in the micro-batch, not in each sequence): 3-4x slower on the benchmark.
+        use_remove_padding=not cpu,
+        enable_gradient_checkpointing=not cpu
+        if trainer.gradient_checkpointing is None
+        else trainer.gradient_checkpointing,
+    )
+    budget = {
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": trainer.max_token_len_per_gpu,
+        "infer_max_token_len_per_gpu": trainer.max_token_len_per_gpu,
+    }
+    schedule = {
+        "lr": trainer.lr,
+        "weight_decay": trainer.weight_decay,
+        "clip_grad": trainer.grad_clip,
+        "lr_warmup_steps": trainer.lr_warmup_steps,
+        "total_training_steps": trainer.total_steps,
+    }
+    if megatron:
+        engine = vc.McoreEngineConfig(
+            tensor_model_parallel_size=trainer.tensor_parallel_size,
+            pipeline_model_parallel_size=trainer.pipeline_parallel_size,
+            context_parallel_size=trainer.context_parallel_size,
+            dtype="bfloat16",
+            **budget,
+        )
+        optim = vc.McoreOptimizerConfig(lr_decay_style=trainer.lr_schedule, **schedule)
+        actor_cls, placement = vc.McoreActorConfig, {"megatron": engine}
+    else:
+        precision = "fp32" if cpu else "bf16"
+        units = trainer.fsdp_units
+        if units == "auto":
+            units = "model" if cpu and trainer.nnodes * trainer.n_gpus_per_node == 1 else "layers"
+        engine = vc.FSDPEngineConfig(
+            # verl's FSDP2 wrapping makes every module whose class is listed (default: the model's _no_split_modules)
+            # a unit; a name no module has leaves the model as the one unit (untied embeddings still get their own).
+            # `disable` keeps verl's FSDP1 wrap-policy builder, which it runs for FSDP2 too, from rejecting that name.
+            wrap_policy={"disable": True, "transformer_layer_cls_to_wrap": [_NO_MODULE]} if units == "model" else {},
+            strategy="fsdp2",
+            use_torch_compile=not cpu,
+            model_dtype="fp32",
+            mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            **budget,
+        )
+        optim = vc.FSDPOptimizerConfig(lr_scheduler_type=trainer.lr_schedule, **schedule)
+        actor_cls, placement = vc.FSDPActorConfig, {"strategy": "fsdp2", "fsdp_config": engine}
+    actor = actor_cls(
+        rollout_n=1,
+        **_loss_configs(algorithm),
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        optim=optim,
+        clip_ratio_low=algorithm.clip_ratio_low,
+        clip_ratio_high=algorithm.clip_ratio_high,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        entropy_coeff=algorithm.entropy_coeff,
+        use_kl_loss=algorithm.use_kl_loss,
+        kl_loss_coef=algorithm.kl_loss_coef,
+        ppo_epochs=trainer.ppo_epochs,
+        **placement,
+    )
+    twc = vc.TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model,
+        engine_config=actor.engine,
+        optimizer_config=actor.optim,
+        checkpoint_config=actor.checkpoint,
+    )
+    return twc, actor
+
+
+_ACTOR_LOSS_ARGS = ("tau_pos", "tau_neg", "clip_ratio_c")
+"""algorithm.policy_loss_args that are fields of verl's ActorConfig (the rest are PolicyLossConfig fields)."""
+
+
+def _loss_configs(algorithm: AlgorithmConfig) -> dict:
+    """ActorConfig keyword arguments selecting verl's policy loss `algorithm.policy_loss` with its settings.
+    bypass_mode reads its importance-weight settings from policy_loss.rollout_correction: ours."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import PolicyLossConfig
+
+    args = algorithm.policy_loss_args
+    correction = RolloutCorrectionConfig(
+        rollout_is=algorithm.rollout_is, rollout_is_threshold=algorithm.rollout_is_threshold
+    )
+    policy_loss = PolicyLossConfig(
+        loss_mode=algorithm.policy_loss,
+        rollout_correction=correction,
+        **{k: v for k, v in args.items() if k not in _ACTOR_LOSS_ARGS},
+    )
+    return {"policy_loss": policy_loss, **{k: v for k, v in args.items() if k in _ACTOR_LOSS_ARGS}}
+
+
+def critic_config(twc, trainer: TrainerConfig):
+    """Engine config for the critic: the policy's model loaded as a value model (verl's `load_valuehead_model`: the
+    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr (default: trainer.lr)."""
+    from verl.workers.config import TrainingWorkerConfig
+
+    optim = dataclasses.replace(twc.optimizer_config, lr=trainer.lr if trainer.critic_lr is None else trainer.critic_lr)
+    return TrainingWorkerConfig(
+        model_type="value_model",
+        model_config=dataclasses.replace(twc.model_config),
+        engine_config=dataclasses.replace(twc.engine_config),
+        optimizer_config=optim,
+        checkpoint_config=twc.checkpoint_config,
+    )
+
+
+def value_loss_config(trainer: TrainerConfig, algorithm: AlgorithmConfig):
+    """verl's critic config as its `value_loss` reads it: the value clip and the loss aggregation."""
+    from verl.workers.config import FSDPCriticConfig
+
+    return FSDPCriticConfig(
+        strategy="fsdp2",
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=trainer.max_token_len_per_gpu,
+        cliprange_value=algorithm.value_clip,
+        loss_agg_mode=algorithm.loss_agg_mode,
+        ppo_epochs=trainer.ppo_epochs,
+    )
+
+
+def reference_config(twc):
+    """Forward-only engine config for the reference model: same model and precision, no optimizer."""
+    from verl.workers.config import TrainingWorkerConfig
+
+    return TrainingWorkerConfig(
+        model_type=twc.model_type,
+        model_config=twc.model_config,
+        engine_config=dataclasses.replace(twc.engine_config, forward_only=True),
+        optimizer_config=None,
+        checkpoint_config=twc.checkpoint_config,
+    )
