@@ -239,12 +239,9 @@ class StubRollouter:
         return {"time": now, "engine_busy_s": [(now - self.t0) * self.busy_share], "tokens": 0, "groups_failed": 0,
                 "reward_timeouts": 0, "reward": {}, "groups_pushed": 0, "groups_filtered": 0}  # fmt: skip
 
-    def pop_validation(self) -> list:
-        return []
-
-    def pop_filtered(self) -> list:
-        """Dynamic sampling's filtered groups since the last call (none: this stub filters nothing)."""
-        return []
+    def step_report(self, take_filtered: bool = True) -> dict:
+        """stats(), no filtered groups (this stub filters nothing) and no validation results."""
+        return {"stats": self.stats(), "filtered": [], "validation": []}
 
     async def snapshot(self) -> dict:
         return {"cursor": {"epoch": 0}, "ledger": {"version": self.version}, "queue": self.queue.snapshot()}
