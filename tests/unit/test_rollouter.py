@@ -51,6 +51,7 @@ async def running(tmp_path, overrides: list[str]):
     try:
         await rollouter.start()
         yield rollouter, queue
+        assert rollouter.error() is None
     finally:
         await rollouter.shutdown()
         handle.close()
