@@ -45,6 +45,9 @@ from fully_async.weights.base import resolve_kind
 
 log = logging.getLogger(__name__)
 
+RAY_GET_WARNING_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
+"""Ray's switch for its "blocking ray.get inside async actor" warning (see Rollouter.__init__)."""
+
 
 class Rollouter:
     def __init__(
@@ -65,6 +68,9 @@ class Rollouter:
         self.model_path, self.run_dir, self.queue = model_path, run_dir, queue
         if engine_token:
             os.environ[TOKEN_ENV] = engine_token
+        # Ray warns at this process's first ray.get, from whatever thread: in a run they are all engine-host calls in
+        # worker threads (asyncio.to_thread: start, restart, stop), which block no event loop. Set it to 1 to see it.
+        os.environ.setdefault(RAY_GET_WARNING_ENV, "0")
         pin_all_threads(cpu_set)
         at, ro = self.cfg.async_training, self.cfg.rollout
         self._push_lock = asyncio.Lock()

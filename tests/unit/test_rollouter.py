@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 import time
 
 import pytest
@@ -131,3 +133,47 @@ async def test_step_report_hands_the_trainer_stats_filtered_groups_and_validatio
     assert [v["version"] for v in validation] == [1] and validation[0]["val/n"] == 32
     records = [(r["prompt_uid"], r["sample_index"]) for x in [report, *later] for r in x["filtered"]]
     assert len(records) == len(set(records))  # each filtered group's records handed over once
+
+
+def test_before_start_every_field_is_set_and_rays_thread_call_warning_is_off(tmp_path, monkeypatch):
+    """stats() answers before start() (the job polls it early); the Rollouter turns off Ray's warning about ray.get in
+    an async actor, which its worker-thread calls to engine hosts set off, unless the user set it."""
+    from fully_async.production import COUNTERS
+    from fully_async.rollouter import RAY_GET_WARNING_ENV
+
+    cfg = compose(SIM)
+    monkeypatch.delenv(RAY_GET_WARNING_ENV, raising=False)
+    rollouter = Rollouter(to_dict(cfg), str(resolve_model_path(cfg.model)), str(tmp_path), None)
+    stats = rollouter.stats()
+    assert {k: stats[k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0) and stats["inflight_samples"] == 0
+    assert stats["client"] == {} and stats["engine_busy_s"] == [] and stats["pool"] == {}
+    assert rollouter.step_report()["filtered"] == [] and rollouter.error() is None
+    assert os.environ[RAY_GET_WARNING_ENV] == "0"
+    monkeypatch.setenv(RAY_GET_WARNING_ENV, "1")
+    Rollouter(to_dict(cfg), str(resolve_model_path(cfg.model)), str(tmp_path), None)
+    assert os.environ[RAY_GET_WARNING_ENV] == "1"
+
+
+async def test_a_request_that_exhausts_its_retries_reads_the_server_log_off_the_event_loop(monkeypatch):
+    """The error message carries the server's log tail; for a server on an engine host that read is a blocking Ray
+    call, so it runs in a worker thread, never on the Rollouter's event loop."""
+    from fully_async.config import EngineConfig
+    from fully_async.engines import EngineClient, EngineError, build_engine
+
+    dead = ["http://127.0.0.1:9"]  # nothing listens there: the request fails at once
+    servers = build_engine(EngineConfig(control_timeout_s=5.0, max_retries=0), "/nonexistent", "/tmp", addresses=dead)
+    threads: list[threading.Thread] = []
+    read = servers.log_tail
+
+    def log_tail(index: int, lines: int = 40) -> str:
+        threads.append(threading.current_thread())
+        return read(index, lines)
+
+    monkeypatch.setattr(servers, "log_tail", log_tail)
+    client = EngineClient(servers)
+    try:
+        with pytest.raises(EngineError, match="generate failed 1 times"):
+            await client.generate([1], 4)
+    finally:
+        await client.close()
+    assert threads and threads[0] is not threading.current_thread()
