@@ -25,25 +25,11 @@ from fully_async.production import Production
 from fully_async.reward import RewardAgent
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
+from tests.helpers import SIM_ROLLOUT
 
 pytestmark = pytest.mark.timeout(120)
 
-SIM = [
-    "engine=sim",
-    "trainer=sim",
-    "rollout.agent_loop=fully_async.agents.sim:SimAgentLoop",
-    "reward.sources=[{kind: 'fully_async.reward.sim:score'}]",
-    "rollout.n=4",
-    "rollout.response_length=64",
-    "engine.max_model_len=512",
-    "engine.sim.length_median=20",
-    "engine.sim.length_sigma=0.5",
-    "engine.sim.decode_step_s=0.001",
-    "engine.sim.decode_step_per_seq_s=0.0",
-    "async_training.groups_per_step=4",
-    "data.synthetic_size=8",
-    "data.shuffle=false",
-]
+SIM = [*SIM_ROLLOUT, "async_training.groups_per_step=4", "data.synthetic_size=8", "data.shuffle=false"]
 
 
 @contextlib.asynccontextmanager

@@ -19,24 +19,11 @@ from fully_async.handles import LocalActor, resolve_async
 from fully_async.message_queue import MessageQueue
 from fully_async.models import resolve_model_path
 from fully_async.rollouter import Rollouter
+from tests.helpers import SIM_ROLLOUT
 
 pytestmark = pytest.mark.timeout(120)
 
-SIM = [
-    "engine=sim",
-    "trainer=sim",
-    "rollout.agent_loop=fully_async.agents.sim:SimAgentLoop",
-    "reward.sources=[{kind: 'fully_async.reward.sim:score'}]",
-    "rollout.n=4",
-    "rollout.response_length=64",
-    "engine.max_model_len=512",
-    "engine.num_servers=2",
-    "engine.sim.length_median=20",
-    "engine.sim.length_sigma=0.5",
-    "engine.sim.decode_step_s=0.001",
-    "engine.sim.decode_step_per_seq_s=0.0",
-    "async_training.sync_every=1",
-]
+SIM = [*SIM_ROLLOUT, "engine.num_servers=2", "async_training.sync_every=1"]
 
 
 @contextlib.asynccontextmanager
