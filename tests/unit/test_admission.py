@@ -110,8 +110,6 @@ async def test_stale_drops_are_taken_from_the_queue_and_reissued():
         await adm.pull_stale_drops()
         assert list(adm.ledger.reissue) == prompts and adm.ledger.accepted == 0 and adm.ledger.dropped_stale == 2
         assert adm.admit_next() == prompts[0]  # re-issued before the cursor's next
-        adm.ledger.reissue.clear()
-        adm.ledger.running.clear()
         # Polled at most every STALE_POLL_S: a drop right after the last poll waits for the next one.
         again = await push_and_drop(adm, 1, trainer_version=2)
         await adm.pull_stale_drops()
