@@ -12,11 +12,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fully_async.protocol import PromptRef
+
+if TYPE_CHECKING:
+    from fully_async.config import FullyAsyncConfig
 
 SYNTHETIC_SOURCE = "fully_async/synthetic"
 
@@ -35,6 +38,11 @@ class PromptRow:
     extra_info: dict[str, Any] = field(default_factory=dict)
     origin: str = ""
     """'file:row' for error messages."""
+
+    def reward_meta(self) -> dict[str, Any]:
+        """What a reward source sees besides the response: the row's meta and the question (last user message)."""
+        question = next((m.get("content", "") for m in reversed(self.messages) if m.get("role") == "user"), "")
+        return {**self.meta(), "question": question}
 
     def meta(self) -> dict[str, Any]:
         """The JSON-serialisable fields a TrajectoryGroup carries to the trainer and the logs."""
@@ -167,6 +175,18 @@ def synthetic_rows(
             )
         )
     return rows
+
+
+def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
+    """The rows of `split` ("train" or "val"): data.train_files / data.val_files, or the synthetic task when none are
+    given (its validation split a sixteenth of the training size, at least 32 rows)."""
+    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    if files:
+        return load_rows(files, cfg.data.prompt_key)
+    size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
+    return synthetic_rows(
+        size, cfg.data.seed, split, cfg.data.synthetic_task, env_delay_s=cfg.data.synthetic_env_delay_s
+    )
 
 
 class EpochCursor:

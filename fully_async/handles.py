@@ -37,6 +37,14 @@ def resolve(ref: Any, timeout: float | None = None) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
+async def resolve_async(ref: Any) -> Any:
+    """`resolve` from inside an event loop, without blocking it: a Ray ObjectRef is awaited, a LocalActor future is
+    wrapped for this loop."""
+    if isinstance(ref, concurrent.futures.Future):
+        return await asyncio.wrap_future(ref)
+    return await ref
+
+
 class _Method:
     def __init__(self, actor: LocalActor, name: str) -> None:
         self._actor, self._name = actor, name

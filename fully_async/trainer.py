@@ -212,15 +212,15 @@ class Trainer:
                 self.save()
                 m["timing_s/save_checkpoint"] = time.monotonic() - t3
         with tr.span("trainer", "stats"):
-            now = resolve(self.rollouter.stats.remote())
+            # One call for the rollouter's counters, dynamic sampling's filtered groups and finished validations. On
+            # a checkpoint step save() already wrote the filtered groups the snapshot counts, and later ones wait for
+            # the next step (a resume from here re-runs them).
+            report = resolve(self.rollouter.step_report.remote(take_filtered=not saves))
+            now = report["stats"]
             queue_stats = resolve(self.queue.stats.remote())
-            # Dynamic sampling's filtered groups; on a checkpoint step save() already wrote those the snapshot
-            # counts, and later ones wait for the next step (a resume from here re-runs them).
-            if not saves:
-                filtered = resolve(self.rollouter.pop_filtered.remote())
-                self._trajs_out.write([{**r, "step": self.step} for r in filtered])
+            self._trajs_out.write([{**r, "step": self.step} for r in report["filtered"]])
         m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
-        for v in resolve(self.rollouter.pop_validation.remote()):
+        for v in report["validation"]:
             m.update({k: x for k, x in v.items() if k != "version"})
         self._last_stats = now
         return m, prefetched

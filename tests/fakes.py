@@ -209,6 +209,10 @@ class StubRollouter:
         self.calls: list[tuple] = []
         self.error_message: str | None = None
         self.nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
+        self.filtered: list[dict] = []
+        """Records of groups dynamic sampling left out, handed over by step_report() or snapshot()."""
+        self.filtered_after_snapshot: list[dict] = []
+        """Records that arrive right after the next snapshot (groups filtered while the checkpoint is written)."""
 
     async def _scripted(self, name: str, *args) -> None:
         self.calls.append((name, *args))
@@ -239,15 +243,15 @@ class StubRollouter:
         return {"time": now, "engine_busy_s": [(now - self.t0) * self.busy_share], "tokens": 0, "groups_failed": 0,
                 "reward_timeouts": 0, "reward": {}, "groups_pushed": 0, "groups_filtered": 0}  # fmt: skip
 
-    def pop_validation(self) -> list:
-        return []
-
-    def pop_filtered(self) -> list:
-        """Dynamic sampling's filtered groups since the last call (none: this stub filters nothing)."""
-        return []
+    def step_report(self, take_filtered: bool = True) -> dict:
+        """stats(), the `filtered` records (when taken) and no validation results."""
+        filtered, self.filtered = (self.filtered, []) if take_filtered else ([], self.filtered)
+        return {"stats": self.stats(), "filtered": filtered, "validation": []}
 
     async def snapshot(self) -> dict:
-        return {"cursor": {"epoch": 0}, "ledger": {"version": self.version}, "queue": self.queue.snapshot()}
+        filtered, self.filtered, self.filtered_after_snapshot = self.filtered, self.filtered_after_snapshot, []
+        return {"cursor": {"epoch": 0}, "ledger": {"version": self.version}, "queue": self.queue.snapshot(),
+                "filtered": filtered}  # fmt: skip
 
 
 # -- reward functions that misbehave (verl signature), for the RewardAgent's failure handling -------------------

@@ -11,6 +11,22 @@ import numpy as np
 
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 
+SIM_ROLLOUT = [
+    "engine=sim",
+    "trainer=sim",
+    "rollout.agent_loop=fully_async.agents.sim:SimAgentLoop",
+    "reward.sources=[{kind: 'fully_async.reward.sim:score'}]",
+    "rollout.n=4",
+    "rollout.response_length=64",
+    "engine.max_model_len=512",
+    "engine.sim.length_median=20",
+    "engine.sim.length_sigma=0.5",
+    "engine.sim.decode_step_s=0.001",
+    "engine.sim.decode_step_per_seq_s=0.0",
+]
+"""Config overrides of a small, fast rollout on emulated engines in this process (the sim agent loop and reward):
+20-token responses at 1 ms a token, rollout.n=4."""
+
 
 async def generate_across_a_sync(client, tmp_path: Path, prompt: list[int], budget: int, pause_after_s: float, *args):
     """The abort/continue contract every engine behind EngineClient keeps: a request started at version 0 and aborted

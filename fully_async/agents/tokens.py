@@ -32,6 +32,15 @@ PREFIX_MESSAGES = (
 for templates that refuse one."""
 
 
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """End-of-turn tokens, the default stop set of generation: eos and, for chat templates with one, <|im_end|>."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
 class TemplateError(ValueError):
     """The chat template is not append-only for these messages: their tokens cannot be taken as a difference."""
 

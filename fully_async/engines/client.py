@@ -210,9 +210,11 @@ class EngineClient:
                 self.stats.retries += 1
                 if result.num_retries > self.max_retries:
                     log = self.servers.log_for(url)
+                    # In a thread: a server on an engine host reads its log with a Ray call, not on this loop.
+                    tail = await asyncio.to_thread(self.servers.log_tail, idx, 15)
                     raise EngineError(
                         f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
-                        f"last failure on {url}: {e}; log {log}:\n{self.servers.log_tail(idx, 15)}"
+                        f"last failure on {url}: {e}; log {log}:\n{tail}"
                     ) from e
                 logger.warning("retrying a request after a failure on %s: %s", url, e)
                 await self.recovery.wait_for_a_server()

@@ -133,10 +133,10 @@ def main() -> int:
 
     from fully_async.agents import Sample
     from fully_async.agents.sim import SimAgentLoop
+    from fully_async.data import dataset
     from fully_async.engines import Sampling
     from fully_async.models import resolve_run_model
     from fully_async.protocol import PromptRef
-    from fully_async.rollouter import dataset
 
     model_path = str(resolve_run_model(profile))
     loop = SimAgentLoop(AutoTokenizer.from_pretrained(model_path), Sampling(), 1)

@@ -115,6 +115,26 @@ def test_a_starved_trainer_logs_its_waits_as_idle_and_syncs_every_step(roles, tm
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_2"  # the last step always saves
 
 
+def test_filtered_groups_are_logged_once_with_the_step_that_read_them(roles, tmp_path):
+    """One step_report() call per step hands over dynamic sampling's filtered groups; on a checkpoint step the
+    snapshot hands over those it counts, and any filtered after it wait for the next step (a resume from the
+    checkpoint generates them again), so no record is lost or logged twice."""
+    q, _, stub, _ = roles
+    trainer = _trainer(_cfg(total_steps=3, sync_every=10, save_every=2), roles, tmp_path)  # no sync: nothing stale
+    for i in range(3):
+        resolve(q.put.remote([make_group(i)]))
+    prefetched = None
+    for uid in ["a", "b", "c"]:
+        stub.filtered.append({"prompt_uid": uid, "filtered": True})
+        if uid == "b":  # step 2 saves: a group filtered while its checkpoint is written
+            stub.filtered_after_snapshot.append({"prompt_uid": "late", "filtered": True})
+        _, prefetched = trainer.train_step(prefetched)
+    trainer._trajs_out.close()
+    records = [json.loads(x) for x in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    logged = [(r["prompt_uid"], r["step"]) for r in records if r.get("filtered")]
+    assert logged == [("a", 1), ("b", 2), ("late", 3), ("c", 3)]
+
+
 def test_the_trainer_fails_with_the_rollouters_error_instead_of_waiting(roles, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_mod, "POLL_S", 0.05)
     _, _, stub, _ = roles
