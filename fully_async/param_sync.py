@@ -172,11 +172,9 @@ class ParamSync:
         if thread is None:
             self.check()
             return {}
-        wall, start = time.time(), time.monotonic()
+        start = time.monotonic()
         thread.join()
         t = {**self._done, "timing_s/param_sync/wait": time.monotonic() - start}
-        if self.tracer is not None:
-            self.tracer.record("trainer", "param_sync_wait", wall, time.time())
         self.check()
         return t
 

@@ -210,9 +210,10 @@ class Trainer:
         if saves:
             # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
             # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
-            t3 = time.monotonic()
-            add_timings(m, self.sync.wait())
-            m["timing_s/param_sync"] += time.monotonic() - t3
+            with tr.span("trainer", "param_sync", version=self.version, wait=True):
+                t3 = time.monotonic()
+                add_timings(m, self.sync.wait())
+                m["timing_s/param_sync"] += time.monotonic() - t3
             with tr.span("trainer", "save_checkpoint"):
                 t3 = time.monotonic()
                 self.save()

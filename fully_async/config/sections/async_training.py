@@ -31,7 +31,7 @@ class AsyncTrainingConfig:
     """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
     weight_transport: Literal["disk", "collective", "auto"] = "auto"
     """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
-    sync_mode: Literal["blocking", "background"] = "blocking"
+    sync_mode: Literal["blocking", "background"] = "background"
     """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: it waits only for the phases that read its weights (disk: export; collective: a copy into a staging buffer), and the engines' phases run in ParamSync's thread while the next step computes (docs/architecture.md)."""
     bucket_mb: int = 16
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
