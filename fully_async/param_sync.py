@@ -184,11 +184,6 @@ class ParamSync:
         if self._failed is not None:
             raise self._failed
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a background sync is running now."""
-        return self._inflight is not None and self._inflight.is_alive()
-
     def export(self, version: int) -> Path:
         """Write the current weights for `version` without touching the engines (resume: engines start on them)."""
         return self._phase("export", {}, lambda: self.transport.export(version))

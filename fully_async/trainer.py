@@ -168,8 +168,9 @@ class Trainer:
                 t = min(t + dur, end)
 
     def train_step(self, prefetched: Any = None, last_step_s: float = 0.0) -> tuple[dict[str, Any], Any]:
-        """One step: wait for a batch, update, sync the weights every sync_every steps, checkpoint when due, read the
-        rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
+        """One step: wait for a batch, update, sync the weights every sync_every steps (async_training.sync_mode=
+        background: start the sync, which finishes while the next step computes), checkpoint when due (with no sync
+        in flight), read the rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
         the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
         step's window, which bounds how long the prefetched get waits before the health-polling path takes over.
         The first call's window starts at the call (or at run()'s start)."""
@@ -207,13 +208,14 @@ class Trainer:
             self.version += 1
             with tr.span("trainer", "param_sync", version=self.version):
                 add_timings(m, self.sync.sync(self.version))
-        if saves:
+        if saves and self.sync.mode == "background":
             # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
             # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
             with tr.span("trainer", "param_sync", version=self.version, wait=True):
                 t3 = time.monotonic()
                 add_timings(m, self.sync.wait())
                 m["timing_s/param_sync"] += time.monotonic() - t3
+        if saves:
             with tr.span("trainer", "save_checkpoint"):
                 t3 = time.monotonic()
                 self.save()
