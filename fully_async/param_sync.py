@@ -7,6 +7,17 @@ Each phase is timed (timing_s/param_sync/<phase>, and a span on the event trace'
 async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
 of hanging. How the bytes move is the transport's business (fully_async/weights/): with the disk transport the
 phases are pause, export, distribute, reload, resume; the first sync starts with `connect` (the transport's prepare).
+
+Two modes (async_training.sync_mode):
+- blocking: `sync` runs every phase in the caller's (the trainer's) thread, as listed above.
+- background: `sync` runs in the trainer's thread only the phases that read the trainer's weights (the transport's
+  `background_phases`: disk: export into a new directory; collective: `stage`, a copy into a staging buffer that the
+  next optimizer step does not touch), then hands pause, the rest of the transport's phases and resume to a thread of
+  its own and returns; the trainer computes its next step meanwhile. At most one sync is in flight: the next `sync`
+  (and `wait`, which the trainer calls before a checkpoint) first waits for the last one, a phase of its own
+  (`wait`). A background phase that fails or passes the timeout is raised, naming it, by the trainer's next call
+  (`sync`, `wait` or `check`). The engines take a version only when its reload finished (the rollouter's ledger
+  moves then), so admission never counts on weights that are not being served.
 """
 
 from __future__ import annotations
@@ -16,12 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fully_async.config.sections.async_training import SYNC_MODES
 from fully_async.handles import resolve
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.disk import default_weights_root
 
-__all__ = ["ParamSync", "ParamSyncError", "default_weights_root"]
+__all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "default_weights_root"]
 
 
 class ParamSyncError(RuntimeError):
@@ -41,11 +53,18 @@ class ParamSync:
         transport: str | WeightTransport = "disk",
         bucket_mb: float = 16,
         device: str = "cpu",
+        mode: str = "blocking",
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
         built WeightTransport, or an async_training.weight_transport value (disk | collective | auto);
-        `bucket_mb` and `device` (cpu | cuda): for the collective transport."""
+        `bucket_mb` and `device` (cpu | cuda): for the collective transport. `mode`: an async_training.sync_mode
+        value (blocking | background, see the module docstring)."""
+        if mode not in SYNC_MODES:
+            from fully_async.config import ConfigError
+
+            raise ConfigError(f"async_training.sync_mode must be one of {list(SYNC_MODES)}, got {mode!r}")
+        self.mode = mode
         self.rollouter, self.backend = rollouter, backend
         self.tracer = tracer
         self.timeout_s = timeout_s
@@ -55,6 +74,12 @@ class ParamSync:
         self.transport = transport
         self._prepared = False
         self.syncs = 0
+        self._inflight: threading.Thread | None = None
+        """The background sync in flight (or finished and not yet collected by `wait`)."""
+        self._done: dict[str, float] = {}
+        """The background sync's phase timings, filled by its thread."""
+        self._failed: ParamSyncError | None = None
+        """Why a background sync failed; raised by every later sync / wait / check."""
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
         """Run one phase in a daemon thread and wait at most timeout_s for it. A phase that hangs (a peer that never
@@ -90,23 +115,81 @@ class ParamSync:
                 self.tracer.record("sync", name, wall, time.time())
 
     def sync(self, version: int) -> dict[str, float]:
-        """Push the backend's current weights to every engine as `version`; returns per-phase timings."""
+        """Push the backend's current weights to every engine as `version`; returns per-phase timings and
+        `timing_s/param_sync`, the seconds the caller was held. Background mode: returns once the weights are
+        read (after waiting for the previous sync); the engines' phases are reported by the `wait` that collects
+        them."""
         t: dict[str, float] = {}
         start = time.monotonic()
+        if self.mode == "background":
+            t.update(self.wait())
         if not self._prepared:
             self._phase("connect", t, lambda: self.transport.prepare(self.rollouter))
             self._prepared = True
-        self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
-        for name, fn in self.transport.phases(version):
-            self._phase(name, t, fn)
-        self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
-        self.syncs += 1
+        if self.mode == "background":
+            mine, engines = self.transport.background_phases(version)
+            for name, fn in mine:
+                self._phase(name, t, fn)
+            self._start_background(version, engines)
+        else:
+            self._run_engine_phases(t, self.transport.phases(version))
+            self.syncs += 1
         t["timing_s/param_sync"] = time.monotonic() - start
         return t
+
+    def _run_engine_phases(self, t: dict[str, float], phases: list) -> None:
+        self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
+        for name, fn in phases:
+            self._phase(name, t, fn)
+        self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
+
+    def _start_background(self, version: int, phases: list) -> None:
+        timings: dict[str, float] = {}
+
+        def run() -> None:
+            start = time.monotonic()
+            try:
+                self._run_engine_phases(timings, phases)
+                self.syncs += 1
+            except ParamSyncError as e:
+                self._failed = ParamSyncError(f"background sync of version {version}: {e}")
+                self._failed.__cause__ = e.__cause__
+            except BaseException as e:  # noqa: BLE001 - anything else is a failure of the sync too, kept for the trainer
+                self._failed = ParamSyncError(f"background sync of version {version} failed: {type(e).__name__}: {e}")
+            finally:
+                timings["timing_s/param_sync/background"] = time.monotonic() - start
+                self._done = timings
+
+        self._done = {}
+        self._inflight = threading.Thread(target=run, name=f"param-sync-v{version}", daemon=True)
+        self._inflight.start()
+
+    def wait(self) -> dict[str, float]:
+        """Wait for the background sync in flight (nothing to do in blocking mode or with none in flight); returns
+        its phase timings and `timing_s/param_sync/wait`, the seconds waited. Raises ParamSyncError naming the phase
+        when it (or any earlier one) failed. The wait is bounded: every phase of the sync is (by timeout_s)."""
+        thread, self._inflight = self._inflight, None
+        if thread is None:
+            self.check()
+            return {}
+        start = time.monotonic()
+        thread.join()
+        t = {**self._done, "timing_s/param_sync/wait": time.monotonic() - start}
+        self.check()
+        return t
+
+    def check(self) -> None:
+        """Raise the failure of a background sync, if one failed (the trainer calls it while it waits for a
+        batch: a sync that failed leaves the engines paused, and no batch may ever come)."""
+        if self._failed is not None:
+            raise self._failed
 
     def export(self, version: int) -> Path:
         """Write the current weights for `version` without touching the engines (resume: engines start on them)."""
         return self._phase("export", {}, lambda: self.transport.export(version))
 
     def close(self, remove: bool = True) -> None:
+        thread = self._inflight
+        if thread is not None:  # a background sync still reading the files: give it its phases' time, at most
+            thread.join(min(self.timeout_s, 30.0))
         self.transport.close(remove)

@@ -85,11 +85,13 @@ class Tracer:
 
     def flush(self) -> None:
         self._last_flush = time.monotonic()
-        if not self._buf:
+        # Swapped out, not cleared after the write: ParamSync's background thread records into the same tracer, and
+        # a span appended while the write runs lands in the next flush instead of being lost.
+        buf, self._buf = self._buf, []
+        if not buf:
             return
         with self.path.open("a") as f:
-            f.write("\n".join(self._buf) + "\n")
-        self._buf.clear()
+            f.write("\n".join(buf) + "\n")
 
     def close(self) -> None:
         if self.enabled:

@@ -147,6 +147,7 @@ class Trainer:
                     return resolve(ref)
                 return resolve(self.queue.get.remote(at.groups_per_step, self.version, POLL_S))
             except QueueTimeout:
+                self.sync.check()  # a background sync that failed left the engines paused: no batch would come
                 error = resolve(self.rollouter.error.remote())
                 if error:
                     raise TrainerError(f"the rollouter stopped: {error}") from None
@@ -167,8 +168,9 @@ class Trainer:
                 t = min(t + dur, end)
 
     def train_step(self, prefetched: Any = None, last_step_s: float = 0.0) -> tuple[dict[str, Any], Any]:
-        """One step: wait for a batch, update, sync the weights every sync_every steps, checkpoint when due, read the
-        rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
+        """One step: wait for a batch, update, sync the weights every sync_every steps (async_training.sync_mode=
+        background: start the sync, which finishes while the next step computes), checkpoint when due (with no sync
+        in flight), read the rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
         the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
         step's window, which bounds how long the prefetched get waits before the health-polling path takes over.
         The first call's window starts at the call (or at run()'s start)."""
@@ -205,7 +207,14 @@ class Trainer:
         if self.step % at.sync_every == 0:
             self.version += 1
             with tr.span("trainer", "param_sync", version=self.version):
-                m.update(self.sync.sync(self.version))
+                add_timings(m, self.sync.sync(self.version))
+        if saves and self.sync.mode == "background":
+            # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
+            # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
+            with tr.span("trainer", "param_sync", version=self.version, wait=True):
+                t3 = time.monotonic()
+                add_timings(m, self.sync.wait())
+                m["timing_s/param_sync"] += time.monotonic() - t3
         if saves:
             with tr.span("trainer", "save_checkpoint"):
                 t3 = time.monotonic()
@@ -215,9 +224,13 @@ class Trainer:
             # One call for the rollouter's counters, dynamic sampling's filtered groups and finished validations. On
             # a checkpoint step save() already wrote the filtered groups the snapshot counts, and later ones wait for
             # the next step (a resume from here re-runs them).
-            report = resolve(self.rollouter.step_report.remote(take_filtered=not saves))
+            # Both calls in flight at once: the trainer waits for the slower one, not for their sum.
+            report_ref, queue_ref = (
+                self.rollouter.step_report.remote(take_filtered=not saves),
+                self.queue.stats.remote(),
+            )
+            report, queue_stats = resolve(report_ref), resolve(queue_ref)
             now = report["stats"]
-            queue_stats = resolve(self.queue.stats.remote())
             self._trajs_out.write([{**r, "step": self.step} for r in report["filtered"]])
         m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
         for v in report["validation"]:
@@ -245,6 +258,13 @@ class Trainer:
             self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final
+
+
+def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:
+    """Add ParamSync's timings into a step's metrics, summing a phase met twice (a background sync's `wait` before
+    a checkpoint and the next sync's)."""
+    for key, value in timings.items():
+        m[key] = m.get(key, 0.0) + value
 
 
 def step_window(

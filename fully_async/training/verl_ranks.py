@@ -158,6 +158,9 @@ class WeightSender:
     def send(self, buckets: list, dtype: str) -> dict:
         return self._rank0("weights_send", json.dumps(buckets), dtype)
 
+    def stage(self, buckets: list, dtype: str) -> dict:
+        return self._rank0("weights_stage", json.dumps(buckets), dtype)
+
     def close(self) -> None:
         if "policy" in self.ranks:
             self.ranks.call_all("policy", "weights_close")

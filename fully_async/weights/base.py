@@ -45,6 +45,17 @@ class WeightTransport(abc.ABC):
         """The blocking steps, in order, that put the backend's current weights into every engine server and label
         them `version`. Run between pause and resume; each one under the sync timeout."""
 
+    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
+        """async_training.sync_mode=background: (the phases that read the backend's weights, which ParamSync runs in
+        the trainer's thread before it returns; the rest, run in ParamSync's own thread between pause and resume
+        while the trainer's next optimizer step changes the weights). Together they do what `phases` does; the
+        first list must leave nothing that the second reads in the backend's parameters."""
+        from fully_async.config import ConfigError
+
+        raise ConfigError(
+            f"the {self.name} weight transport cannot sync in the background; use async_training.sync_mode=blocking"
+        )
+
     @abc.abstractmethod
     def export(self, version: int) -> Path:
         """Write the current weights as a directory of safetensors (Hugging Face names) that engine servers can start

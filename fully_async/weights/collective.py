@@ -142,23 +142,11 @@ def pack_and_send(
                 wait_s += time.monotonic() - t0
             flat = buffers[slot][: bucket["numel"]]
             t0 = time.monotonic()
-            for name, shape, offset, n in bucket["tensors"]:
-                got = next(it, None)
-                if got is None:
-                    raise TransportError(f"the sender ran out of tensors before {name!r} (the plan has more)")
-                got_name, tensor = got
-                if got_name != name:
-                    raise TransportError(f"the sender yielded tensor {got_name!r} where the plan has {name!r}")
-                if list(tensor.shape) != list(shape):
-                    raise TransportError(f"tensor {name!r} has shape {list(tensor.shape)}, the plan has {shape}")
-                if not tensor.is_floating_point():
-                    raise TransportError(f"tensor {name!r} is {tensor.dtype}; only floating tensors are sent")
-                flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+            pack_bucket(it, bucket, flat)
             packed_s += time.monotonic() - t0
             pending[slot] = broadcast(flat)
             sent += bucket["numel"] * flat.element_size()
-        if next(it, None) is not None:
-            raise TransportError("the sender has more tensors than the plan")
+        no_more_tensors(it)
     finally:
         for work in pending:
             if work is not None:
@@ -166,6 +154,33 @@ def pack_and_send(
                 work.wait()
                 wait_s += time.monotonic() - t0
     return {"bytes": float(sent), "pack_s": packed_s, "wait_s": wait_s}
+
+
+def pack_bucket(tensors: Iterator[tuple[str, Any]], bucket: dict, flat: Any) -> None:
+    """Copy the next tensors of `tensors` into `flat` (one bucket of `layout_buckets`, its numel long), cast to its
+    dtype. A tensor out of plan order, with another shape, or not floating, raises TransportError naming it."""
+    for name, shape, offset, n in bucket["tensors"]:
+        got = next(tensors, None)
+        if got is None:
+            raise TransportError(f"the sender ran out of tensors before {name!r} (the plan has more)")
+        got_name, tensor = got
+        if got_name != name:
+            raise TransportError(f"the sender yielded tensor {got_name!r} where the plan has {name!r}")
+        if list(tensor.shape) != list(shape):
+            raise TransportError(f"tensor {name!r} has shape {list(tensor.shape)}, the plan has {shape}")
+        if not tensor.is_floating_point():
+            raise TransportError(f"tensor {name!r} is {tensor.dtype}; only floating tensors are sent")
+        flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+
+
+def no_more_tensors(tensors: Iterator[tuple[str, Any]]) -> None:
+    if next(tensors, None) is not None:
+        raise TransportError("the sender has more tensors than the plan")
+
+
+def staging_bytes(plan: list[list], dtype: str) -> int:
+    """Bytes of the staging copy a background sync keeps: every tensor of `plan` in the engine `dtype`."""
+    return sum(numel(shape) for _, shape in plan) * DTYPE_BYTES[dtype]
 
 
 # ---- the sending side --------------------------------------------------------------------------------------------
@@ -180,6 +195,10 @@ class CollectiveSender:
         self.group: str | None = None
         self.buffers: list = []
         """The two pack buffers, kept from one send to the next (see pack_and_send)."""
+        self.staging: list = []
+        """Background syncs: one flat buffer per bucket holding a copy of the weights, kept from one sync to the next."""
+        self._staged: threading.Thread | None = None
+        self._staged_outcome: dict[str, Any] = {}
 
     def plan(self) -> list[list]:
         """Names and shapes of the tensors, in send order (iterates them once)."""
@@ -221,6 +240,65 @@ class CollectiveSender:
         return pack_and_send(iter(self.named_tensors()), buckets, dtype, device, lambda flat: pg.broadcast(flat, 0),
                              self.buffers)  # fmt: skip
 
+    def stage(self, buckets: list[dict], dtype: str) -> dict[str, float]:
+        """async_training.sync_mode=background: copy the weights into the staging buffers (packed and cast as `send`
+        packs them; the next optimizer step does not touch them), then start broadcasting them in a thread of this
+        process and return. The broadcast waits in the group for the engines, which join it when ParamSync's
+        background thread asks them to receive (after its pause). The previous staged send must have finished:
+        its failure is raised here (TransportError). Returns bytes and seconds spent packing."""
+        import torch
+
+        self.staged_result()
+        if self.pg is None:
+            raise TransportError("no weight group formed (connect first)")
+        target = _torch_dtype(dtype)
+        device = "cuda" if self.device == "cuda" else "cpu"
+        fits = len(self.staging) == len(buckets) and all(
+            b.dtype == target and b.numel() == k["numel"] for b, k in zip(self.staging, buckets)
+        )
+        if not fits:
+            self.staging = [torch.empty(k["numel"], dtype=target, device=device) for k in buckets]
+        t0 = time.monotonic()
+        it = iter(self.named_tensors())
+        for bucket, flat in zip(buckets, self.staging):
+            pack_bucket(it, bucket, flat)
+        no_more_tensors(it)
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()  # the copies are done before the optimizer may run
+        stats = {
+            "bytes": float(sum(b.numel() * b.element_size() for b in self.staging)),
+            "pack_s": time.monotonic() - t0,
+        }
+        pg, staging, outcome = self.pg, list(self.staging), {}
+
+        def run() -> None:
+            start = time.monotonic()
+            try:
+                for flat in staging:  # one at a time: engines load bucket k while k + 1 is on the wire
+                    pg.broadcast(flat, 0).wait()
+                outcome["stats"] = {**stats, "wait_s": time.monotonic() - start}
+            except BaseException as e:  # handed to the next stage() / staged_result()
+                outcome["error"] = e
+
+        self._staged_outcome = outcome
+        self._staged = threading.Thread(target=run, name="weight-sender-staged", daemon=True)
+        self._staged.start()
+        return stats
+
+    def staged_result(self, timeout_s: float | None = None) -> dict[str, float] | None:
+        """Wait for the staged send in flight (None when there is none); TransportError if it failed or is still
+        running after `timeout_s`."""
+        thread, self._staged = self._staged, None
+        if thread is None:
+            return None
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TransportError(f"the staged weight send did not finish within {timeout_s:g} s")
+        if "error" in self._staged_outcome:
+            e = self._staged_outcome["error"]
+            raise TransportError(f"the staged weight send failed: {type(e).__name__}: {e}") from e
+        return self._staged_outcome.get("stats")
+
     def close(self) -> None:
         # Dropping the objects closes the sockets; the engines drop theirs at fa_leave / the next fa_join.
         self.pg, self.store, self.group = None, None, None
@@ -261,6 +339,9 @@ class CollectiveTransport(WeightTransport):
         """What the last send reported: sender stats and each engine worker's answer."""
         self.members: dict[str, list] = {}
         """Server URL -> its workers' answers to joining the group formed last (rank, pid)."""
+        self._staging_shown = False
+        self._staged_stats: dict[str, float] = {}
+        self._staged_epoch: int | None = None
 
     # -- engine calls -----------------------------------------------------------------------------------------------
     def _rpc_all(self, method: str, spec: dict | list[dict], timeout_s: float) -> list:
@@ -342,10 +423,48 @@ class CollectiveTransport(WeightTransport):
     def phases(self, version: int) -> list[Phase]:
         return [("send", lambda: self._send()), ("set_version", lambda: self._set_version(version))]
 
-    def _send(self) -> None:
+    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
+        """`stage` (the trainer's: a copy of the weights into the sender's staging buffers, whose broadcast starts
+        at once and waits for the engines), then `send` (the engines receive the staged version) and
+        `set_version`. A server restarted between the two fails the sync, and so the run (the staged broadcast
+        went to the group formed before it); blocking mode re-forms the group instead."""
+        return [("stage", self._stage)], [("send", self._receive_staged),
+                                          ("set_version", lambda: self._set_version(version))]  # fmt: skip
+
+    def _buckets(self) -> list[dict]:
+        return layout_buckets(self._plan, self.dtype, self.bucket_bytes)
+
+    def _reconnect_if_changed(self) -> None:
         if resolve(self.rollouter.engine_layout.remote())["epoch"] != self._epoch:
             self._connect()  # a server restarted (or the pool changed) since the group was formed
-        buckets = layout_buckets(self._plan, self.dtype, self.bucket_bytes)
+
+    def _stage(self) -> None:
+        self._reconnect_if_changed()
+        if not self._staging_shown:
+            size = staging_bytes(self._plan, self.dtype)
+            print(f"fully_async: background weight sync: the collective transport stages a copy of the weights, "
+                  f"{size / (1 << 20):.1f} MiB ({size} bytes, {self.dtype}) on the sender's device, kept for the run",
+                  flush=True)  # fmt: skip
+            self._staging_shown = True
+        self._staged_stats = self.sender.stage(self._buckets(), self.dtype)
+        self._staged_epoch = self._epoch
+
+    def _receive_staged(self) -> None:
+        try:
+            if resolve(self.rollouter.engine_layout.remote())["epoch"] != self._staged_epoch:
+                raise TransportError("the engine pool changed between staging and sending (a server restarted)")
+            spec = {"group": self._group, "dtype": self.dtype, "buckets": self._buckets(),
+                    "timeout_s": self.group_timeout_s}  # fmt: skip
+            answers = self._collect("receiving weights", self._rpc_all("fa_receive", spec, self.group_timeout_s * 2),
+                                    self.group_timeout_s * 2 + 30)  # fmt: skip
+        except BaseException:
+            self._epoch = None  # the group is in an unknown state: re-form it at the next sync
+            raise
+        self.last = {"sender": self._staged_stats, "engines": answers}
+
+    def _send(self) -> None:
+        self._reconnect_if_changed()
+        buckets = self._buckets()
         spec = {"group": self._group, "dtype": self.dtype, "buckets": buckets, "timeout_s": self.group_timeout_s}
         refs = self._rpc_all("fa_receive", spec, self.group_timeout_s * 2)
         # The sender runs in a thread of its own so that an engine failing first (its receive timed out, its process

@@ -149,14 +149,20 @@ class DiskTransport(WeightTransport):
         """Nothing to set up: which nodes need a copy is decided at every sync (servers may move between syncs)."""
 
     def phases(self, version: int) -> list[Phase]:
+        mine, engines = self.background_phases(version)
+        return mine + engines
+
+    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
+        """Export into the version's own directory (new at every version: the engines still serving the previous
+        one never see a half-written file); distribute and reload read only that directory, not the backend."""
         out = self.root / f"v{version}"
 
         def reload() -> None:
             resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
             prune(self.root, keep={out.name, f"v{version - 1}"})
 
-        return [("export", lambda: self.export(version)), ("distribute", lambda: self.distribute(version)),
-                ("reload", reload)]  # fmt: skip
+        return [("export", lambda: self.export(version))], [("distribute", lambda: self.distribute(version)),
+                                                             ("reload", reload)]  # fmt: skip
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"

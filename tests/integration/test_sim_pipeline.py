@@ -224,3 +224,40 @@ def test_overlong_shaping_lowers_the_reward_of_long_responses(ray_local, tmp_pat
     for t in trajs:
         score = float(t["response_length"] % 2 == 0)  # fully_async.reward.sim:score
         assert t["reward"] == pytest.approx(score + overlong_penalty(t["response_length"], 256, 32, 0.5)), t
+
+
+def test_background_syncs_never_exceed_the_bound_over_random_timings(ray_local, tmp_path):
+    """async_training.sync_mode=background with the real Rollouter, queue, ledger and ParamSync: over seeded random
+    draws of the bound, the sync cadence, partial rollout and the speeds of decoding, training, export, pause and
+    reload (from syncs that finish well inside a step to ones that take several), no sample is trained staler than
+    the bound, no token is newer than the weights it is trained at (the engines serve a version only once it has
+    reloaded), and every admitted prompt is trained once."""
+    import random
+
+    rng = random.Random(26)
+    for draw in range(4):
+        eta, every = rng.choice([0, 1, 2]), rng.choice([1, 2])
+        overrides = [
+            *SMALL,
+            "async_training.sync_mode=background",
+            f"async_training.max_staleness={eta}",
+            f"async_training.sync_every={every}",
+            f"async_training.partial_rollout={rng.choice(['true', 'false'])}",
+            "trainer.total_steps=6",
+            "engine.sim.time_scale=4",
+            "trainer.sim.time_scale=4",
+            f"engine.sim.decode_step_s={rng.uniform(0.001, 0.01):.4f}",
+            f"engine.sim.pause_s={rng.uniform(0.0, 0.2):.3f}",
+            f"engine.sim.reload_s={rng.choice([0.01, 0.2, 1.0, 3.0])}",
+            f"trainer.sim.optimizer_step_s={rng.uniform(0.02, 0.4):.3f}",
+            f"trainer.sim.export_gb_per_s={rng.choice([1.0, 10.0])}",
+        ]
+        cfg = compose(overrides)
+        run_dir = tmp_path / f"draw{draw}"
+        run_schedule(cfg, run_dir, str(resolve_model_path(cfg.model)))
+        trajs = trajectories(run_dir)
+        label = " ".join(overrides[len(SMALL) :])
+        assert len(trajs) == 6 * 4 * 4, label
+        assert max(t["trained_version"] - t["min_version"] for t in trajs) <= eta, label
+        assert all(t["min_version"] <= t["max_version"] <= t["trained_version"] for t in trajs), label
+        assert len({(t["prompt_uid"], t["sample_index"]) for t in trajs}) == len(trajs), label

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import numpy as np
@@ -350,48 +351,81 @@ def test_every_registered_estimator_and_loss_runs_an_update(be1, overrides, tmp_
     be1.set_algorithm(AlgorithmConfig())
 
 
-def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2, tmp_path):
-    """The collective transport's sending side at 2 FSDP2 ranks: rank 0 broadcasts what the per-tensor iterator
-    gathers (rank 1 drains it with it) into the vLLM worker extension's own methods, here in threads of this
-    process with a stand-in model runner; what arrives equals the exported safetensors."""
+def _engine_in_a_thread(model_dir, sender, group: str):
+    """The vLLM worker extension's own receiver (a stand-in model runner records what it loads), joined to a weight
+    group of 2 with `sender`; returns (receiver, what it loaded, the sender's plan)."""
     import importlib.util
-    import json
-    import threading
     from types import SimpleNamespace
 
     from fully_async.engines.vllm import EXTENSION_DIR
-    from fully_async.weights.collective import layout_buckets
 
-    ref = {}
-    for f in be2.export_weights(tmp_path / "ref", dtype="float32"):
-        ref.update(load_file(str(f)))
     spec = importlib.util.spec_from_file_location("fa_weight_receiver", EXTENSION_DIR / "fa_weight_receiver.py")
     rx = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rx)
     loaded = {}
     worker = rx.WeightReceiver()
-    worker.model_config = SimpleNamespace(model=str(tmp_path / "ref"))
+    worker.model_config = SimpleNamespace(model=str(model_dir))
     worker.model_runner = SimpleNamespace(reload_weights=lambda weights_iterator: loaded.update(
         {k: v.clone() for k, v in weights_iterator}))  # fmt: skip
-
-    sender = be2.weight_sender()
     plan = sender.plan()
-    assert sorted(p[0] for p in plan) == sorted(ref)
     worker.fa_check(json.dumps({"tensors": plan}))
     host, port = sender.listen(True, 60)
-    join = {"host": host, "port": port, "world": 2, "rank_offset": 1, "group": "g", "backend": "gloo", "timeout_s": 60}
+    join = {"host": host, "port": port, "world": 2, "rank_offset": 1, "group": group, "backend": "gloo",
+            "timeout_s": 60}  # fmt: skip
     joining = threading.Thread(target=worker.fa_join, args=(json.dumps(join),))
     joining.start()
-    sender.form("g", 2, "gloo", 60)
+    sender.form(group, 2, "gloo", 60)
     joining.join()
-    buckets = layout_buckets(plan, "float32", 64 << 10)
+    return worker, loaded, plan
+
+
+def _receive(worker, group: str, buckets) -> threading.Thread:
     receiving = threading.Thread(target=worker.fa_receive,
-                                 args=(json.dumps({"group": "g", "dtype": "float32", "buckets": buckets}),))  # fmt: skip
+                                 args=(json.dumps({"group": group, "dtype": "float32", "buckets": buckets}),))  # fmt: skip
     receiving.start()
+    return receiving
+
+
+def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2, tmp_path):
+    """The collective transport's sending side at 2 FSDP2 ranks: rank 0 broadcasts what the per-tensor iterator
+    gathers (rank 1 drains it with it) into the vLLM worker extension's own methods, here in threads of this
+    process with a stand-in model runner; what arrives equals the exported safetensors."""
+    from fully_async.weights.collective import layout_buckets
+
+    ref = _weights(be2, tmp_path / "ref")
+    sender = be2.weight_sender()
+    worker, loaded, plan = _engine_in_a_thread(tmp_path / "ref", sender, "g")
+    assert sorted(p[0] for p in plan) == sorted(ref)
+    buckets = layout_buckets(plan, "float32", 64 << 10)
+    receiving = _receive(worker, "g", buckets)
     stats = sender.send(buckets, "float32")
     receiving.join(timeout=120)
     sender.close()
     assert stats["bytes"] == sum(t.numel() * 4 for t in ref.values())
+    assert sorted(loaded) == sorted(ref)
+    for name, t in ref.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_broadcast_waits(be2, tmp_path):
+    """async_training.sync_mode=background with the collective transport at 2 FSDP2 ranks: `stage` returns once
+    rank 0 holds a copy and its broadcast has started; the next update runs on the same ranks while that broadcast
+    waits for the engine, and the engine then receives the weights as they were at the stage."""
+    from fully_async.weights.collective import layout_buckets
+
+    _reset(be2)
+    ref = _weights(be2, tmp_path / "ref")
+    sender = be2.weight_sender()
+    worker, loaded, plan = _engine_in_a_thread(tmp_path / "ref", sender, "staged")
+    buckets = layout_buckets(plan, "float32", 64 << 10)
+    stats = sender.stage(buckets, "float32")
+    assert stats["bytes"] == sum(t.numel() * 4 for t in ref.values())
+    be2.update(make_groups(2, 4, seed=26))  # the next optimizer step, while rank 0's broadcast waits
+    receiving = _receive(worker, "staged", buckets)
+    receiving.join(timeout=120)
+    sender.close()
+    after = _weights(be2, tmp_path / "after")
+    assert any(not torch.equal(after[k], ref[k]) for k in ref), "the update changed no weight"
     assert sorted(loaded) == sorted(ref)
     for name, t in ref.items():
         assert torch.equal(loaded[name], t), name

@@ -83,6 +83,7 @@ BAD = [
     (["async_training.weight_transport=nfs"], "async_training.weight_transport", "one of ['disk', 'collective'"),
     (["engine=sim", "async_training.weight_transport=collective"], "weight_transport=collective", "engine.kind=vllm"),
     (["async_training.bucket_mb=0"], "async_training.bucket_mb", ">= 1"),
+    (["async_training.sync_mode=later"], "async_training.sync_mode", "one of ['blocking', 'background']"),
     (["rollout.temperature=0"], "rollout.temperature", "> 0"),
     (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
     (["engine.dtype=fp8"], "engine.dtype", "one of"),

@@ -22,9 +22,9 @@ def backend():
     return SimBackend(TrainerConfig(backend="sim", sim=SimTrainerConfig(time_scale=1e4)), AlgorithmConfig())
 
 
-def _sync(stub, backend, tmp_path, timeout_s=5.0, tracer=None):
+def _sync(stub, backend, tmp_path, timeout_s=5.0, tracer=None, mode="blocking"):
     handle = LocalActor(stub)
-    return handle, ParamSync(handle, backend, tmp_path / "weights", "float32", timeout_s, tracer)
+    return handle, ParamSync(handle, backend, tmp_path / "weights", "float32", timeout_s, tracer, mode=mode)
 
 
 def test_a_sync_runs_its_phases_in_order_times_and_traces_each(backend, tmp_path):
@@ -95,3 +95,68 @@ def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interprete
     finally:
         handle.close()
         sync.close()
+
+
+# ---- async_training.sync_mode=background ----------------------------------------------------------------------------
+def test_background_the_trainer_waits_for_the_export_only_and_for_the_last_sync_before_the_next(backend, tmp_path):
+    stub = StubRollouter(delays={"load_weights": 0.4})
+    tracer = Tracer(tmp_path, "trainer")
+    handle, sync = _sync(stub, backend, tmp_path, tracer=tracer, mode="background")
+    try:
+        start = time.monotonic()
+        first = sync.sync(1)
+        returned = time.monotonic() - start
+        assert returned < 0.3, "the trainer waited for the engines' reload"
+        assert (tmp_path / "weights" / "v1" / "sim_weights.json").is_file()  # exported before it returned
+        assert sorted(k for k in first if k.startswith("timing_s/param_sync/")) == [
+            "timing_s/param_sync/connect",
+            "timing_s/param_sync/export",
+        ]
+        second = sync.sync(2)  # due before the first finished: waits for it, timed as its own phase
+        # The first sync had resumed the engines before the second exported.
+        assert [c[0] for c in stub.calls][:3] == ["pause", "load_weights", "resume"]
+        assert second["timing_s/param_sync/wait"] > 0.2
+        for p in ("pause", "distribute", "reload", "resume", "background"):
+            assert f"timing_s/param_sync/{p}" in second, p  # the first sync's phases, collected by this wait
+        assert second["timing_s/param_sync"] >= second["timing_s/param_sync/wait"]
+        last = sync.wait()
+        assert last["timing_s/param_sync/reload"] >= 0.4
+        assert sync.wait() == {}  # nothing in flight
+    finally:
+        handle.close()
+        tracer.close()
+    assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
+    assert [c[2] for c in stub.calls if c[0] == "load_weights"] == [1, 2] and stub.version == 2
+    spans, _ = load(tmp_path)
+    assert [s.name for s in spans if s.lane == "sync"] == ["connect", "export", "pause", "distribute", "reload",
+                                                           "resume", "export", "pause", "distribute", "reload",
+                                                           "resume"]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["fails", "hangs"])
+def test_background_a_reload_that_fails_or_hangs_fails_the_next_call_naming_the_phase(backend, tmp_path, how):
+    if how == "fails":
+        stub, match = StubRollouter(fail={"load_weights": RuntimeError("HTTP 500")}), "phase 'reload' failed"
+    else:
+        stub, match = StubRollouter(delays={"load_weights": 3.0}), "phase 'reload' did not finish within"
+    handle, sync = _sync(stub, backend, tmp_path, timeout_s=0.3, mode="background")
+    try:
+        start = time.monotonic()
+        sync.sync(1)
+        with pytest.raises(ParamSyncError, match=f"background sync of version 1: weight sync {match}"):
+            sync.wait()
+        assert time.monotonic() - start < 1.5  # within the phase's timeout, not the hung call's
+        for call in (sync.check, lambda: sync.sync(2)):  # and every later call: the run cannot go on
+            with pytest.raises(ParamSyncError, match=match):
+                call()
+    finally:
+        handle.close()
+        sync.close()
+    assert "resume" not in [c[0] for c in stub.calls]  # nothing resumes on weights that did not load
+
+
+def test_an_unknown_sync_mode_is_a_config_error_naming_the_key(backend, tmp_path):
+    from fully_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="async_training.sync_mode must be one of"):
+        _sync(StubRollouter(), backend, tmp_path, mode="later")

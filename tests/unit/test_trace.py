@@ -11,6 +11,39 @@ from fully_async import trace
 from fully_async.trace import Span, Tracer, busy_seconds, engine_idle_ratio, load, trainer_idle_ratio, union
 
 
+def test_a_span_recorded_while_a_flush_writes_is_kept_for_the_next(tmp_path, monkeypatch):
+    # ParamSync's background thread records sync spans into the trainer's tracer; one may land while the trainer's
+    # thread is writing the buffer out.
+    monkeypatch.setattr(trace, "FLUSH_S", 3600.0)
+    tr = Tracer(tmp_path, "trainer")
+    tr.record("trainer", "update", 1.0, 2.0)
+    real_open = type(tr.path).open
+
+    class Recording:  # the file, with "another thread" recording a span just as the write returns
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text)
+            tr.record("sync", "reload", 1.5, 1.6)
+
+    def open_and_record(path, *args, **kwargs):
+        return Recording(real_open(path, *args, **kwargs))
+
+    monkeypatch.setattr(type(tr.path), "open", open_and_record)
+    tr.flush()
+    monkeypatch.setattr(type(tr.path), "open", real_open)
+    tr.close()
+    spans, _ = load(tmp_path)
+    assert sorted(s.name for s in spans) == ["reload", "update"]
+
+
 def test_spans_are_buffered_then_written_and_read_back_in_start_order(tmp_path, monkeypatch):
     monkeypatch.setattr(trace, "FLUSH_EVERY", 3)
     monkeypatch.setattr(trace, "FLUSH_S", 3600.0)

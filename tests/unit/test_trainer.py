@@ -82,10 +82,10 @@ def roles(tmp_path):
     r.close()
 
 
-def _trainer(cfg, roles, tmp_path, backend=None) -> Trainer:
+def _trainer(cfg, roles, tmp_path, backend=None, mode="blocking") -> Trainer:
     q, _, _, r = roles
     backend = backend or SimBackend(cfg.trainer, AlgorithmConfig())
-    sync = ParamSync(r, backend, tmp_path / "weights", "float32", timeout_s=5.0)
+    sync = ParamSync(r, backend, tmp_path / "weights", "float32", timeout_s=5.0, mode=mode)
     return Trainer(cfg, backend, q, r, sync, tmp_path / "run")
 
 
@@ -198,3 +198,37 @@ def test_the_last_checkpoint_holds_the_model_in_hugging_face_format(roles, tmp_p
     assert hf.is_dir() == save_hf
     if save_hf:  # the simulated backend's stand-in for the weights, in the engine's dtype
         assert json.loads((hf / "sim_weights.json").read_text())["dtype"] == "float32"
+
+
+# ---- async_training.sync_mode=background ----------------------------------------------------------------------------
+def test_background_a_checkpoint_waits_for_the_sync_so_engines_and_trainer_agree_on_the_version(roles, tmp_path):
+    q, _, stub, _ = roles
+    stub.delays["load_weights"] = 0.3  # still reloading when the step reaches its checkpoint
+    for i in range(2):
+        resolve(q.put.remote([make_group(i)]))
+    trainer = _trainer(_cfg(total_steps=2, save_every=1), roles, tmp_path, mode="background")
+    trainer.run()
+    for step in (1, 2):
+        state = json.loads((tmp_path / "run" / "checkpoints" / f"step_{step}" / "state.json").read_text())
+        assert state["version"] == state["ledger"]["version"] == step
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:  # the wait is the trainer's, the reload happened behind it
+        assert m["timing_s/param_sync/wait"] > 0.2 and m["timing_s/param_sync"] >= m["timing_s/param_sync/wait"]
+
+
+def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the_trainer_waits(
+    roles, tmp_path, monkeypatch
+):
+    from fully_async.param_sync import ParamSyncError
+
+    monkeypatch.setattr(trainer_mod, "POLL_S", 0.05)
+    q, _, stub, _ = roles
+    stub.fail["load_weights"] = RuntimeError("HTTP 500")  # the engines stay paused: no second batch ever comes
+    resolve(q.put.remote([make_group(0)]))
+    cfg = _cfg(total_steps=3)
+    cfg.async_training.get_timeout_s = 5.0
+    trainer = _trainer(cfg, roles, tmp_path, mode="background")
+    start = time.monotonic()
+    with pytest.raises(ParamSyncError, match="background sync of version 1: weight sync phase 'reload' failed"):
+        trainer.run()
+    assert time.monotonic() - start < 2.0 and trainer.step == 1

@@ -389,3 +389,52 @@ def test_the_engine_gets_the_receiver_only_with_the_collective_transport_and_imp
     out = subprocess.run([cmd[0], "-c", probe], env={"PYTHONPATH": env["PYTHONPATH"]}, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)  # fmt: skip
     assert out.stdout.split() == ["WeightReceiver", "None"], out.stderr[-2000:]
+
+
+class _SlowPauseEngines(_ThreadEngines):
+    async def pause(self):
+        await asyncio.sleep(0.3)  # the engines' part starts late: the trainer has moved on by then
+
+
+def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_its_weights(checkpoint, tmp_path, capsys):
+    model_dir, state = checkpoint
+    live = {k: v.clone() for k, v in state.items()}  # the trainer's parameters, changed in place by its next step
+    readers: set[str] = set()
+
+    class Reading(_Backend):
+        def weight_sender(self):
+            def tensors():
+                for item in live.items():
+                    readers.add(threading.current_thread().name)
+                    yield item
+
+            return CollectiveSender(tensors)
+
+    worker = _Worker(model_dir)
+    engines = _SlowPauseEngines([worker])
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, Reading(live), tmp_path / "w", "float32", bucket_mb=1e-4,
+                                    sync_timeout_s=20)  # fmt: skip
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport, mode="background")
+    try:
+        for version in (1, 2):
+            expected = {k: v.clone() for k, v in live.items()}
+            start = time.monotonic()
+            timings = sync.sync(version)
+            assert time.monotonic() - start < 0.3 and "timing_s/param_sync/stage" in timings
+            assert engines.version == version - 1  # not live before its reload (here: receive) finished
+            for t in live.values():  # the next optimizer step, while the engines receive
+                t.add_(100.0)
+            done = sync.wait()
+            assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(done)
+            assert engines.version == version
+            for name, t in expected.items():
+                assert torch.equal(worker.model_runner.loaded[name], t), name
+    finally:
+        sync.close(remove=False)
+        handle.close()
+    shown = [line for line in capsys.readouterr().out.splitlines() if "stages a copy of the weights" in line]
+    size = sum(t.numel() for t in state.values()) * 4
+    assert len(shown) == 1 and f"({size} bytes, float32)" in shown[0]  # once per run, with its size
+    # The weights were read only by the phases the trainer waits for (each runs in a watchdog thread of its own).
+    assert readers == {"param-sync-connect", "param-sync-stage"}

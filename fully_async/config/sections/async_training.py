@@ -7,6 +7,9 @@ from typing import Literal
 
 from fully_async.config.base import require
 
+SYNC_MODES = ("blocking", "background")
+"""Values of async_training.sync_mode."""
+
 
 @dataclass
 class AsyncTrainingConfig:
@@ -28,6 +31,8 @@ class AsyncTrainingConfig:
     """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
     weight_transport: Literal["disk", "collective", "auto"] = "auto"
     """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
+    sync_mode: Literal["blocking", "background"] = "background"
+    """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: it waits only for the phases that read its weights (disk: export; collective: a copy into a staging buffer), and the engines' phases run in ParamSync's thread while the next step computes (docs/architecture.md)."""
     bucket_mb: int = 16
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
 
@@ -53,4 +58,5 @@ class AsyncTrainingConfig:
         )
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
+        require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
         require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")

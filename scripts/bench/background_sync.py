@@ -1,0 +1,138 @@
+"""The default job with the weight sync in the background against the blocking sync, side by side (issue 26).
+
+    .venv/bin/python scripts/bench/background_sync.py --seeds 0 1 2 3 --out /tmp/bgsync
+    .venv/bin/python scripts/bench/background_sync.py --out /tmp/bgsync --table-only     # the table of finished runs
+
+For each seed, the default job (`python -m fully_async.runner`, jsonl logger only) runs once with
+async_training.sync_mode=blocking and once with background, one after the other (the order alternates by seed so a
+drift of the machine's load does not favour one mode). From each run's metrics.jsonl, over its steps after the first
+(the first waits for the engine's warm-up) and leaving out checkpoint writes: seconds per step, the update's seconds
+(log-probs + train + prepare), their ratio (1.0 = the trainer never waits for anything but its own update), the
+seconds per step the trainer was held by weight syncs (`timing_s/param_sync`: background = its export and any wait
+for the previous sync) and by its per-step stats calls (from the trace, when written), the last-20 mean reward and
+the training seconds until the 20-step mean reward first reached 0.8. Prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from e2e_runs import load as learning_curve  # scripts/bench is on sys.path when this runs as a script
+from e2e_runs import reached
+
+from fully_async.report import read_jsonl
+from fully_async.trace import load
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = ("blocking", "background")
+LEVEL = 0.8
+
+
+def run(out: Path, mode: str, seed: int, steps: int, extra: list[str]) -> float:
+    """One default job; returns its wall seconds. Its console output goes to out/stdout.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "fully_async.runner", f"hydra.run.dir={out}", f"seed={seed}",
+           f"async_training.sync_mode={mode}", f"trainer.total_steps={steps}", "logger.backends=[jsonl]",
+           *extra]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
+    start = time.monotonic()
+    with open(out / "stdout.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{out}: the run failed (exit {proc.returncode}); see {out / 'stdout.log'}")
+    return time.monotonic() - start
+
+
+def stats_seconds(run_dir: Path) -> list[float]:
+    """Seconds of the trainer's `stats` span per step, from the event trace (empty when none was written)."""
+    try:
+        spans, _ = load(run_dir)
+    except (OSError, ValueError):
+        return []
+    return [s.dur for s in spans if s.lane == "trainer" and s.name == "stats"]
+
+
+def summarize(run_dir: Path) -> dict:
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    rest = metrics[1:]
+    step = [m["timing_s/step"] - m.get("timing_s/save_checkpoint", 0.0) for m in rest]
+    update = [m["timing_s/update"] for m in rest]
+    curve = learning_curve(run_dir)
+    stats = stats_seconds(run_dir)
+    return {
+        "name": run_dir.name,
+        "steps": len(metrics),
+        "step_s": statistics.mean(step),
+        "update_s": statistics.mean(update),
+        "ratio": sum(step) / sum(update),
+        "sync_s": statistics.mean(m.get("timing_s/param_sync", 0.0) for m in rest),
+        "stats_s": statistics.mean(stats) if stats else float("nan"),
+        "last20": curve["last20"],
+        "reached": reached(curve, LEVEL),
+    }
+
+
+def markdown(columns: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
+                     ["| " + " | ".join(r) + " |" for r in rows])  # fmt: skip
+
+
+def per_run(rows: list[dict]) -> str:
+    columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "stats, s", "last 20",
+               f"{LEVEL} reached, s"]  # fmt: skip
+    return markdown(columns, [
+        [r["name"], str(r["steps"]), f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{r['ratio']:.2f}",
+         f"{r['sync_s']:.3f}", f"{r['stats_s']:.3f}", f"{r['last20']:.3f}",
+         "-" if r["reached"] is None else f"{r['reached']:.0f}"]
+        for r in rows
+    ])  # fmt: skip
+
+
+def per_mode(rows: list[dict]) -> str:
+    columns = ["mode", "runs", "s per step (mean)", "step / update (mean)", "held by sync, s", "last 20 (mean)",
+               f"{LEVEL} reached, s (median of those that did)"]  # fmt: skip
+    out = []
+    for mode in MODES:
+        rs = [r for r in rows if r["name"].startswith(mode)]
+        if not rs:
+            continue
+        hit = [r["reached"] for r in rs if r["reached"] is not None]
+        med = f"{statistics.median(hit):.0f} ({len(hit)} of {len(rs)})" if hit else f"- (0 of {len(rs)})"
+        mean = {k: statistics.mean(r[k] for r in rs) for k in ("step_s", "ratio", "sync_s", "last20")}
+        out.append([mode, str(len(rs)), f"{mean['step_s']:.3f}", f"{mean['ratio']:.2f}", f"{mean['sync_s']:.3f}",
+                    f"{mean['last20']:.3f}", med])  # fmt: skip
+    return markdown(columns, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--steps", type=int, default=100, help="trainer.total_steps (the default job's: 100)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bgsync"))
+    parser.add_argument("--table-only", action="store_true", help="summarise the runs already under --out")
+    parser.add_argument("overrides", nargs="*", help="further key=value overrides for every run")
+    args = parser.parse_args()
+    if not args.table_only:
+        for seed in args.seeds:
+            order = MODES if seed % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                wall = run(args.out / f"{mode}_s{seed}", mode, seed, args.steps, args.overrides)
+                print(f"{mode} seed {seed}: {wall:.0f} s wall", flush=True)
+    rows = [
+        summarize(d) for mode in MODES for d in sorted(args.out.glob(f"{mode}_s*")) if (d / "metrics.jsonl").exists()
+    ]
+    if not rows:
+        raise SystemExit(f"no finished runs under {args.out}")
+    print(per_run(rows))
+    print()
+    print(per_mode(rows))
+
+
+if __name__ == "__main__":
+    main()
