@@ -4,6 +4,7 @@ healthy or exits at once, and a client driving a launched fake through a restart
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import pytest
@@ -89,6 +90,41 @@ async def test_launched_server_restart_keeps_address_weights_and_version(tmp_pat
         pids = [p.popen.pid for p in servers.procs if p.popen]
         servers.stop()
     assert all(_gone(pid) for pid in pids)
+
+
+async def test_a_dead_server_is_logged_once_however_many_requests_it_held(tmp_path, caplog):
+    servers = _servers(tmp_path, "ok", num_servers=2)
+    servers.token_delay_s = 0.05  # 2 s per request: in flight when the server is killed
+    await asyncio.to_thread(servers.start)
+    try:
+        client = EngineClient(servers, auto_restart=True, max_retries=2)
+        url0, pid0 = servers.addresses[0], servers.procs[0].popen.pid
+        jobs = [asyncio.create_task(client.generate([1, i], 40)) for i in range(8)]
+        for _ in range(100):
+            if client.outstanding[0] >= 3:
+                break
+            await asyncio.sleep(0.02)
+        held = client.outstanding[0]
+        assert held >= 3
+        caplog.set_level(logging.INFO, logger="fully_async.engines")
+        os.killpg(pid0, 9)
+        results = await asyncio.gather(*jobs)
+        assert all(len(r.token_ids) == 40 for r in results)  # nothing lost: they went on on server 1
+        for _ in range(200):
+            if not client.down:
+                break
+            await asyncio.sleep(0.05)
+        assert client.stats.restarts == 1
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("fully_async.engines")]
+        assert len([m for m in lines if "died" in m]) == 1, lines
+        assert [m for m in lines if "is back" in m] == [
+            f"engine server {url0} is back; {held} request(s) failed on it and went on on the others"
+        ]
+        assert not [m for m in lines if "retrying" in m], lines  # the requests say nothing each
+        assert client.stats.retries == held
+        await client.close()
+    finally:
+        servers.stop()
 
 
 def test_cpu_binding_gives_disjoint_cores():
