@@ -55,7 +55,8 @@ def test_plan_that_does_not_fit_fails_with_the_arithmetic(two_node_cluster):
     out = _driver(two_node_cluster, "--plan", *TWIN, "engine.num_servers=2", "engine.tensor_parallel_size=2")
     assert out.returncode == 2, out.stdout + out.stderr
     assert "needs 5 GPUs: trainer 1 (1 x 1), engines 2 x 2 = 4; cluster has 4 GPUs on 2 nodes" in out.stderr
-    assert "engine server 2 of 2" in out.stderr
+    # TP 2 > 1 GPU per trainer node: the engines are packed (and reserved) first, so the trainer is what is left out
+    assert "no node left with 1 free GPUs for trainer node 1 of 1" in out.stderr
 
 
 _PROBE = """
