@@ -4,6 +4,7 @@ healthy or exits at once, and a client driving a launched fake through a restart
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 
@@ -125,6 +126,40 @@ async def test_a_dead_server_is_logged_once_however_many_requests_it_held(tmp_pa
         await client.close()
     finally:
         servers.stop()
+
+
+async def test_a_killed_servers_shared_memory_goes_at_its_restart_and_the_stopped_ones_at_stop(tmp_path):
+    from multiprocessing.shared_memory import SharedMemory
+
+    from fully_async.engines.process import SHM, release_shm, shm_record
+
+    servers = _servers(tmp_path, "shm", num_servers=1)
+    await asyncio.to_thread(servers.start)
+    other = SharedMemory(create=True, size=4096)  # another process's segment (this test's): never touched
+    try:
+        record = shm_record(servers.log_path(0))
+        first = [e["name"] for e in json.loads(record.read_text())]
+        assert first and all((SHM / name).exists() for name in first)
+        assert other.name.lstrip("/") not in first
+        assert release_shm(record) == [] and record.exists()  # a live server's files are never removed
+        pid = servers.procs[0].popen.pid
+        os.killpg(pid, 9)  # server, watchdog, Python's resource tracker: nothing of it can clean up
+        for _ in range(100):
+            if _gone(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert all((SHM / name).exists() for name in first)  # left behind by the kill
+        await asyncio.to_thread(servers.restart, 0)
+        assert not any((SHM / name).exists() for name in first)  # the restart removed what the killed one left
+        second = [e["name"] for e in json.loads(record.read_text())]
+        assert second and not set(second) & set(first) and all((SHM / name).exists() for name in second)
+        await asyncio.to_thread(servers.stop)
+        assert not any((SHM / name).exists() for name in second) and not record.exists()
+        assert (SHM / other.name.lstrip("/")).exists()
+    finally:
+        servers.stop()
+        other.close()
+        other.unlink()
 
 
 def test_cpu_binding_gives_disjoint_cores():
