@@ -37,6 +37,13 @@ def resolve(ref: Any, timeout: float | None = None) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message`, for a log line: Ray's errors carry the remote traceback and the actor's
+    details on the lines after."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
 async def resolve_async(ref: Any) -> Any:
     """`resolve` from inside an event loop, without blocking it: a Ray ObjectRef is awaited, a LocalActor future is
     wrapped for this loop."""

@@ -214,11 +214,14 @@ class Job:
         and after a failed start; each part is stopped even when an earlier one fails to."""
         import ray
 
+        from fully_async.engines.host import stop_hosts
+        from fully_async.handles import one_line
+
         steps = [
             ("rollouter", lambda: self.rollouter and ray.get(self.rollouter.shutdown.remote(), timeout=120)),
             ("trainer ranks", lambda: self.backend and self.backend.shutdown()),
             ("param sync", lambda: self.sync and self.sync.close()),
-            ("engine hosts", lambda: ray.get([h.stop.remote() for h in self.hosts], timeout=60)),
+            ("engine hosts", lambda: self.hosts and stop_hosts(self.hosts, 60)),
             ("actors", lambda: [ray.kill(a) for a in (*self.hosts, self.rollouter, self.queue) if a is not None]),
             ("placement", lambda: self.placement and self.placement.release()),
         ]  # fmt: skip
@@ -226,7 +229,8 @@ class Job:
             try:
                 step()
             except Exception as e:  # the remaining parts must still be stopped; this one is reported
-                log.warning("shutdown of %s failed: %s: %s", name, type(e).__name__, e)
+                log.warning("shutdown of %s failed: %s", name, one_line(e))
+                log.debug("shutdown of %s failed", name, exc_info=True)
         self.hosts, self.rollouter, self.queue, self.backend, self.sync = [], None, None, None, None
         console.uninstall()
 

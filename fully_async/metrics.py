@@ -5,9 +5,9 @@ Definitions (a step's window runs from the end of the previous step to the end o
 rollouter's wall clock, so consecutive windows tile the run):
 - staleness of a trajectory = trainer version when it is trained - oldest version among its tokens.
 - fully_async/trainer/idle_ratio = seconds the trainer waited for a batch in the window / the window's seconds.
-- fully_async/rollouter/idle_ratio = 1 - engine-busy seconds / (engine servers x window seconds), where an engine is
-  busy while it has at least one generate request in flight (see fully_async/trace.py: the report recomputes both
-  ratios from the event trace with the same definitions).
+- fully_async/rollouter/idle_ratio = 1 - engine-busy seconds / (serving engine servers x window seconds), where an
+  engine is busy while it has at least one generate request in flight and a down server is not counted (see
+  fully_async/trace.py: the report recomputes both ratios from the event trace with the same definitions).
 - fully_async/partial/partial_ratio = share of trained trajectories whose tokens span more than one version.
 - timing_s/agent_loop/slowest/{generate,reward} = the two phases of the trajectory with the longest generate + reward.
 - fully_async/reward/<source>/... = per reward source, see `reward_source_metrics`.

@@ -16,6 +16,13 @@ the MessageQueue and the Rollouter with its reward workers stay on the driver's 
 The table is Ray's actual placement (read back from the granted groups), not a prediction. Before asking Ray,
 `check_fit` does the arithmetic on the cluster's nodes, so a run that cannot fit fails in a second with e.g.
 "needs 12 GPUs: trainer 8 (1 x 8), engines 2 x 2 = 4; cluster has 8 GPUs on 1 node".
+
+The same packing (`check_fit`'s, best fit in a fixed node order) decides each group's node, and every group is
+created with that node as its target (`_soft_target_node_id`), so `--plan` and the job, each reserving on its own,
+map the same servers to the same nodes: left to itself, Ray picks among equally good nodes in no fixed order (a
+`--plan` showed the servers of a 2-node run on the nodes the job then swapped, in 3 of 8 runs). A target is a hint:
+when its node has no room (other jobs hold it), Ray places the group elsewhere, the table says where, and a warning
+names the group.
 """
 
 from __future__ import annotations
@@ -86,19 +93,38 @@ def needs_engines(cfg: FullyAsyncConfig) -> bool:
     return cfg.engine.kind != "sim"
 
 
-def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> None:
-    """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (best fit,
-    trainer first), in GPUs (gpu) and in logical CPUs (always: each trainer bundle holds one CPU per role, each engine
-    bundle placement.engine_cpus). Ray still has the last word (reserve()); this only fails early and says why."""
+@dataclass(frozen=True)
+class Assignment:
+    """The node each placement group targets: one per trainer group (trainer node), one per engine server."""
+
+    trainer: list[str]
+    engines: list[str]
+
+
+def engines_first(cfg: FullyAsyncConfig, gpu: bool) -> bool:
+    """Larger bundles first: Ray grants groups in order, and a small group placed first can take the node a TP bundle
+    needed. The packing and the reservation take the same order."""
+    return gpu and cfg.engine.tensor_parallel_size > cfg.trainer.n_gpus_per_node
+
+
+def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> Assignment:
+    """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (best fit, the
+    larger bundles first), in GPUs (gpu) and in logical CPUs (always: each trainer bundle holds one CPU per role, each
+    engine bundle placement.engine_cpus). Else the packing's node per group (in GPUs with gpu, else in CPUs): the
+    targets `Placement.reserve` gives Ray, which has the last word. Nodes are taken in `cluster_nodes`' order
+    whatever order they come in, so the same cluster always gives the same assignment."""
     tr, en = cfg.trainer, cfg.engine
+    ordered = sorted(nodes, key=_node_order)
     roles = float(trainer_roles(cfg))
     dims = [("GPUs", "gpus", 1.0, float(en.tensor_parallel_size))] if gpu else []
     dims.append(("CPUs", "cpus", roles, cfg.placement.engine_cpus))
+    assignment = None
     for unit, key, per_rank, per_server in dims:
         trainer = [tr.n_gpus_per_node * per_rank] * tr.nnodes if needs_trainer(cfg) else []
         engines = [per_server] * en.num_servers if needs_engines(cfg) else []
-        problem = _pack(nodes, key, trainer, engines, unit, tr.nnodes, en.num_servers)
+        problem, packed = _pack(ordered, key, trainer, engines, unit, engines_first(cfg, gpu))
         if problem is None:
+            assignment = assignment or packed
             continue
         total = sum(getattr(n, key) for n in nodes)
         per_node = ", ".join(f"{n.short}: {getattr(n, key):g}" for n in nodes)
@@ -116,27 +142,46 @@ def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> None:
             f"needs {sum(trainer) + sum(engines):g} {unit}: {', '.join(parts)}; cluster has {total:g} {unit} on "
             f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} ({per_node}): {problem}{hint}"
         )
+    return assignment
 
 
-def _pack(nodes, key, trainer, engines, unit, nnodes, num_servers) -> str | None:
-    """Best-fit packing of the trainer groups (one node each) and then the engine bundles; the first that does not
-    fit, in words, or None."""
+def _node_order(node: Node) -> tuple:
+    return (not node.driver, node.ip, node.node_id)
+
+
+def _pack(nodes, key, trainer, engines, unit, engines_first) -> tuple[str | None, Assignment]:
+    """Best-fit packing of the trainer groups (one node each) and the engine bundles (the engines first when
+    `engines_first`), ties to the earlier node: the first that does not fit, in words (or None), and the node of
+    each group placed."""
     free = {n.node_id: getattr(n, key) for n in nodes}
-    trainer_nodes: set[str] = set()
-    for i, need in enumerate(trainer):
-        # One trainer group per node, each on a node of its own (verl's process_on_nodes).
-        fits = [n for n in nodes if n.node_id not in trainer_nodes and free[n.node_id] >= need]
-        if not fits:
-            return f"no node left with {need:g} free {unit} for trainer node {i + 1} of {nnodes}"
-        best = min(fits, key=lambda n: free[n.node_id])  # best fit: keep the big nodes for big TP bundles
-        free[best.node_id] -= need
-        trainer_nodes.add(best.node_id)
-    for i, need in enumerate(engines):
-        fits = [n for n in nodes if free[n.node_id] >= need]
-        if not fits:
-            return f"no node has {need:g} free {unit} for engine server {i + 1} of {num_servers}"
-        free[min(fits, key=lambda n: free[n.node_id]).node_id] -= need
-    return None
+    placed = Assignment([], [])
+
+    def place_trainer() -> str | None:
+        for i, need in enumerate(trainer):
+            # One trainer group per node, each on a node of its own (verl's process_on_nodes).
+            fits = [n for n in nodes if n.node_id not in placed.trainer and free[n.node_id] >= need]
+            if not fits:
+                return f"no node left with {need:g} free {unit} for trainer node {i + 1} of {len(trainer)}"
+            best = min(fits, key=lambda n: free[n.node_id])  # best fit: keep the big nodes for big TP bundles
+            free[best.node_id] -= need
+            placed.trainer.append(best.node_id)
+        return None
+
+    def place_engines() -> str | None:
+        for i, need in enumerate(engines):
+            fits = [n for n in nodes if free[n.node_id] >= need]
+            if not fits:
+                return f"no node has {need:g} free {unit} for engine server {i + 1} of {len(engines)}"
+            best = min(fits, key=lambda n: free[n.node_id])
+            free[best.node_id] -= need
+            placed.engines.append(best.node_id)
+        return None
+
+    order = (place_engines, place_trainer) if engines_first else (place_trainer, place_engines)
+    for place in order:
+        if (problem := place()) is not None:
+            return problem, placed
+    return None, placed
 
 
 def custom(resources: dict) -> dict[str, float]:
@@ -151,19 +196,26 @@ def engine_bundle(cfg: FullyAsyncConfig, gpu: bool) -> dict[str, float]:
     return bundle or {"CPU": 0.001}
 
 
-def engine_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
-    """One placement group (one bundle, engine_bundle) per engine server; Ray grants them asynchronously."""
+def engine_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[Any]:
+    """One placement group (one bundle, engine_bundle) per engine server, each aimed at its node in `targets`; Ray
+    grants them asynchronously."""
     from ray.util.placement_group import placement_group
 
     bundle = engine_bundle(cfg, gpu)
     return [
-        placement_group([dict(bundle)], strategy="STRICT_PACK", name=f"fully_async_engine_{i}_{time.time_ns()}")
+        placement_group(
+            [dict(bundle)],
+            strategy="STRICT_PACK",
+            name=f"fully_async_engine_{i}_{time.time_ns()}",
+            _soft_target_node_id=targets[i],
+        )  # fmt: skip
         for i in range(cfg.engine.num_servers)
     ]
 
 
-def trainer_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
-    """One placement group per trainer node, one bundle per rank (its CPUs, its GPU, custom resources)."""
+def trainer_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[Any]:
+    """One placement group per trainer node, one bundle per rank (its CPUs, its GPU, custom resources), each aimed
+    at its node in `targets`."""
     from ray.util.placement_group import placement_group
 
     tr = cfg.trainer
@@ -175,6 +227,7 @@ def trainer_groups(cfg: FullyAsyncConfig, gpu: bool) -> list[Any]:
             [dict(bundle) for _ in range(tr.n_gpus_per_node)],
             strategy="STRICT_PACK",
             name=f"fully_async_trainer_{i}_{time.time_ns()}",
+            _soft_target_node_id=targets[i],
         )  # fmt: skip
         for i in range(tr.nnodes)
     ]
@@ -198,19 +251,17 @@ class Placement:
 
         nodes = cluster_nodes()
         gpu = uses_gpus(cfg, nodes)
-        check_fit(cfg, nodes, gpu)
+        targets = check_fit(cfg, nodes, gpu)
         plan = cls(gpu, nodes)
-        tr, en, pl = cfg.trainer, cfg.engine, cfg.placement
+        pl = cfg.placement
         try:
-            # Larger bundles first: Ray grants groups in order, and a small group placed first can take the node a
-            # TP bundle needed (check_fit packs the same way).
-            engines_first = gpu and en.tensor_parallel_size > tr.n_gpus_per_node
-            if engines_first and needs_engines(cfg):
-                plan.engine_pgs = engine_groups(cfg, gpu)
+            first = engines_first(cfg, gpu)  # in the order check_fit packed them
+            if first and needs_engines(cfg):
+                plan.engine_pgs = engine_groups(cfg, gpu, targets.engines)
             if needs_trainer(cfg):
-                plan.trainer_pgs = trainer_groups(cfg, gpu)
-            if not engines_first and needs_engines(cfg):
-                plan.engine_pgs = engine_groups(cfg, gpu)
+                plan.trainer_pgs = trainer_groups(cfg, gpu, targets.trainer)
+            if not first and needs_engines(cfg):
+                plan.engine_pgs = engine_groups(cfg, gpu, targets.engines)
             pgs = plan.trainer_pgs + plan.engine_pgs
             ready, pending = [], []
             if pgs:
@@ -223,6 +274,7 @@ class Placement:
                     f"(ray status shows what is in use)"
                 )
             plan.rows = granted_rows(cfg, plan)
+            _warn_off_target(cfg, plan, targets)
         except BaseException:
             plan.release()
             raise
@@ -301,6 +353,20 @@ def granted_rows(cfg: FullyAsyncConfig, plan: Placement) -> list[dict[str, Any]]
             "gpus": cfg.engine.tensor_parallel_size if plan.gpu else 0, "cpus": table["bundles"][0].get("CPU", 0),
         })  # fmt: skip
     return rows
+
+
+def _warn_off_target(cfg: FullyAsyncConfig, plan: Placement, targets: Assignment) -> None:
+    """One line per group Ray placed away from its target node (that node had no room for it when asked)."""
+    import logging
+
+    short = {n.node_id: n.short for n in plan.nodes}
+    granted = Assignment(plan.trainer_nodes()[:: cfg.trainer.n_gpus_per_node], plan.engine_nodes())  # a group's rank 0
+    for what, want, got in (("trainer node", targets.trainer, granted.trainer),
+                            ("engine server", targets.engines, granted.engines)):  # fmt: skip
+        for i, (w, g) in enumerate(zip(want, got)):
+            if w != g:
+                logging.getLogger(__name__).warning("placement: %s %d is on %s, not on %s as planned (no room there)",
+                                                    what, i, short.get(g, g), short.get(w, w))  # fmt: skip
 
 
 _LOGGED: set[str] = set()

@@ -299,6 +299,7 @@ def step_window(
     m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
     if pool:  # the elastic engine pool (fully_async/ctl.py): its size, and who joined or left since the start
         m["fully_async/engines/pool_size"] = pool["size"]
+        m["fully_async/engines/pool_down"] = pool["down"]
         for key in ("joins", "leaves", "replacements", "moved"):
             m[f"fully_async/count/engine_{key}"] = pool[key]
         joins = pool["join_s"][len(pool_last.get("join_s", [])) :]

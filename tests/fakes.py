@@ -176,13 +176,24 @@ class FakeProcessServers(VLLMServers):
 
 
 def _main() -> None:
-    """Run a FakeEngine as a process (for launcher tests): python -m tests.fakes --port P --mode never_healthy"""
+    """Run a FakeEngine as a process (for launcher tests): python -m tests.fakes --port P --mode never_healthy
+    (`--mode shm`: an "ok" engine that holds a /dev/shm segment, as a vLLM-CPU server does)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--token-delay", type=float, default=0.0)
     args = parser.parse_args()
+
+    if args.mode == "shm":  # like vLLM-CPU's message queues: a Python shared-memory segment, held while it runs
+        from multiprocessing import resource_tracker
+        from multiprocessing.shared_memory import SharedMemory
+
+        segment = SharedMemory(create=True, size=1 << 20)  # kept mapped until the process ends
+        # vLLM's segments are its own to remove, on a clean shutdown only; Python's tracker would remove this one
+        # whenever the process ends.
+        resource_tracker.unregister(segment._name, "shared_memory")
+        args.mode = "ok"
 
     async def serve() -> None:
         await FakeEngine(args.mode, token_delay_s=args.token_delay).start(args.port, args.host)

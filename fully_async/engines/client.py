@@ -205,7 +205,7 @@ class EngineClient:
                 )
             except _ServerFailure as e:
                 failed = idx
-                await self.recovery.on_failure(idx)
+                dead = await self.recovery.on_failure(idx)
                 result.num_retries += 1
                 self.stats.retries += 1
                 if result.num_retries > self.max_retries:
@@ -216,7 +216,8 @@ class EngineClient:
                         f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
                         f"last failure on {url}: {e}; log {log}:\n{tail}"
                     ) from e
-                logger.warning("retrying a request after a failure on %s: %s", url, e)
+                if not dead:  # a dead server's failures are counted in its "died" / "is back" lines
+                    logger.warning("retrying a request after a failure on %s: %s", url, e)
                 await self.recovery.wait_for_a_server()
                 continue
             failed = None

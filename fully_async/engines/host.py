@@ -21,6 +21,7 @@ node-local root, and the server reloads from there; `remove_weights` deletes tha
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -29,8 +30,11 @@ from typing import Any
 
 from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, free_port, tail
+from fully_async.handles import one_line
 
 LOOPBACK = "127.0.0.1"
+
+logger = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -106,8 +110,11 @@ class EngineHost:
         the servers on this node reload. `files`: (relative path, chunks as ObjectRefs of uint8 arrays)."""
         import ray
 
-        from fully_async.weights.disk import write_node_copy
+        from fully_async.weights.disk import remove_dead_node_roots, write_node_copy
 
+        if self.weight_writes == 0:
+            # A new host, maybe replacing a lost node's: the copies this run left on this machine for lost nodes go.
+            remove_dead_node_roots(name, {n["NodeID"] for n in ray.nodes() if n["Alive"]})
         out = write_node_copy(name, version, files, ray.get)
         self.weight_writes += 1
         return str(out)
@@ -247,6 +254,23 @@ class RemoteServer:
         import ray
 
         return ray.get(ref, timeout=120)
+
+
+def stop_hosts(hosts: list[Any], timeout_s: float) -> None:
+    """Stop the servers of `hosts` (EngineHost handles) at once and wait up to `timeout_s`. A host already gone (its
+    node lost: its server died with it) and one whose stop fails are one line each, without Ray's traceback; the
+    others are stopped all the same."""
+    import ray
+
+    refs = [h.stop.remote() for h in hosts]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for index, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as e:
+            logger.warning("engine host %d: gone already (%s); its server went with it", index, type(e).__name__)
+        except Exception as e:  # the other hosts are stopped all the same; this one is reported
+            logger.warning("engine host %d: stop failed: %s", index, one_line(e))
 
 
 class HostFactory:

@@ -26,7 +26,7 @@ from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
 from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
 from fully_async.engines.errors import EngineError
-from fully_async.engines.process import ServerProcess, node_of
+from fully_async.engines.process import ServerProcess, node_of, release_shm, shm_record
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
 
@@ -297,6 +297,8 @@ class EngineServers(EngineKind):
             self.router.stop()  # first: no request should reach a server that is going away
         for p in self.procs:
             p.stop()
+            if p.log_path is not None:  # a server whose host died with its node left its record: on this machine,
+                release_shm(shm_record(p.log_path))  # its files go now (process.py)
         if self.host_factory is not None:
             self.host_factory.close()
 

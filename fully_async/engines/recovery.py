@@ -5,6 +5,10 @@ the pool (no request and no pool-wide control call goes to it, the router drops 
 or replaced on another node when its engine host is gone, trying again every engine.replace_retry_s until one has
 room (engine.auto_restart). Behind a router the failed request's server is unknown: a dead router is started again
 and every server is looked at. A control call that finds a server dead hands it here too (`EngineServers.on_dead`).
+
+One death, two lines: "engine server ... died" when the first request finds it dead, and "... is back" when it
+serves again, with the count of requests that failed on it meanwhile (every request it held fails at once: 32 lines
+for one server before). The requests themselves retry on the others without a line each.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class Recovery:
         self.stats = stats
         self._restarts: dict[int, asyncio.Task] = {}
         self._router_restart: asyncio.Future | None = None
+        self.lost_requests: dict[int, int] = {}
+        """Per server found dead: the requests that failed on it since (said in its "is back" line)."""
 
     def close(self) -> None:
         for task in self._restarts.values():
@@ -44,12 +50,13 @@ class Recovery:
             await asyncio.wait(list(self._restarts.values()), timeout=self.servers.cfg.startup_timeout_s,
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
 
-    async def on_failure(self, idx: int) -> None:
-        """A request failed on server `idx` (or, behind a router, somewhere)."""
+    async def on_failure(self, idx: int) -> bool:
+        """A request failed on server `idx` (or, behind a router, somewhere). True when the server is dead: the
+        failure is counted in its death's lines, so the caller need not log it."""
         if self.servers.router is not None:
             await self._on_routed_failure()
-            return
-        await self._check_dead(idx)
+            return False
+        return await self._check_dead(idx)
 
     async def _on_routed_failure(self) -> None:
         """Behind a router the failed request's server is unknown (the router picked it): a dead router is started
@@ -71,20 +78,32 @@ class Recovery:
             if not await asyncio.to_thread(self.servers.is_alive, i):
                 await self._check_dead(i)
 
-    async def _check_dead(self, idx: int) -> None:
+    async def _check_dead(self, idx: int) -> bool:
+        """Whether server `idx` is dead; the first request to find it so logs its death and schedules its restart."""
         if self._retired(idx):
-            return  # it left the pool on purpose: nothing to restart
-        # A killed server's socket closes a moment before its process can be reaped: look twice before calling it live.
-        for _ in range(6):
-            # In a thread: for a server on another node this asks its engine host (a Ray call).
-            if not await asyncio.to_thread(self.servers.is_alive, idx):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            return  # a live server that misbehaved: just avoid it for this retry
-        logger.error("engine server %s died; log %s", self.servers.address(idx), self.servers.log_path(idx))
+            return False  # it left the pool on purpose: nothing to restart
+        if not self._is_down(idx):
+            # A killed server's socket closes a moment before its process can be reaped: look twice before calling it
+            # live.
+            for _ in range(6):
+                # In a thread: for a server on another node this asks its engine host (a Ray call).
+                if not await asyncio.to_thread(self.servers.is_alive, idx):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                return False  # a live server that misbehaved: just avoid it for this retry
+        if self._is_down(idx):  # already found dead (by a request that failed beside this one, or a control call)
+            self.lost_requests[idx] = self.lost_requests.get(idx, 0) + 1
+            return True
+        self.lost_requests[idx] = 1
+        logger.error("engine server %s died; log %s; its requests go on on the others", self.servers.address(idx),
+                     self.servers.log_path(idx))  # fmt: skip
         self.schedule_restart(idx)
         await self.servers.sync_router_async()  # out of the router until it is back
+        return True
+
+    def _is_down(self, idx: int) -> bool:
+        return self.servers.slots[idx] is SlotState.DOWN
 
     def schedule_restart(self, idx: int) -> None:
         """Mark server `idx` down and restart (or replace) it in the background, once, when engine.auto_restart
@@ -111,6 +130,7 @@ class Recovery:
                                  servers.address(idx), type(e).__name__, e, servers.cfg.replace_retry_s)  # fmt: skip
                     await asyncio.sleep(servers.cfg.replace_retry_s)
             self.stats.restarts += 1
-            logger.info("engine server %s restarted", servers.address(idx))
+            logger.warning("engine server %s is back; %d request(s) failed on it and went on on the others",
+                           servers.address(idx), self.lost_requests.pop(idx, 0))  # fmt: skip
         finally:
             self._restarts.pop(idx, None)

@@ -109,10 +109,13 @@ class EngineService:
         return {"removed": url, "moved": moved, "live": len(servers.live)}
 
     def stats(self) -> dict[str, Any]:
-        """The pool's size and changes so far (the Rollouter's `pool` stats)."""
-        replacements = sum(1 for e in self.servers.pool_events if e[0] == "replace")
-        return {"size": len(self.servers.live), "joins": self.joins, "leaves": self.leaves, "replacements": replacements,
-                "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
+        """The pool's size and changes so far (the Rollouter's `pool` stats). `size` counts the servers that serve
+        (in the pool and not down: the N of the rollouter idle ratio), `down` those waiting for a restart or a
+        replacement; `size + down` is the pool's membership."""
+        servers = self.servers
+        replacements = sum(1 for e in servers.pool_events if e[0] == "replace")
+        return {"size": len(servers.serving), "down": len(servers.down), "joins": self.joins, "leaves": self.leaves,
+                "replacements": replacements, "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
 
     def _trace(self, lane: str, name: str, start: float, **fields: Any) -> None:
         if self.tracer is not None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fully_async.handles import resolve
+from fully_async.handles import one_line, resolve
 from fully_async.weights.base import Phase, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,34 @@ def node_root(name: str) -> Path:
     else the system's temporary directory."""
     shm = Path("/dev/shm")
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / name
+
+
+NODE_INFIX = "-node-"
+"""Between a run's tag and a node id (its first 12 hex digits) in a node-local root's name."""
+
+
+def node_roots_of_run(name: str) -> list[Path]:
+    """Every node-local root on this machine of the run whose roots are named like `name` (same run tag), `name`'s
+    own included: on one machine (a loopback cluster, or a raylet restarted under a new node id) several nodes' roots
+    of one run sit side by side."""
+    run = name.rsplit(NODE_INFIX, 1)[0] + NODE_INFIX
+    return sorted(node_root(name).parent.glob(run + "*"))
+
+
+def remove_dead_node_roots(name: str, alive_node_ids: set[str]) -> list[Path]:
+    """Delete the roots of this run (see `node_roots_of_run`) on this machine whose node is not among
+    `alive_node_ids`: a node lost on this machine left its copy behind, and nothing else will remove it. Returns
+    them. A root of another run, or of a live node, is never touched."""
+    removed = []
+    for root in node_roots_of_run(name):
+        node = root.name.rsplit(NODE_INFIX, 1)[1]
+        if root.name != name and not any(alive.startswith(node) for alive in alive_node_ids):
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(root)
+    if removed:
+        log.warning("weights: removed %d copy(ies) this run left for lost nodes: %s", len(removed),
+                    [r.name for r in removed])  # fmt: skip
+    return removed
 
 
 def write_node_copy(name: str, version: int, files: list[tuple[str, list[Any]]], get: Callable[[Any], Any]) -> Path:
@@ -143,7 +171,7 @@ class DiskTransport(WeightTransport):
         """node id -> the engine host that wrote a copy there (close() asks it to remove the root)."""
 
     def node_root_name(self, node_id: str) -> str:
-        return f"{ROOT_PREFIX}{self.run_tag}-node-{node_id[:12]}"
+        return f"{ROOT_PREFIX}{self.run_tag}{NODE_INFIX}{node_id[:12]}"
 
     def prepare(self, rollouter: Any) -> None:
         """Nothing to set up: which nodes need a copy is decided at every sync (servers may move between syncs)."""
@@ -212,16 +240,31 @@ class DiskTransport(WeightTransport):
         if not remove:
             return
         if self.writers:
-            import ray
-
-            refs = {h.remove_weights.remote(self.node_root_name(n)): n for n, h in self.writers.items()}
-            try:
-                ray.get(list(refs), timeout=60)
-            except Exception as e:  # a host (or node) already gone took its /dev/shm copy with it, or will on reboot
-                log.warning("node-local weight copies not all removed (%s: %s)", type(e).__name__, e)
+            remove_node_copies({self.node_root_name(n): h for n, h in self.writers.items()})
             self.writers = {}
+        # The copies of nodes lost on this machine (their hosts could not remove them): the run is over, every root
+        # with its tag here is its own.
+        for root in node_roots_of_run(self.node_root_name("")):
+            shutil.rmtree(root, ignore_errors=True)
         if self.root.name.startswith(ROOT_PREFIX):
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def remove_node_copies(writers: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Ask each engine host in `writers` ({node-local root name: host}) to delete its node's root, all at once. A
+    host already gone (its node lost) is one line, without Ray's traceback: on a real cluster its copy stays on that
+    machine (its /dev/shm is cleared with it); on this machine `close` deletes it."""
+    import ray
+
+    refs = {host.remove_weights.remote(name): name for name, host in writers.items()}
+    ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref, name in refs.items():
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as e:
+            log.warning("weights: %s not removed by its engine host: gone already (%s)", name, type(e).__name__)
+        except Exception as e:  # the other nodes' copies are removed all the same; this one is reported
+            log.warning("weights: %s not removed: %s", name, one_line(e))
 
 
 def _this_node() -> str | None:

@@ -55,7 +55,8 @@ def test_plan_that_does_not_fit_fails_with_the_arithmetic(two_node_cluster):
     out = _driver(two_node_cluster, "--plan", *TWIN, "engine.num_servers=2", "engine.tensor_parallel_size=2")
     assert out.returncode == 2, out.stdout + out.stderr
     assert "needs 5 GPUs: trainer 1 (1 x 1), engines 2 x 2 = 4; cluster has 4 GPUs on 2 nodes" in out.stderr
-    assert "engine server 2 of 2" in out.stderr
+    # TP 2 > 1 GPU per trainer node: the engines are packed (and reserved) first, so the trainer is what is left out
+    assert "no node left with 1 free GPUs for trainer node 1 of 1" in out.stderr
 
 
 _PROBE = """
@@ -90,6 +91,41 @@ def test_trainer_and_engine_bundles_hold_disjoint_gpus(two_node_cluster):
     assert len(set().union(*gpus)) == 4, gpus  # four distinct GPUs: no bundle shares one with another
     placed = [r for r in result["rows"] if r["role"].startswith(("engine server", "trainer rank"))]
     assert len(placed) == 3 and {r["node_id"] for r in placed} == {engine[0]}
+
+
+_SAME_PLAN = """
+import json, os, ray
+from fully_async.config import compose
+from fully_async.placement import Placement, check_fit, cluster_nodes
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as S
+ray.init(address=os.environ["RAY_ADDRESS"])
+# One engine server per node (5 + 5 logical CPUs do not fit one node of 8): which goes where is Ray's choice.
+cfg = compose(["placement.resources=cpu", "trainer=sim", "engine.num_servers=2", "placement.engine_cpus=5"])
+@ray.remote
+def probe():
+    return ray.get_runtime_context().get_node_id()
+runs = []
+for _ in range(4):  # as --plan and then the job would, each on its own
+    plan = Placement.reserve(cfg)
+    ran = ray.get([probe.options(num_cpus=0, scheduling_strategy=S(pg, 0)).remote() for pg in plan.engine_pgs])
+    runs.append({"rows": plan.engine_nodes(), "ran": ran})
+    plan.release()
+print(json.dumps({"runs": runs, "targets": check_fit(cfg, cluster_nodes(), False).engines}))
+"""
+
+
+def test_every_reservation_maps_the_servers_to_the_planned_nodes(two_node_cluster):
+    """The plan `--plan` prints is the placement the job gets: each reservation aims every group at the node the
+    packing gave it, and a task in each engine group runs where the table says."""
+    env = script_env(RAY_ADDRESS=two_node_cluster.gcs_address)
+    out = subprocess.run([sys.executable, "-c", _SAME_PLAN], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    targets = result["targets"]
+    assert len(set(targets)) == 2  # one server per node
+    for run in result["runs"]:
+        assert run["rows"] == run["ran"] == targets, result
 
 
 def test_gpu_example_plan_on_a_declared_2x8_cluster():

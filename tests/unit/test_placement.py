@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fully_async.config import compose
-from fully_async.placement import Node, PlacementError, check_fit, uses_gpus
+from fully_async.placement import Assignment, Node, PlacementError, check_fit, uses_gpus
 
 
 def _cfg(*overrides: str):
@@ -88,3 +88,27 @@ def test_gpu_runs_also_need_the_logical_cpus_of_their_bundles():
     ):
         check_fit(cfg, _nodes(0, 8, 8, cpus=4), gpu=True)
     check_fit(cfg, _nodes(0, 8, 8, cpus=8), gpu=True)
+
+
+def test_the_assignment_is_the_same_whatever_order_the_nodes_come_in():
+    """`--plan` and the job each reserve on their own: both aim every group at the node this packing gives, so the
+    plan a user reads maps the same servers to the same nodes as the job (Ray alone swapped equal nodes)."""
+    # Two equal nodes, one engine server on each (5 + 5 logical CPUs do not fit one node of 8).
+    cfg = _cfg("placement.resources=cpu", "trainer=sim", "engine.num_servers=2", "placement.engine_cpus=5")
+    nodes = _nodes(0, 0, cpus=8)
+    driver, worker = nodes[0].node_id, nodes[1].node_id
+    for order in (nodes, nodes[::-1]):
+        assert check_fit(cfg, order, gpu=False) == Assignment(trainer=[], engines=[driver, worker])
+    # The GPU example's shape: trainer 8 on one node, engines 4 x TP 2 on the other; a node without GPUs gets none.
+    cfg = _cfg("trainer.n_gpus_per_node=8", "engine.num_servers=4", "engine.tensor_parallel_size=2")
+    nodes = _nodes(0, 8, 8)
+    for order in (nodes, nodes[::-1], [nodes[1], nodes[0], nodes[2]]):
+        assert check_fit(cfg, order, gpu=True) == Assignment([nodes[1].node_id], [nodes[2].node_id] * 4)
+
+
+def test_tp_bundles_larger_than_a_trainer_node_are_packed_first_as_they_are_reserved():
+    # Trainer first would put its 2 ranks on the 4-GPU node (best fit) and the TP-4 server on the 6-GPU one; Ray is
+    # asked for the TP-4 group first (Placement.reserve), and the packing goes in the same order.
+    cfg = _cfg("trainer.n_gpus_per_node=2", "engine.num_servers=1", "engine.tensor_parallel_size=4")
+    nodes = _nodes(0, 4, 6)
+    assert check_fit(cfg, nodes, gpu=True) == Assignment([nodes[2].node_id], [nodes[1].node_id])

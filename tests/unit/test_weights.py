@@ -23,6 +23,7 @@ from fully_async.weights.disk import (
     default_weights_root,
     file_chunks,
     node_root,
+    remove_dead_node_roots,
     write_node_copy,
 )
 from tests.fakes import FakeEngine, StubRollouter
@@ -132,6 +133,22 @@ def test_a_node_copy_that_fails_midway_leaves_no_version_directory(node_name):
     assert list(node_root(node_name).iterdir()) == []
     with pytest.raises(ValueError, match="outside the version's directory"):
         write_node_copy(node_name, 5, [("../escape", [b"x"])], lambda c: c)
+
+
+def test_a_new_writer_removes_this_runs_copies_of_lost_nodes_on_its_machine_and_nothing_else():
+    tag = f"{ROOT_PREFIX}unit-{uuid.uuid4().hex[:8]}"
+    other_run = f"{ROOT_PREFIX}unit-{uuid.uuid4().hex[:8]}-node-cccccccccccc"
+    mine, alive, lost = (f"{tag}-node-{n * 12}" for n in "abd")
+    try:
+        for name in (mine, alive, lost, other_run):
+            write_node_copy(name, 1, [("w", [b"x"])], lambda c: c)
+        # node ids are 56 hex digits; a root names the first 12 of its node's
+        removed = remove_dead_node_roots(mine, {"a" * 56, "b" * 56})
+        assert removed == [node_root(lost)]
+        assert [node_root(n).exists() for n in (mine, alive, lost, other_run)] == [True, True, False, True]
+    finally:
+        for name in (mine, alive, lost, other_run):
+            shutil.rmtree(node_root(name), ignore_errors=True)
 
 
 async def test_the_reload_goes_to_each_nodes_copy_and_a_restarted_server_reloads_its_nodes_copy(tmp_path):
