@@ -37,6 +37,13 @@ def resolve(ref: Any, timeout: float | None = None) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
+def dead_nodes() -> set[str]:
+    """Ids of the Ray nodes Ray reports dead (none outside Ray). Blocking: one question to Ray's node table."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if not n["Alive"]} if ray.is_initialized() else set()
+
+
 async def resolve_async(ref: Any) -> Any:
     """`resolve` from inside an event loop, without blocking it: a Ray ObjectRef is awaited, a LocalActor future is
     wrapped for this loop."""

@@ -29,6 +29,7 @@ from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
+from fully_async.handles import dead_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +181,7 @@ class EngineServers(EngineKind):
         nodes = {i: self.procs[i].node["node_id"] for i in indices if hasattr(self.procs[i], "node")}
         if not nodes:
             return []
-        import ray
-
-        dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]} if ray.is_initialized() else set()
+        dead = dead_nodes()
         return [i for i, node in nodes.items() if node in dead]
 
     def node_of(self, index: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fully_async.config import AlgorithmConfig, EngineConfig, SimTrainerConfig, TrainerConfig
+from fully_async.config import AlgorithmConfig, EngineConfig, FullyAsyncConfig, SimTrainerConfig, TrainerConfig
 from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
 from fully_async.engines.service import EngineService
@@ -49,9 +49,11 @@ out = {"here": here, "worker": worker}
 class Pool:
     # The Rollouter's weight-sync surface over a real engine pool (its own engine_nodes, unchanged).
     engine_nodes = Rollouter.engine_nodes
+    control_deadline_s = Rollouter.control_deadline_s
 
     def __init__(self, servers):
         self.servers = servers
+        self.cfg = FullyAsyncConfig(engine=servers.cfg)
         self.engine_service = EngineService(servers, None)
 
     async def pause(self):
