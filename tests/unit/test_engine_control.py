@@ -65,6 +65,15 @@ async def test_a_server_that_misses_the_deadline_is_set_aside_and_the_others_get
     assert time.monotonic() - start < 0.4 and fakes[0].version == "2" and handed == [1]
 
 
+async def test_a_server_on_a_node_ray_reports_dead_is_never_called(fakes, silent):
+    servers, handed = pool([fakes[0].url, silent[0]], deadline_s=5.0)
+    servers.on_lost_nodes = lambda indices: [i for i in indices if i == 1]  # the Ray edge: server 1's node is dead
+    start = time.monotonic()
+    await servers.pause("abort")
+    assert time.monotonic() - start < 1.0  # set aside before the call: the silent server's deadline never ran
+    assert fakes[0].paused and handed == [1] and servers.serving == [0]
+
+
 async def test_when_no_server_answers_in_time_the_call_fails_naming_them(silent):
     servers, handed = pool(silent, deadline_s=0.5)
     start = time.monotonic()
