@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import time
@@ -124,6 +125,7 @@ async def generate(servers, index: int) -> dict:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
     run_dir = Path(os.environ["RUN_DIR"])
     deadline_s = float(os.environ.get("DEADLINE_S", "10"))

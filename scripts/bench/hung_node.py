@@ -55,6 +55,9 @@ def measure(code: Path, scenario: str, args: argparse.Namespace) -> dict:
         cluster.stop()
         shutil.rmtree(cluster.temp_dir, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        (args.logs / f"{code.name}-{scenario}.log").write_text(proc.stderr)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"driver failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--scenarios", default="before,during")
     parser.add_argument("--deadline", type=float, default=10.0, help="engine.control_deadline_s (where it exists)")
     parser.add_argument("--control-timeout", type=float, default=60.0, help="engine.control_timeout_s")
+    parser.add_argument("--logs", type=Path, help="keep each driver's log (timestamped warnings) in this folder")
     parser.add_argument("--sync-timeout", type=float, default=300.0, help="async_training.sync_timeout_s")
     args = parser.parse_args()
     for scenario in args.scenarios.split(","):
