@@ -9,8 +9,8 @@ Two bounds (docs/engines.md, "A hung server"):
 - `timeout_s` (engine.control_timeout_s): a call that may be slow, a weight reload above all (a 235B model reloads for
   minutes), is bounded by it, but the server must keep answering a liveness probe (`liveness_path`, answered by its
   HTTP front while it loads) within `deadline_s`: a server that stops answering is set aside after about
-  `deadline_s`, however long `timeout_s` is. Calls to one named server (a join, a restart, an rpc) use it too and fail
-  instead of setting aside: their caller decides.
+  `deadline_s`, however long `timeout_s` is (and one still loading at `timeout_s` is set aside then). Calls to one
+  named server (a join, a restart, an rpc) use it too and fail instead of setting aside: their caller decides.
 
 A pool-wide call never reaches a server whose Ray node is known dead: it is set aside before the call. A server that
 failed otherwise (connection refused, an HTTP error) is dropped from the call when its process (or engine host, or
@@ -113,6 +113,7 @@ class ControlPlane:
             if abandoned:
                 self.set_aside("reload weights", [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
                                "the weight copy to its node was abandoned")  # fmt: skip
+                await pool.sync_router_async()
             await self._reload_serving(weights_dir, routed)
             pool.weights_dir, pool.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
