@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
 """While a slow call runs, a server that answered its liveness probe is probed again after this many seconds."""
 
+NODE_TABLE_WAIT_S = 2.0
+"""How long a pool-wide call waits for Ray's node table (which servers are on dead nodes) before calling every serving
+server anyway: the question must not add a deadline of its own to a sync (it answers in milliseconds)."""
+
 
 class Unanswered(EngineError):
     """A server did not answer a control call (or, under a slow call, a liveness probe) within its bound."""
@@ -255,10 +259,11 @@ class ControlPlane:
         """Set aside the serving servers whose Ray node is known dead: they are never called."""
         pool = self.pool
         try:
-            lost = await asyncio.wait_for(asyncio.to_thread(pool.on_lost_nodes, pool.serving), self.deadline_s)
+            wait_s = min(NODE_TABLE_WAIT_S, self.deadline_s)
+            lost = await asyncio.wait_for(asyncio.to_thread(pool.on_lost_nodes, pool.serving), wait_s)
         except TimeoutError:
             logger.warning("%s: Ray's node table did not answer within %g s; calling every serving server", what,
-                           self.deadline_s)  # fmt: skip
+                           wait_s)  # fmt: skip
             return
         if lost:
             self.set_aside(what, lost, "is on a node Ray reports dead")
