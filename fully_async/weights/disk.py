@@ -49,6 +49,10 @@ one piece of a file beyond what the store holds, and a node's writer streams the
 STALL_LOG_S = 30.0
 """While copies are outstanding, the nodes not done yet are logged this often (ParamSync's timeout bounds the wait)."""
 
+ABANDONED_WAIT_S = 10.0
+"""At close, how long a copy abandoned in a sync may still run (its node came back) before the node roots are
+removed."""
+
 PROBE_EVERY_S = 1.0
 """While a node's copy runs, its engine host is asked whether it lives this often (an answer within
 engine.control_deadline_s keeps the copy; none abandons it)."""
@@ -152,6 +156,8 @@ class DiskTransport(WeightTransport):
         self.writers: dict[str, Any] = {}
         """node id -> the engine host that wrote a copy there (close() asks it to remove the root)."""
         self.deadline_s: float | None = None
+        self.abandoned: list[Any] = []
+        """Copies abandoned because their node stopped answering (close() lets a node that came back finish first)."""
         """engine.control_deadline_s, asked of the rollouter at the first copy to another node."""
 
     def node_root_name(self, node_id: str) -> str:
@@ -237,6 +243,7 @@ class DiskTransport(WeightTransport):
             for ref, node in list(probes.items()):
                 if node in pending.values() and now - sent[node] > self.deadline_s:
                     del probes[ref]
+                    self.abandoned += [r for r, n in pending.items() if n == node]
                     pending = {r: n for r, n in pending.items() if n != node}
                     out[node] = None
                     log.warning("weights v%d: node %s did not answer within engine.control_deadline_s=%gs during the "
@@ -272,6 +279,9 @@ class DiskTransport(WeightTransport):
         if self.writers:
             import ray
 
+            if self.abandoned:  # a node that came back may still be writing: let it finish before its root goes
+                ray.wait(self.abandoned, num_returns=len(self.abandoned), timeout=ABANDONED_WAIT_S)
+                self.abandoned = []
             refs = {h.remove_weights.remote(self.node_root_name(n)): n for n, h in self.writers.items()}
             try:
                 ray.get(list(refs), timeout=60)
