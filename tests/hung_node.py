@@ -177,6 +177,7 @@ def main() -> None:
     finally:
         node.cont()  # so that the close below finds the node's host answering
         sync.close()
+        out["roots_after_close"] = sorted(p.name for p in Path("/dev/shm").glob(f"*-{transport.run_tag}-node-*"))
         handle.close()
         servers.stop()
         for host in hosts:

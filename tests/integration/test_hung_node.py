@@ -10,7 +10,8 @@ by SIGSTOP of its `ray start` process and every descendant (pids found from the 
   reload, never called) and the sync again finishes within the deadline and a few seconds;
 - the run goes on: with the node still stopped the next sync is quick (the down server is not called) and the head's
   server generates at the latest version.
-Then the node is killed by pid and the cluster stopped.
+At the end the node continues, the transport's close leaves no node-local root (the abandoned copy finished first),
+and the node is killed by pid and the cluster stopped.
 """
 
 from __future__ import annotations
@@ -66,3 +67,5 @@ def test_a_hung_node_costs_a_sync_the_deadline_not_minutes(tmp_path):
     # The run goes on: the next sync does not call the down server; the live one serves the latest version.
     assert out["after_s"] < 2.0
     assert out["after_generate"]["versions"] == [out["version"]] * 3
+    # The copy abandoned while the node was stopped finished once it continued, before the close removed its root.
+    assert out["roots_after_close"] == []
