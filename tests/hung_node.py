@@ -41,7 +41,7 @@ from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
-from fully_async.weights.disk import DiskTransport
+from fully_async.weights.disk import ROOT_PREFIX, DiskTransport
 from tests.fakes import FakeProcessServers
 
 
@@ -124,6 +124,18 @@ async def generate(servers, index: int) -> dict:
         servers.on_dead = on_dead
 
 
+def close_run(sync, handle, servers, hosts) -> list[str]:
+    """Close a driver's run: the sync (which removes its node-local weight roots), the rollouter stand-in, the servers
+    and their engine hosts. Returns the names of the run's weight roots still in /dev/shm."""
+    sync.close()
+    left = sorted(p.name for p in Path("/dev/shm").glob(f"{ROOT_PREFIX}{sync.transport.run_tag}-*"))
+    handle.close()
+    servers.stop()
+    for host in hosts:
+        ray.kill(host)
+    return left
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
@@ -176,12 +188,7 @@ def main() -> None:
         out["version"] = version
     finally:
         node.cont()  # so that the close below finds the node's host answering
-        sync.close()
-        out["roots_after_close"] = sorted(p.name for p in Path("/dev/shm").glob(f"*-{transport.run_tag}-node-*"))
-        handle.close()
-        servers.stop()
-        for host in hosts:
-            ray.kill(host)
+        out["roots_after_close"] = close_run(sync, handle, servers, hosts)
     print("RESULT " + json.dumps(out), flush=True)
 
 
