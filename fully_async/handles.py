@@ -44,6 +44,13 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
+def dead_nodes() -> set[str]:
+    """Ids of the Ray nodes Ray reports dead (none outside Ray). Blocking: one question to Ray's node table."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if not n["Alive"]} if ray.is_initialized() else set()
+
+
 async def resolve_async(ref: Any) -> Any:
     """`resolve` from inside an event loop, without blocking it: a Ray ObjectRef is awaited, a LocalActor future is
     wrapped for this loop."""

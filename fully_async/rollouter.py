@@ -231,6 +231,10 @@ class Rollouter:
         """Per engine server that a weight copy must reach: its node (the disk transport; `EngineService.nodes`)."""
         return self.engine_service.nodes()
 
+    def control_deadline_s(self) -> float:
+        """engine.control_deadline_s: how long the disk transport waits on a node that stops answering in a copy."""
+        return self.cfg.engine.control_deadline_s
+
     def engine_layout(self) -> dict[str, Any]:
         """The pool's epoch and the servers a weight group spans now (the collective transport)."""
         return self.engine_service.layout()

@@ -34,13 +34,21 @@ class FakeEngine:
 
     `mode`: "ok"; "5xx" (every generate answers 500); "malformed" (200 with a body that is not JSON);
     "bad_shape" (JSON without choices); "never_healthy" (/health answers 503); "fail_first" (the first
-    `fail_count` generates answer 503, then ok).
+    `fail_count` generates answer 503, then ok); "silent" (accepts every request and answers none, /health included:
+    a server on a stopped node). `reload_delay_s`: a weight reload takes this long (/health still answers: a big
+    model loading).
     """
 
     def __init__(
-        self, mode: str = "ok", token_delay_s: float = 0.0, fail_count: int = 1, stop_token: int | None = None
+        self,
+        mode: str = "ok",
+        token_delay_s: float = 0.0,
+        fail_count: int = 1,
+        stop_token: int | None = None,
+        reload_delay_s: float = 0.0,
     ):
         self.mode = mode
+        self.reload_delay_s = reload_delay_s
         self.token_delay_s = token_delay_s
         self.fail_count = fail_count
         self.stop_token = stop_token
@@ -53,11 +61,15 @@ class FakeEngine:
         self._pause_event = asyncio.Event()
         self._resume_event = asyncio.Event()
         self._resume_event.set()
+        self._released = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     def app(self) -> web.Application:
         app = web.Application()
+        if self.mode == "silent":
+            app.router.add_route("*", "/{tail:.*}", self._silent)
+            return app
         app.router.add_get("/health", self._health)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_post("/pause", self._pause)
@@ -78,8 +90,13 @@ class FakeEngine:
         return self
 
     async def stop(self) -> None:
+        self._released.set()  # a silent server's held requests end, so the cleanup does not wait for them
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _silent(self, request: web.Request) -> web.Response:
+        await self._released.wait()  # set only by stop(): the client's own bound ends the request
+        return web.Response(status=500)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.mode == "never_healthy" else 200)
@@ -145,6 +162,7 @@ class FakeEngine:
         path = Path(body["kwargs"]["weights_path"])
         if not path.is_dir():
             return web.Response(status=500, text=f"fake engine: no weights directory {path}")
+        await asyncio.sleep(self.reload_delay_s)
         self.reloads.append(str(path))
         if (path / "sim_weights.json").is_file():
             self.weights_step = int(json.loads((path / "sim_weights.json").read_text())["step"])

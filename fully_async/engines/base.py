@@ -72,6 +72,9 @@ class EngineKind(abc.ABC):
     in_process = False
     """True for emulated engines that answer generate requests through `send_direct` instead of HTTP."""
     health_path = "/health"
+    liveness_path = "/health"
+    """Answered by the server's HTTP front while it is busy (a weight reload): the control plane's probe that a server
+    under a slow call still lives (control.py)."""
     cfg: Any
     device: str
 

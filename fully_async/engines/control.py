@@ -1,18 +1,30 @@
 """The control plane: one control call (pause, resume, reload, set version, reset prefix cache, rpc) fanned out to the
-servers of a pool at once, each within a deadline.
+servers of a pool at once, each within a bound, and what happens to a server that does not answer.
 
-`ControlPlane.deadline_s` (engine.control_timeout_s) is the one deadline of a pool-wide call: a server that has not
-answered by then fails the call (EngineError naming it and its log). A pool-wide call goes on without a server that
-died under it: the pool marks it down and hands it to its `on_dead` (the client restarts it, and it gets the current
-weights and version before it serves again); a live server that failed still fails the call.
+Two bounds (docs/engines.md, "A hung server"):
+- `deadline_s` (engine.control_deadline_s, seconds): a pool-wide call (pause, resume, set version, reset prefix cache)
+  must be answered within it. A server that misses it is SET ASIDE: marked down and handed to the pool's `on_dead`
+  (the client restarts or replaces it; it gets the current weights and version before it serves again), logged once,
+  while the call goes on with the others. If every server called misses it, the call fails (EngineError naming them).
+- `timeout_s` (engine.control_timeout_s): a call that may be slow, a weight reload above all (a 235B model reloads for
+  minutes), is bounded by it, but the server must keep answering a liveness probe (`liveness_path`, answered by its
+  HTTP front while it loads) within `deadline_s`: a server that stops answering is set aside after about
+  `deadline_s`, however long `timeout_s` is (and one still loading at `timeout_s` is set aside then). Calls to one
+  named server (a join, a restart, an rpc) use it too and fail instead of setting aside: their caller decides.
+
+A pool-wide call never reaches a server whose Ray node is known dead: it is set aside before the call. A server that
+failed otherwise (connection refused, an HTTP error) is dropped from the call when its process (or engine host, or
+node) is gone (`_drop_dead`, which asks within `deadline_s`); a live server that failed still fails the call.
 
 The shapes of the calls come from the engine kind (base.py `EngineKind.*_call`); the servers, their states and the
-membership lock from the pool (pool.py). engine=sim delivers the same calls in process (sim.py `SimControl`).
+membership lock from the pool (pool.py). engine=sim runs this same fan-out, deadlines and set-aside included, and only
+delivers each call in process (sim.py `SimControl.deliver`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -27,13 +39,26 @@ from fully_async.engines.types import HttpCall, PauseMode
 
 logger = logging.getLogger(__name__)
 
+PROBE_EVERY_S = 1.0
+"""While a slow call runs, a server that answered its liveness probe is probed again after this many seconds."""
+
+NODE_TABLE_WAIT_S = 2.0
+"""How long a pool-wide call waits for Ray's node table (which servers are on dead nodes) before calling every serving
+server anyway: the question must not add a deadline of its own to a sync (it answers in milliseconds)."""
+
+
+class Unanswered(EngineError):
+    """A server did not answer a control call (or, under a slow call, a liveness probe) within its bound."""
+
 
 class ControlPlane:
-    """Control calls on the serving servers of `pool` (an `EngineServers`), each within `deadline_s`."""
+    """Control calls on the serving servers of `pool` (an `EngineServers`): pool-wide ones within `deadline_s`,
+    slow ones (reloads) within `timeout_s` while the server answers a liveness probe within `deadline_s`."""
 
-    def __init__(self, pool: Any, deadline_s: float) -> None:
+    def __init__(self, pool: Any, deadline_s: float, timeout_s: float | None = None) -> None:
         self.pool = pool
         self.deadline_s = deadline_s
+        self.timeout_s = deadline_s if timeout_s is None else timeout_s
 
     # ---- pool-wide operations ----------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -66,30 +91,33 @@ class ControlPlane:
 
     async def reload(self, weights_dir: Path, node_dirs: dict[str, Path], procs: list[Any], nodes: list[Any]) -> None:
         """Reload the servers `procs` (in the pool or about to join it), each on its node in `nodes` from that node's
-        copy in `node_dirs` when it has one, else from `weights_dir`: one call per directory, all at once."""
-        by_dir: dict[Path, list[str]] = {}
-        for proc, node in zip(procs, nodes):
-            by_dir.setdefault(node_dirs.get(node, weights_dir), []).append(proc.url)
-        results = await asyncio.gather(
-            *(self.call_all("reload weights", self.pool.reload_weights_call(d), urls) for d, urls in by_dir.items()),
-            return_exceptions=True,
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise EngineError("; ".join(str(e) for e in errors))
+        copy in `node_dirs` when it has one, else from `weights_dir`, all at once; any failure fails the call (a
+        slow call: `timeout_s`, with the liveness probe)."""
+        calls = self._reload_calls(weights_dir, node_dirs, [p.url for p in procs], nodes)
+        await self.fan_out("reload weights", calls, self.timeout_s, slow=True, pool_wide=False)
+
+    def _reload_calls(self, weights_dir: Path, node_dirs: dict[str, Path], urls: list[str], nodes: list[Any]):
+        return [
+            (url, self.pool.reload_weights_call(node_dirs.get(node, weights_dir))) for url, node in zip(urls, nodes)
+        ]
 
     # ---- weight syncs ------------------------------------------------------------------------------------------------
     async def load_weights(
-        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
+        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str | None] | None = None
     ) -> None:
         """`EngineServers.load_weights`: every serving server reloads (stale ones included, so they serve again), the
-        prefix caches are reset and the version set, all under the pool's membership lock."""
+        prefix caches are reset and the version set, all under the pool's membership lock. A node mapped to None in
+        `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside."""
         pool = self.pool
         weights_dir = Path(weights_dir).resolve()
-        routed = {node: Path(d) for node, d in (node_dirs or {}).items()}
+        node_dirs = node_dirs or {}
+        routed = {node: Path(d) for node, d in node_dirs.items() if d is not None}
+        abandoned = {node for node, d in node_dirs.items() if d is None}
         async with pool.membership:
+            if abandoned:
+                self.set_aside("reload weights", [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
+                               "the weight copy to its node was abandoned")  # fmt: skip
+                await pool.sync_router_async()
             await self._reload_serving(weights_dir, routed)
             pool.weights_dir, pool.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
@@ -119,19 +147,13 @@ class ControlPlane:
             await pool.sync_router_async()
 
     async def _reload_serving(self, weights_dir: Path, node_dirs: dict[str, Path]) -> None:
-        """`reload_indices` on every serving server; one that died meanwhile is dropped as `call_all` drops it."""
-        pool = self.pool
-        try:
-            await self.reload_indices(weights_dir, node_dirs, pool.serving)
-        except EngineError:
-            dead = [i for i in pool.serving if not await asyncio.to_thread(pool.is_alive, i)]
-            if not dead:
-                raise
-            for i in dead:
-                logger.warning("reload weights: engine server %s is gone; the pool goes on without it", pool.address(i))
-                pool.server_died(i)
-            await pool.sync_router_async()
-            await self.reload_indices(weights_dir, node_dirs, pool.serving)
+        """Reload every serving server, pool-wide: one whose node is known lost is not called, one that stops answering
+        is set aside, one that died meanwhile is dropped."""
+        await self._set_aside_lost("reload weights")
+        indices = self.pool.serving
+        nodes = [self.pool.node_of(i)["node_id"] if node_dirs else None for i in indices]
+        calls = self._reload_calls(weights_dir, node_dirs, [self.pool.address(i) for i in indices], nodes)
+        await self.fan_out("reload weights", calls, self.timeout_s, slow=True, pool_wide=True)
 
     async def reload_indices(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
         """Reload the pool's servers `indices`, each from its node's copy in `node_dirs` when it has one, else
@@ -143,16 +165,30 @@ class ControlPlane:
     async def call_all(
         self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
     ) -> list[Any]:
-        """Run `call` on every server in `urls` at once (None: every serving server of the pool, and then servers that
-        died under it are dropped), each within `timeout_s` (default `deadline_s`); EngineError naming each failed
-        server (and its log) otherwise. The answers, in the order of `urls` (None for a dropped server)."""
+        """Run `call` on every server in `urls` at once, each within `timeout_s` (default `deadline_s`); any failure
+        fails the call. `urls` None: every serving server of the pool, pool-wide (see the module docstring: servers
+        on a lost node are not called, those that miss `deadline_s` are set aside, dead ones dropped). The answers,
+        in the order of the servers called (None for one set aside or dropped)."""
+        pool_wide = urls is None
+        if pool_wide:
+            await self._set_aside_lost(what)
+            urls = [self.pool.address(i) for i in self.pool.serving]
+        return await self.fan_out(what, [(url, call) for url in urls], timeout_s or self.deadline_s,
+                                  pool_wide=pool_wide)  # fmt: skip
+
+    async def fan_out(
+        self, what: str, calls: list[tuple[str, HttpCall]], bound_s: float, slow: bool = False, pool_wide: bool = False
+    ) -> list[Any]:
+        """Each (url, call) at once, within `bound_s` (and, when `slow`, while the server answers its liveness probe
+        within `deadline_s`). `pool_wide`: a server that does not answer is set aside and a dead one dropped (see the
+        module docstring); otherwise any failure fails the call: EngineError naming each failed server and its log."""
         pool = self.pool
-        tolerate = urls is None
-        urls = [pool.address(i) for i in pool.serving] if urls is None else urls
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.deadline_s)
-        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session:
-            results = await asyncio.gather(*(self.call_one(session, url, call) for url in urls), return_exceptions=True)
-        if tolerate:
+        async with self.session() as session:
+            results = await asyncio.gather(*(self._one(session, url, call, bound_s, slow) for url, call in calls),
+                                           return_exceptions=True)  # fmt: skip
+        urls = [url for url, _ in calls]
+        if pool_wide:
+            results = await self._set_aside_unanswered(what, urls, results)
             results = await self._drop_dead(what, urls, results)
         failed = [f"{url}: {r} (log: {pool.log_for(url)})" for url, r in zip(urls, results) if isinstance(r, Exception)]
         if failed:
@@ -161,17 +197,109 @@ class ControlPlane:
             )
         return results
 
+    def session(self) -> Any:
+        """The HTTP session of one fan-out (no total timeout of its own: `_one` bounds each call)."""
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=auth_headers())
+
+    async def _one(self, session: Any, url: str, call: HttpCall, bound_s: float, slow: bool) -> Any:
+        try:
+            if slow:
+                return await self._watched(session, url, call, bound_s)
+            return await asyncio.wait_for(self.deliver(session, url, call), bound_s)
+        except TimeoutError as e:
+            raise Unanswered(f"no answer to {call.method} {call.path} within {self._bound_name(bound_s)}") from e
+
+    def _bound_name(self, bound_s: float) -> str:
+        if bound_s == self.deadline_s:
+            return f"engine.control_deadline_s={bound_s:g}s"
+        if bound_s == self.timeout_s:
+            return f"engine.control_timeout_s={bound_s:g}s"
+        return f"{bound_s:g} s"
+
+    async def _watched(self, session: Any, url: str, call: HttpCall, bound_s: float) -> Any:
+        """`call` within `bound_s`, while the server answers a liveness probe within `deadline_s`: Unanswered as soon
+        as one probe goes unanswered (the server, or its node, stopped), whatever is left of `bound_s`."""
+        work = asyncio.ensure_future(asyncio.wait_for(self.deliver(session, url, call), bound_s))
+        watch = asyncio.ensure_future(self._watch(session, url, call))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return work.result() if work in done else watch.result()
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+
+    async def _watch(self, session: Any, url: str, call: HttpCall) -> None:
+        """Probe the server at `url` until cancelled; Unanswered when a probe is not answered within `deadline_s`."""
+        probe = HttpCall("GET", self.pool.liveness_path)
+        while True:
+            try:
+                await asyncio.wait_for(self.deliver(session, url, probe), self.deadline_s)
+            except EngineError:
+                pass  # an answer, even an error, shows a live front; a refused connection fails the call itself
+            except TimeoutError as e:
+                raise Unanswered(f"no answer to the liveness probe GET {probe.path} within "
+                                 f"{self._bound_name(self.deadline_s)} while {call.method} {call.path} ran") from e  # fmt: skip
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    async def deliver(self, session: Any, url: str, call: HttpCall) -> Any:
+        """`call` on the server at `url` (unbounded: the fan-out bounds it)."""
+        return await self.call_one(session, url, call)
+
+    # ---- servers that do not answer, are lost, or died ---------------------------------------------------------------
+    def set_aside(self, what: str, indices: list[int], why: str) -> None:
+        """Servers `indices` are out of this call and of the pool until they are back: marked down and handed to the
+        pool's `on_dead` (restarted or replaced, then brought current). One line each."""
+        for i in indices:
+            logger.warning("%s: engine server %s %s; set aside (down, to be restarted or replaced), the pool goes on "
+                           "without it", what, self.pool.address(i), why)  # fmt: skip
+            self.pool.server_died(i)
+
+    async def _set_aside_lost(self, what: str) -> None:
+        """Set aside the serving servers whose Ray node is known dead: they are never called."""
+        pool = self.pool
+        try:
+            wait_s = min(NODE_TABLE_WAIT_S, self.deadline_s)
+            lost = await asyncio.wait_for(asyncio.to_thread(pool.on_lost_nodes, pool.serving), wait_s)
+        except TimeoutError:
+            logger.warning("%s: Ray's node table did not answer within %g s; calling every serving server", what,
+                           wait_s)  # fmt: skip
+            return
+        if lost:
+            self.set_aside(what, lost, "is on a node Ray reports dead")
+            await pool.sync_router_async()
+
+    async def _set_aside_unanswered(self, what: str, urls: list[str], results: list[Any]) -> list[Any]:
+        """Set aside each server that did not answer (Unanswered); their failures are dropped. When no server
+        answered and some did not answer in time, the call fails instead (EngineError naming them)."""
+        missed = [k for k, r in enumerate(results) if isinstance(r, Unanswered)]
+        if not missed:
+            return results
+        if len(missed) == len(urls):
+            raise EngineError(f"{self.pool.kind} {what}: no engine server answered in time: "
+                              + "; ".join(f"{urls[k]}: {results[k]}" for k in missed))  # fmt: skip
+        index = {self.pool.address(i): i for i in self.pool.live}
+        out = list(results)
+        for k in missed:
+            if urls[k] in index:
+                self.set_aside(what, [index[urls[k]]], f"did not answer ({results[k]})")
+                out[k] = None
+        await self.pool.sync_router_async()
+        return out
+
     async def _drop_dead(self, what: str, urls: list[str], results: list[Any]) -> list[Any]:
         """Each failed server whose process (or engine host, or node) is gone is marked down and handed to the pool's
-        `on_dead`; its failure is dropped. A live server that failed keeps its failure."""
+        `on_dead`; its failure is dropped. A live server that failed keeps its failure. A server whose liveness is
+        not known within `deadline_s` (its host's node does not answer) counts as gone."""
         pool = self.pool
         index = {pool.address(i): i for i in pool.live}
         out = list(results)
         for k, (url, r) in enumerate(zip(urls, results)):
             if not isinstance(r, Exception) or url not in index:
                 continue
-            if await asyncio.to_thread(pool.is_alive, index[url]):
-                continue
+            with contextlib.suppress(TimeoutError):
+                if await asyncio.wait_for(asyncio.to_thread(pool.is_alive, index[url]), self.deadline_s):
+                    continue
             logger.warning("%s: engine server %s is gone (%s); the pool goes on without it", what, url, r)
             pool.server_died(index[url])
             out[k] = None
@@ -181,15 +309,13 @@ class ControlPlane:
 
     @staticmethod
     async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
-        """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, no answer in time,
-        a broken connection, or an answer the call's `check` refuses."""
+        """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
+        connection, or an answer the call's `check` refuses."""
         try:
             async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineError(f"HTTP {resp.status}: {text[:300]}")
-        except asyncio.TimeoutError as e:
-            raise EngineError(f"no answer to {call.method} {call.path} within the control timeout") from e
         except aiohttp.ClientError as e:
             raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
         try:

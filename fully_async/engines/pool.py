@@ -29,6 +29,7 @@ from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of, release_shm, shm_record
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
+from fully_async.handles import dead_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class EngineServers(EngineKind):
 
     def make_control(self) -> ControlPlane:
         """The control plane that delivers this pool's control calls (engine=sim delivers them in process)."""
-        return ControlPlane(self, self.cfg.control_timeout_s)
+        return ControlPlane(self, self.cfg.control_deadline_s, self.cfg.control_timeout_s)
 
     # ---- slots -------------------------------------------------------------------------------------------------------
     @property
@@ -173,6 +174,16 @@ class EngineServers(EngineKind):
     def is_alive(self, index: int) -> bool:
         return self.procs[index].is_alive()
 
+    def on_lost_nodes(self, indices: list[int]) -> list[int]:
+        """Of servers `indices`, those on a Ray node that Ray reports dead (a pool-wide control call sets them aside
+        without calling them). Blocking (one question to Ray's node table, only when some server has a Ray node):
+        call it in a thread."""
+        nodes = {i: self.procs[i].node["node_id"] for i in indices if hasattr(self.procs[i], "node")}
+        if not nodes:
+            return []
+        dead = dead_nodes()
+        return [i for i, node in nodes.items() if node in dead]
+
     def node_of(self, index: int) -> dict[str, Any]:
         """{"node_id", "node_ip", "host"} of server `index`: its engine host's node and handle; for a server that
         is a child of this process (or attached by address), node_id is None: this process's node."""
@@ -234,11 +245,12 @@ class EngineServers(EngineKind):
 
     # ---- weights (control.py) ----------------------------------------------------------------------------------------
     async def load_weights(
-        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str] | None = None
+        self, weights_dir: str | Path, version: int, node_dirs: dict[str, str | None] | None = None
     ) -> None:
         """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
-        `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead.
-        Call between pause and resume."""
+        `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead;
+        None for a node whose copy was abandoned (its servers are set aside, control.py). Call between pause and
+        resume."""
         await self.control.load_weights(weights_dir, version, node_dirs)
 
     async def weights_received(self, version: int, epoch: int) -> None:

@@ -75,6 +75,7 @@ def _sglang_finish(reason: Any) -> str:
 
 class SGLangServers(EngineServers):
     kind = "sglang"
+    liveness_path = "/model_info"  # /health runs a one-token generation, which waits behind a weight reload
 
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg

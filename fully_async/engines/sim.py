@@ -4,7 +4,7 @@ Why in-process and not HTTP: at hundreds of engines and ~10^4 requests per simul
 (JSON of thousands of token ids both ways) would cost more CPU than everything else the rollout path does, and the
 benchmark would measure the emulation instead of the framework. So `SimServers` keeps the real control plane
 (pause / resume / reload / set version / reset prefix cache go through the same `ControlPlane` methods and the same
-`HttpCall` descriptions as vLLM's; only `SimControl.call_all` delivers them to in-process engines instead of sockets),
+`HttpCall` descriptions as vLLM's; only `SimControl.deliver` hands each to an in-process engine instead of a socket),
 and `EngineClient` hands generate requests to `send_direct` instead of posting them, keeping its own balancing,
 abort/continue, budget and version logic.
 
@@ -26,6 +26,7 @@ Model of one engine (all times in simulated seconds; wall seconds = simulated / 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import math
@@ -98,6 +99,8 @@ class SimEngine:
         self.frozen = False
         self.generated_tokens = 0
         self.reloads: list[str] = []
+        self.hung = False
+        """An emulated stopped node: control calls get no answer while it is set (SimControl)."""
         self._resumed: asyncio.Event | None = None
         self._progress = 0.0  # tokens each decoding sequence has received so far (the same for all of them)
         self._t = 0.0  # loop time of the last progress update
@@ -307,7 +310,7 @@ class SimServers(VLLMControlCalls, EngineServers):
         return await self.engines[idx].generate(prompt, max_tokens, sampling)
 
     def make_control(self) -> ControlPlane:
-        return SimControl(self, self.cfg.control_timeout_s)
+        return SimControl(self, self.cfg.control_deadline_s, self.cfg.control_timeout_s)
 
     # ---- adapter hooks (the same endpoint descriptions as vLLM's) ----------------------------------------------------
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
@@ -327,37 +330,34 @@ class SimServers(VLLMControlCalls, EngineServers):
 
 
 class SimControl(ControlPlane):
-    """The control plane of `SimServers`: the same calls as vLLM's, delivered to the in-process engines (no sockets,
-    no deadline: an emulated engine always answers)."""
+    """The control plane of `SimServers`: the same fan-out, deadlines and set-aside as vLLM's (control.py), each call
+    delivered to an in-process engine instead of a socket. An engine marked `hung` answers nothing, as a server on a
+    stopped node: the deadline sets it aside like a real one."""
 
-    async def call_all(
-        self, what: str, call: HttpCall, urls: list[str] | None = None, timeout_s: float | None = None
-    ) -> list[Any]:
+    def session(self) -> Any:
+        return contextlib.nullcontext()
+
+    async def deliver(self, session: Any, url: str, call: HttpCall) -> Any:
         pool = self.pool
-        urls = pool.addresses if urls is None else urls
+        engine = pool.engines[pool.by_url[url]]
+        while engine.hung:  # a stopped node: no answer until it continues (the caller's bound ends the wait)
+            await asyncio.sleep(0.01)
         sim = pool.cfg.sim
         latency = {"/pause": sim.pause_s, "/resume": sim.resume_s, "/collective_rpc": sim.reload_s}.get(call.path, 0.0)
         if latency:
-            await asyncio.sleep(latency / sim.time_scale)  # all engines at once, as ControlPlane.call_all's gather does
-        out = []
-        for url in urls:
-            engine = pool.engines[pool.by_url[url]]
-            if call.path == "/pause":
-                engine.pause(call.params["mode"])
-                out.append(None)
-            elif call.path == "/resume":
-                engine.resume()
-                out.append(None)
-            elif call.path == "/is_paused":
-                out.append({"is_paused": engine.paused})
-            elif call.path == "/collective_rpc":
-                engine.reloads.append(call.json["kwargs"]["weights_path"])
-                out.append(None)
-            elif call.path == "/update_weight_version":
-                engine.set_version(int(call.json["new_version"]))
-                out.append(None)
-            elif call.path == "/reset_prefix_cache":
-                out.append({"success": True})
-            else:
-                raise EngineError(f"sim {what}: no emulated endpoint {call.method} {call.path}")
-        return out
+            await asyncio.sleep(latency / sim.time_scale)  # every engine at once: the fan-out runs them together
+        if call.path == "/pause":
+            engine.pause(call.params["mode"])
+        elif call.path == "/resume":
+            engine.resume()
+        elif call.path == "/is_paused":
+            return {"is_paused": engine.paused}
+        elif call.path == "/collective_rpc":
+            engine.reloads.append(call.json["kwargs"]["weights_path"])
+        elif call.path == "/update_weight_version":
+            engine.set_version(int(call.json["new_version"]))
+        elif call.path == "/reset_prefix_cache":
+            return {"success": True}
+        elif call.path != pool.liveness_path:
+            raise EngineError(f"sim: no emulated endpoint {call.method} {call.path}")
+        return None

@@ -11,6 +11,11 @@ its node's copy. On one node `distribute` copies nothing. The rule is by node id
 root on a shared filesystem is copied too (a byte-for-byte copy into memory is cheap next to the reload; the object
 store is the one path that works everywhere).
 
+A node that stops answering (a hung node) costs a sync about engine.control_deadline_s, not Ray's minute to declare it
+dead: while a node's copy runs, its engine host is asked every PROBE_EVERY_S whether it lives; a host that does not
+answer within the deadline has its copy abandoned for this sync, and the reload sets that node's servers aside
+(engines/control.py: down, then restarted or replaced). A node Ray already reports dead gets no copy at all.
+
 Versions: each root keeps the version just written and the one before, so a server restarted meanwhile still finds
 the weights it was told about (the engine pool reloads a restarted server from its node's directory); older ones are
 removed.
@@ -23,12 +28,13 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fully_async.handles import one_line, resolve
+from fully_async.handles import dead_nodes, one_line, resolve
 from fully_async.weights.base import Phase, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,14 @@ one piece of a file beyond what the store holds, and a node's writer streams the
 
 STALL_LOG_S = 30.0
 """While copies are outstanding, the nodes not done yet are logged this often (ParamSync's timeout bounds the wait)."""
+
+ABANDONED_WAIT_S = 10.0
+"""At close, how long a copy abandoned in a sync may still run (its node came back) before the node roots are
+removed."""
+
+PROBE_EVERY_S = 1.0
+"""While a node's copy runs, its engine host is asked whether it lives this often (an answer within
+engine.control_deadline_s keeps the copy; none abandons it)."""
 
 
 def default_weights_root(run_dir: str | Path) -> Path:
@@ -169,6 +183,10 @@ class DiskTransport(WeightTransport):
         """node id -> that node's copy of the version distributed last (empty on one node)."""
         self.writers: dict[str, Any] = {}
         """node id -> the engine host that wrote a copy there (close() asks it to remove the root)."""
+        self.deadline_s: float | None = None
+        """engine.control_deadline_s, asked of the rollouter at the first copy to another node."""
+        self.abandoned: list[Any] = []
+        """Copies abandoned because their node stopped answering (close() lets a node that came back finish first)."""
 
     def node_root_name(self, node_id: str) -> str:
         return f"{ROOT_PREFIX}{self.run_tag}{NODE_INFIX}{node_id[:12]}"
@@ -197,10 +215,11 @@ class DiskTransport(WeightTransport):
         self.backend.export_weights(out, dtype=self.dtype)
         return out
 
-    def distribute(self, version: int) -> dict[str, str]:
+    def distribute(self, version: int) -> dict[str, str | None]:
         """Copy `root/v<version>` to every engine node other than this one (see the module docstring); returns and
-        remembers {node id: node-local directory} for the reload. A node whose copy fails raises RuntimeError
-        naming it."""
+        remembers {node id: node-local directory} for the reload, None for a node that got no copy this time (Ray
+        reports it dead, its host died, or it stopped answering: the reload sets its servers aside). A node whose
+        copy fails otherwise raises RuntimeError naming it."""
         servers = resolve(self.rollouter.engine_nodes.remote())
         plan = copy_plan(servers, _this_node())
         if not plan:
@@ -208,38 +227,95 @@ class DiskTransport(WeightTransport):
             return {}
         import ray
 
+        if self.deadline_s is None:
+            self.deadline_s = float(resolve(self.rollouter.control_deadline_s.remote()))
+        lost = dead_nodes() & set(plan)
+        for node in lost:
+            log.warning("weights v%d: node %s is dead in Ray; no copy, its servers are set aside", version,
+                        _node_label(plan[node]))  # fmt: skip
         files = file_chunks(self.root / f"v{version}", ray.put)
         pending = {}
         for node, server in plan.items():
-            self.writers[node] = server["host"]
-            pending[server["host"].write_weights.remote(self.node_root_name(node), version, files)] = node
-        done: dict[str, str] = {}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=STALL_LOG_S)
-            if not ready:
-                waiting = ", ".join(_node_label(plan[n]) for n in pending.values())
-                log.warning("weights v%d: still copying to node(s) %s", version, waiting)
-                continue
-            node = pending.pop(ready[0])
-            try:
-                done[node] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as e:
-                # The writing host died (its node lost): that node's servers are down and get replaced; a server
-                # that comes back without a copy on its node waits for the next sync (engines/elastic.py bring_current).
-                log.warning("weights v%d: node %s lost during the copy (%s); the sync goes on without it", version,
-                            _node_label(plan[node]), type(e).__name__)  # fmt: skip
-                self.writers.pop(node, None)
-            except ray.exceptions.RayError as e:
-                raise RuntimeError(
-                    f"copying weights v{version} to node {_node_label(plan[node])} failed: {type(e).__name__}: {e}"
-                ) from e
+            if node not in lost:
+                self.writers[node] = server["host"]
+                pending[server["host"].write_weights.remote(self.node_root_name(node), version, files)] = node
+        done: dict[str, str | None] = dict.fromkeys(lost)
+        done.update(self._await_copies(version, plan, pending))
         self.node_dirs = done
         return done
+
+    def _await_copies(self, version: int, plan: dict[str, dict[str, Any]], pending: dict[Any, str]):
+        """{node: its copy's directory, or None} for the copies `pending` ({ObjectRef: node}). While a copy runs its
+        node's engine host is probed (a cheap actor call, answered beside the copy); a node whose probe is not answered
+        within `deadline_s` has stopped (a hung node): its copy is abandoned for this sync instead of waiting for Ray
+        to declare the node dead. A live node's copy is waited for (ParamSync's timeout bounds it)."""
+        import ray
+
+        out: dict[str, str | None] = {}
+        probes: dict[Any, str] = {}
+        sent: dict[str, float] = {}
+        due: dict[str, float] = {node: 0.0 for node in pending.values()}
+        last_log = time.monotonic()
+        while pending:
+            now = time.monotonic()
+            for node, at in list(due.items()):
+                if at <= now:
+                    probes[plan[node]["host"].where.remote()] = node
+                    sent[node] = now
+                    del due[node]
+            ready, _ = ray.wait([*pending, *probes], num_returns=1, timeout=PROBE_EVERY_S)
+            for ref in ready:
+                if ref in probes:  # answered (or failed: the copy's own result says why): probe again later
+                    node = probes.pop(ref)
+                    if node in pending.values():
+                        due[node] = time.monotonic() + PROBE_EVERY_S
+                    continue
+                node = pending.pop(ref)
+                due.pop(node, None)
+                out[node] = self._copy_result(version, plan[node], ref)
+            now = time.monotonic()
+            for ref, node in list(probes.items()):
+                if node in pending.values() and now - sent[node] > self.deadline_s:
+                    del probes[ref]
+                    self.abandoned += [r for r, n in pending.items() if n == node]
+                    pending = {r: n for r, n in pending.items() if n != node}
+                    out[node] = None
+                    log.warning("weights v%d: node %s did not answer within engine.control_deadline_s=%gs during the "
+                                "copy; abandoned for this sync, its servers are set aside", version,
+                                _node_label(plan[node]), self.deadline_s)  # fmt: skip
+            if pending and now - last_log > STALL_LOG_S:
+                last_log = now
+                waiting = ", ".join(_node_label(plan[n]) for n in pending.values())
+                log.warning("weights v%d: still copying to node(s) %s", version, waiting)
+        return out
+
+    def _copy_result(self, version: int, server: dict[str, Any], ref: Any) -> str | None:
+        """The directory a finished copy wrote; None when its host died (its node lost)."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            # The writing host died (its node lost): that node's servers are set aside and replaced; a server that
+            # comes back without a copy on its node waits for the next sync (engines/elastic.py bring_current).
+            log.warning("weights v%d: node %s lost during the copy (%s); the sync goes on without it", version,
+                        _node_label(server), type(e).__name__)  # fmt: skip
+            self.writers.pop(server["node_id"], None)
+            return None
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(
+                f"copying weights v{version} to node {_node_label(server)} failed: {type(e).__name__}: {e}"
+            ) from e
 
     def close(self, remove: bool = True) -> None:
         if not remove:
             return
         if self.writers:
+            if self.abandoned:  # a node that came back may still be writing: let it finish before its root goes
+                import ray
+
+                ray.wait(self.abandoned, num_returns=len(self.abandoned), timeout=ABANDONED_WAIT_S)
+                self.abandoned = []
             remove_node_copies({self.node_root_name(n): h for n, h in self.writers.items()})
             self.writers = {}
         # The copies of nodes lost on this machine (their hosts could not remove them): the run is over, every root

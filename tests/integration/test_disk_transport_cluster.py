@@ -28,7 +28,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fully_async.config import AlgorithmConfig, EngineConfig, SimTrainerConfig, TrainerConfig
+from fully_async.config import AlgorithmConfig, EngineConfig, FullyAsyncConfig, SimTrainerConfig, TrainerConfig
 from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
 from fully_async.engines.service import EngineService
@@ -38,6 +38,7 @@ from fully_async.rollouter import Rollouter
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.disk import DiskTransport, node_root
 from tests.fakes import FakeProcessServers
+from tests.hung_node import close_run
 
 ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
 here = ray.get_runtime_context().get_node_id()
@@ -49,9 +50,11 @@ out = {"here": here, "worker": worker}
 class Pool:
     # The Rollouter's weight-sync surface over a real engine pool (its own engine_nodes, unchanged).
     engine_nodes = Rollouter.engine_nodes
+    control_deadline_s = Rollouter.control_deadline_s
 
     def __init__(self, servers):
         self.servers = servers
+        self.cfg = FullyAsyncConfig(engine=servers.cfg)
         self.engine_service = EngineService(servers, None)
 
     async def pause(self):
@@ -122,12 +125,7 @@ def run(tag, node, count):
                 res["failure"] = str(e)
             node_root(transport.node_root_name(node)).unlink()
     finally:
-        sync.close()
-        res["roots_after_close"] = sorted(p.name for p in Path("/dev/shm").glob(f"fully_async-weights-{transport.run_tag}-*"))
-        handle.close()
-        servers.stop()
-        for h in hosts:
-            ray.kill(h)
+        res["roots_after_close"] = close_run(sync, handle, servers, hosts)
     return res
 
 

@@ -87,6 +87,7 @@ BAD = [
     (["rollout.temperature=0"], "rollout.temperature", "> 0"),
     (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
     (["engine.dtype=fp8"], "engine.dtype", "one of"),
+    (["engine.control_deadline_s=0"], "engine.control_deadline_s", "> 0"),
     (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "did you mean 'grpo'"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "registers: ['gae', 'grpo', "),
     (["algorithm.policy_loss=ppo"], "algorithm.policy_loss", "registers: ['vanilla', "),

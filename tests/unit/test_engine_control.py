@@ -1,15 +1,15 @@
-"""The control plane (fully_async/engines/control.py) against servers on 127.0.0.1: a pool-wide call reaches the
-serving and stale servers and no others, each within the deadline (a server that never answers fails the call in
-about engine.control_timeout_s, naming it); a server that died under the call is dropped and handed to the pool's
-`on_dead`, a live one that failed still fails the call."""
+"""The control plane (fully_async/engines/control.py) against servers on 127.0.0.1 and emulated ones: a pool-wide
+call reaches the serving and stale servers and no others; a server that does not answer it within
+engine.control_deadline_s is set aside (down, handed to the pool's `on_dead`) while the others get the call, and
+when none answers the call fails naming them; a slow reload of a live server is waited for (engine.control_timeout_s)
+while a hung one is set aside after the deadline; a server that died under the call is dropped and handed over, a
+live one that failed still fails the call; engine=sim goes through the same set-aside path."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
-from aiohttp import web
 
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineError, build_engine
@@ -20,26 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def silent():
-    """An aiohttp server on 127.0.0.1 that accepts every request and never answers."""
-    gate = asyncio.Event()
-
-    async def hang(request: web.Request) -> web.Response:
-        await gate.wait()
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port("127.0.0.1")
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    gate.set()
-    await runner.cleanup()
-
-
-@pytest.fixture
 async def fakes():
     started = [await FakeEngine().start() for _ in range(3)]
     yield started
@@ -47,12 +27,25 @@ async def fakes():
         await fake.stop()
 
 
-def pool(urls: list[str], deadline_s: float = 5.0):
-    return build_engine(EngineConfig(control_timeout_s=deadline_s), "/nonexistent", "/tmp", addresses=urls)
+@pytest.fixture
+async def silent():
+    """Two servers on 127.0.0.1 that accept every request and never answer (a stopped node's)."""
+    started = [await FakeEngine("silent").start() for _ in range(2)]
+    yield [s.url for s in started]
+    for fake in started:
+        await fake.stop()
+
+
+def pool(urls: list[str], deadline_s: float = 5.0, timeout_s: float = 30.0):
+    cfg = EngineConfig(control_deadline_s=deadline_s, control_timeout_s=timeout_s)
+    servers = build_engine(cfg, "/nonexistent", "/tmp", addresses=urls)
+    handed: list[int] = []
+    servers.on_dead = handed.append
+    return servers, handed
 
 
 async def test_a_pool_wide_call_reaches_the_serving_and_stale_servers_only(fakes):
-    servers = pool([f.url for f in fakes])
+    servers, _ = pool([f.url for f in fakes])
     servers.slots.mark_stale(1)  # must get the sync that brings it up to date
     servers.slots.mark_down(2)  # dead: nothing to send it
     await servers.pause("abort")
@@ -61,32 +54,91 @@ async def test_a_pool_wide_call_reaches_the_serving_and_stale_servers_only(fakes
     assert [f.version for f in fakes] == ["4", "4", "default"]
 
 
-async def test_a_server_that_never_answers_fails_the_call_within_the_deadline(fakes, silent):
-    servers = pool([fakes[0].url, silent], deadline_s=0.5)
-    assert servers.control.deadline_s == 0.5
+async def test_a_server_that_misses_the_deadline_is_set_aside_and_the_others_get_the_call(fakes, silent):
+    servers, handed = pool([fakes[0].url, silent[0]], deadline_s=0.5, timeout_s=30.0)
     start = time.monotonic()
-    with pytest.raises(EngineError, match=r"pause failed on 1 of 2 servers: http://127.0.0.1:\d+: no answer") as e:
+    await servers.pause("abort")
+    assert time.monotonic() - start < 0.5 + 1.0  # the deadline, not engine.control_timeout_s, bounded the call
+    assert fakes[0].paused and handed == [1] and servers.down == {1} and servers.serving == [0]
+    start = time.monotonic()
+    await servers.set_version(2)  # the one set aside is not called again
+    assert time.monotonic() - start < 0.4 and fakes[0].version == "2" and handed == [1]
+
+
+async def test_a_server_on_a_node_ray_reports_dead_is_never_called(fakes, silent):
+    servers, handed = pool([fakes[0].url, silent[0]], deadline_s=5.0)
+    servers.on_lost_nodes = lambda indices: [i for i in indices if i == 1]  # the Ray edge: server 1's node is dead
+    start = time.monotonic()
+    await servers.pause("abort")
+    assert time.monotonic() - start < 1.0  # set aside before the call: the silent server's deadline never ran
+    assert fakes[0].paused and handed == [1] and servers.serving == [0]
+
+
+async def test_when_no_server_answers_in_time_the_call_fails_naming_them(silent):
+    servers, handed = pool(silent, deadline_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(
+        EngineError, match=r"pause: no engine server answered in time: .*within engine.control_deadline_s=0.5s"
+    ):
         await servers.pause("abort")
-    assert silent in str(e.value) and fakes[0].url not in str(e.value)
-    assert time.monotonic() - start < 3.0  # the deadline, not the silent server, ended the call
-    patient = pool([silent], deadline_s=30.0)
+    assert time.monotonic() - start < 0.5 + 1.0
+    assert handed == [] and servers.serving == [0, 1]
+
+
+async def test_a_call_to_one_named_server_fails_on_its_own_bound(silent):
+    servers, handed = pool([silent[0]], deadline_s=30.0)
     start = time.monotonic()
-    with pytest.raises(EngineError, match="no answer"):  # a per-call deadline overrides the pool's
-        await patient.rpc(0, "recv", "{}", timeout_s=0.2)
-    assert time.monotonic() - start < 2.0
+    with pytest.raises(EngineError, match="no answer"):  # a per-call bound overrides the pool's
+        await servers.rpc(0, "recv", "{}", timeout_s=0.2)
+    assert time.monotonic() - start < 2.0 and handed == []
 
 
-async def test_a_server_that_died_under_a_call_is_dropped_and_handed_over(fakes, silent):
+async def test_a_slow_reload_of_a_live_server_is_waited_for_and_a_hung_one_set_aside(silent, tmp_path):
+    slow = await FakeEngine(
+        reload_delay_s=1.5
+    ).start()  # a big model loading: longer than the deadline, /health answers
+    try:
+        servers, handed = pool([slow.url, silent[0]], deadline_s=0.5, timeout_s=30.0)
+        start = time.monotonic()
+        await servers.load_weights(tmp_path, 1)
+        took = time.monotonic() - start
+        assert 1.5 <= took < 1.5 + 1.0
+        assert slow.reloads == [str(tmp_path.resolve())] and slow.version == "1" and handed == [1]
+        servers.control.timeout_s = 0.8  # past engine.control_timeout_s even a live server's reload misses its bound
+        with pytest.raises(EngineError, match=r"reload weights: no engine server answered in time: .*/collective_rpc "
+                                              r"within engine.control_timeout_s=0.8s"):  # fmt: skip
+            await servers.load_weights(tmp_path, 2)
+    finally:
+        await slow.stop()
+
+
+async def test_a_server_that_died_under_a_call_is_dropped_and_a_live_failure_still_fails(fakes, silent):
     dead_url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens: the connection is refused
-    servers = pool([fakes[0].url, dead_url, silent], deadline_s=0.5)
+    servers, handed = pool([fakes[0].url, dead_url, silent[0]], deadline_s=0.5)
     alive = {0: True, 1: False, 2: True}
     servers.is_alive = lambda i: alive[i]  # the process edge: server 1's process is gone, 2's is running
+    await servers.resume()
+    assert sorted(handed) == [1, 2] and servers.down == {1, 2} and servers.serving == [0]
+    live, _ = pool([fakes[1].url, fakes[2].url])
+    with pytest.raises(EngineError, match="reload weights failed on 2 of 2 servers: .*no weights directory"):
+        await live.load_weights("/nonexistent-weights", 1)
+
+
+async def test_engine_sim_sets_a_hung_engine_aside_through_the_same_path():
+    cfg = EngineConfig(kind="sim", num_servers=3, control_deadline_s=0.5, control_timeout_s=30.0)
+    servers = build_engine(cfg, "/nonexistent", "/tmp")
     handed: list[int] = []
     servers.on_dead = handed.append
-    with pytest.raises(EngineError, match="failed on 1 of 3 servers") as e:  # the silent live one still fails it
+    servers.engines[1].hung = True
+    start = time.monotonic()
+    await servers.pause("abort")
+    assert time.monotonic() - start < 0.5 + 1.0
+    assert handed == [1] and [e.paused for e in servers.engines] == [True, False, True]
+    servers.engines[2].hung = True  # stops during the sync: the reload's liveness probe sets it aside
+    start = time.monotonic()
+    await servers.load_weights("/tmp", 1)
+    assert time.monotonic() - start < 0.5 + 1.0
+    assert handed == [1, 2] and [e.version for e in servers.engines] == [1, 0, 0]
+    servers.engines[0].hung = True
+    with pytest.raises(EngineError, match="no engine server answered in time"):
         await servers.resume()
-    assert silent in str(e.value) and dead_url not in str(e.value)
-    assert handed == [1] and servers.down == {1} and servers.serving == [0, 2]
-    alive[2] = False
-    await servers.resume()  # the silent one found dead too: the call completes on the rest
-    assert handed == [1, 2] and servers.serving == [0]

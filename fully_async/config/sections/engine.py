@@ -81,7 +81,12 @@ class EngineConfig:
     request_timeout_s: float = 300.0
     """Per-request HTTP timeout for generation."""
     control_timeout_s: float = 60.0
-    """Timeout of each control call (pause, resume, reload weights, set version)."""
+    """Bound of a control call that may be slow: a weight reload (while the server still answers a liveness probe
+    within engine.control_deadline_s), a call to one server (a join, a restart, an rpc), the router's worker list."""
+    control_deadline_s: float = 10.0
+    """Deadline of a pool-wide control call (pause, resume, set version, reset prefix cache; a reload's liveness
+    probe; the disk transport's copy to a node that stops answering): a server that misses it is set aside (marked
+    down, then restarted or replaced) and the call goes on with the others; if every server misses it, it fails."""
     max_retries: int = 2
     """Times a request is retried on another server after a server failure."""
     resume_timeout_s: float = 600.0
@@ -122,7 +127,8 @@ class EngineConfig:
         require(
             0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
         )
-        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "resume_timeout_s"):
+        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "control_deadline_s",
+                     "resume_timeout_s"):  # fmt: skip
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
         require(self.router == "none" or self.kind == self.router, p + "router", self.router,
