@@ -9,6 +9,11 @@
 
     .venv/bin/python scripts/bench/cluster.py --steps 60 --pairs 2
     .venv/bin/python scripts/bench/cluster.py --steps 60 --pairs 2 --baseline /tmp/fa-base
+    .venv/bin/python scripts/bench/cluster.py --spread --steps 40 --pairs 1 --set async_training.sync_mode=blocking
+
+--spread (issue 27): two engine servers, on one node (local Ray) against one per node on the loopback cluster
+(placement.resources=cpu placement.engine_cpus=5 with 8 logical CPUs per node: one server fits a node); the driver,
+the trainer rank and server 0 on the head. --set KEY=VALUE adds an override to every layout's job.
 
 Per layout: median seconds per step over the steps after --skip, mean weight-sync seconds and its reload phase,
 last-20 mean reward, and the ratio of each layout's steps/s to one_node's (target: two_node within 10 %).
@@ -32,9 +37,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters on
 
 from tests.cluster import start_cluster  # noqa: E402
 
+SPREAD = ["engine.num_servers=2", "placement.resources=cpu", "placement.engine_cpus=5"]
 
-def _overrides(steps: int, run_dir: Path, seed: int) -> list[str]:
-    return [f"trainer.total_steps={steps}", f"hydra.run.dir={run_dir}", "logger=[jsonl]", f"seed={seed}"]
+
+def _overrides(steps: int, run_dir: Path, seed: int, extra: list[str]) -> list[str]:
+    return [f"trainer.total_steps={steps}", f"hydra.run.dir={run_dir}", "logger=[jsonl]", f"seed={seed}", *extra]
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> float:
@@ -49,12 +56,17 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> float:
 def summarize(run_dir: Path, skip: int) -> dict[str, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["timing_s/step"] - r.get("timing_s/save_checkpoint", 0.0) for r in rows[skip:]]
-    syncs = [r["timing_s/param_sync"] for r in rows[skip:] if "timing_s/param_sync" in r]
-    reloads = [r["timing_s/param_sync/reload"] for r in rows[skip:] if "timing_s/param_sync/reload" in r]
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in rows[skip:] if key in r]
+        return statistics.fmean(values) if values else float("nan")
+
     return {
         "step_s": statistics.median(steps),
-        "sync_s": statistics.fmean(syncs) if syncs else float("nan"),
-        "reload_s": statistics.fmean(reloads) if reloads else float("nan"),
+        "update_s": mean("timing_s/update"),
+        "sync_s": mean("timing_s/param_sync"),  # the trainer's wait: in background mode its export (or stage) only
+        "distribute_s": mean("timing_s/param_sync/distribute"),
+        "reload_s": mean("timing_s/param_sync/reload"),
         "reward_last20": statistics.fmean(r["reward/mean"] for r in rows[-20:]),
     }
 
@@ -66,13 +78,16 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--baseline", type=Path, help="another checkout to run the one_node job from")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--spread", action="store_true", help="two engine servers, one per node (see above)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every job")
     args = ap.parse_args()
+    extra = (SPREAD if args.spread else []) + args.set
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     out.mkdir(parents=True, exist_ok=True)
     py = str(REPO / ".venv" / "bin" / "python")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    cluster = start_cluster(worker_gpus=(4,))
+    cluster = start_cluster(worker_gpus=(0,) if args.spread else (4,))
     results: dict[str, list[dict[str, float]]] = {}
     try:
         for pair in range(args.pairs):
@@ -81,9 +96,10 @@ def main() -> None:
                 layouts.reverse()  # alternate the order: drift on a noisy machine hits every layout alike
             for layout in layouts:
                 run_dir = out / f"{layout}_{pair}"
-                over = _overrides(args.steps, run_dir, pair)
+                over = _overrides(args.steps, run_dir, pair, extra)
                 if layout == "two_node":
-                    cluster.submit("--", *over, "placement.resources=gpu", "trainer.device=cpu", timeout=1800)
+                    gpu = [] if args.spread else ["placement.resources=gpu", "trainer.device=cpu"]
+                    cluster.submit("--", *over, *gpu, timeout=1800)
                     wall = float("nan")
                 elif layout == "baseline":
                     benv = {**env, "PYTHONPATH": str(args.baseline)}
@@ -102,13 +118,12 @@ def main() -> None:
         if left:
             print(f"warning: stop.sh left {left}", file=sys.stderr)
     base = statistics.fmean(r["step_s"] for r in results["one_node"])
-    print(f"\n{'layout':10} {'s/step':>8} {'steps/s vs one_node':>20} {'sync s':>8} {'reload s':>9} {'last-20':>8}")
+    cols = ["update_s", "sync_s", "distribute_s", "reload_s", "reward_last20"]
+    print(f"\n{'layout':10} {'s/step':>8} {'steps/s vs one_node':>20} " + " ".join(f"{c:>13}" for c in cols))
     for layout, rows in results.items():
         step = statistics.fmean(r["step_s"] for r in rows)
-        print(
-            f"{layout:10} {step:8.3f} {base / step:20.3f} {statistics.fmean(r['sync_s'] for r in rows):8.3f} "
-            f"{statistics.fmean(r['reload_s'] for r in rows):9.3f} {statistics.fmean(r['reward_last20'] for r in rows):8.3f}"
-        )
+        means = " ".join(f"{statistics.fmean(r[c] for r in rows):13.3f}" for c in cols)
+        print(f"{layout:10} {step:8.3f} {base / step:20.3f} {means}")
     print(f"runs in {out}")
 
 
