@@ -130,6 +130,7 @@ class Job:
         from fully_async.trace import Tracer
         from fully_async.trainer import Trainer
         from fully_async.training import build_backend
+        from fully_async.weights.disk import claim_weights_root
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
@@ -156,7 +157,10 @@ class Job:
             placement_groups=self.placement.trainer_pgs or None,
         )  # fmt: skip
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
-        root = self.weights_root or default_weights_root(self.run_dir)
+        root = self.weights_root
+        if root is None:  # a fresh /dev/shm root: the run directory records it, and a resume removes a killed run's
+            root = default_weights_root(self.run_dir)
+            claim_weights_root(self.run_dir, root)
         self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
                               transport=at.weight_transport, bucket_mb=at.bucket_mb,
                               device=cfg.trainer.device, mode=at.sync_mode)  # fmt: skip

@@ -66,6 +66,31 @@ def default_weights_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "weights"
 
 
+ROOT_RECORD = ".weights_root"
+"""The file in a run directory that names the weights root of the run that used it last (`claim_weights_root`)."""
+
+
+def claim_weights_root(run_dir: str | Path, root: Path) -> Path | None:
+    """Record `root` as the weights root of the run in `run_dir`, after removing the root the previous run of that
+    directory recorded, if it is still there: a run killed with SIGKILL (or a lost machine's process) cannot remove
+    its own /dev/shm root, and its resume is the next process that knows it. Only a directory named like a root
+    (ROOT_PREFIX) straight under /dev/shm is removed. Returns the removed root, or None."""
+    record = Path(run_dir) / ROOT_RECORD
+    removed = None
+    try:
+        old = Path(record.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        old = None
+    ours = old is not None and old != root and old.parent == Path("/dev/shm") and old.name.startswith(ROOT_PREFIX)
+    if ours and old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+        removed = old
+        log.info("weights: removed %s, left by the previous run of %s", old, run_dir)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(f"{root}\n")
+    return removed
+
+
 def node_root(name: str) -> Path:
     """Where a node-local root called `name` lives on the calling process's node: /dev/shm when it exists (memory),
     else the system's temporary directory."""

@@ -155,9 +155,13 @@ def test_sigkill_then_resume_trains_every_prompt_exactly_once(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (tmp_path / "checkpoints" / "latest").read_text() in ("step_4", "step_6")
+    killed_root = Path((tmp_path / ".weights_root").read_text().strip())  # its /dev/shm weights, left by the kill
+    assert killed_root.is_dir()
 
     resumed = run(tmp_path, *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not killed_root.exists(), "the resume left the killed run's weights in /dev/shm"
+    assert not Path((tmp_path / ".weights_root").read_text().strip()).exists()  # and its own went at its end
     assert "resumed from" in resumed.stdout
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, 10))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from fully_async.weights import build_transport
 from fully_async.weights.disk import (
     ROOT_PREFIX,
     DiskTransport,
+    claim_weights_root,
     copy_plan,
     default_weights_root,
     file_chunks,
@@ -173,3 +175,24 @@ async def test_the_reload_goes_to_each_nodes_copy_and_a_restarted_server_reloads
     finally:
         for f in fakes:
             await f.stop()
+
+
+def test_a_run_directory_claims_its_root_and_removes_only_a_root_its_previous_run_left_in_dev_shm(tmp_path):
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    run_dir = tmp_path / "run"
+    killed = default_weights_root(run_dir)  # the root of a run that was killed before it could remove it
+    (killed / "v3").mkdir()
+    assert claim_weights_root(run_dir, killed) is None  # nothing recorded before: nothing removed
+    resumed = default_weights_root(run_dir)
+    try:
+        assert claim_weights_root(run_dir, resumed) == killed
+        assert not killed.exists() and resumed.is_dir()
+        assert (run_dir / ".weights_root").read_text().strip() == str(resumed)
+        # a recorded path that is not a root under /dev/shm (an edited or foreign record) is never removed
+        elsewhere = tmp_path / "fully_async-weights-elsewhere"
+        elsewhere.mkdir()
+        (run_dir / ".weights_root").write_text(str(elsewhere))
+        assert claim_weights_root(run_dir, resumed) is None and elsewhere.is_dir()
+    finally:
+        shutil.rmtree(resumed, ignore_errors=True)
