@@ -98,3 +98,30 @@ def test_nccl_sync_equals_a_fresh_server_then_a_dead_sender_fails_in_time_then_a
         sync.close(remove=False)
     assert servers.stale == set()
     assert [r[0] for r in asyncio.run(_outputs(servers, 0))] == [r[0] for r in reference]
+
+
+def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_its_weights(setup, tmp_path):
+    """The GPU twin of tests/unit/test_weights_collective.py's staged-copy test: the staging buffers on cuda:0."""
+    models, reference, servers, handle = setup
+    sync = _sync(handle, StateDictBackend(models[0], device="cuda"), tmp_path)  # the servers off the reference first
+    try:
+        sync.sync(4)
+    finally:
+        sync.close(remove=False)
+    backend = StateDictBackend(models[1], device="cuda")
+    transport = CollectiveTransport(handle, backend, tmp_path / "w", "bfloat16", bucket_mb=1,
+                                    sync_timeout_s=SYNC_TIMEOUT_S, device="cuda")  # fmt: skip
+    sync = ParamSync(handle, backend, tmp_path / "w", "bfloat16", SYNC_TIMEOUT_S, transport=transport,
+                     mode="background")  # fmt: skip
+    try:
+        timings = sync.sync(5)
+        assert "timing_s/param_sync/stage" in timings
+        for t in backend.state.values():  # the next optimizer step, while the engines receive the staged copy
+            t.add_(1.0)
+        assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(sync.wait())
+    finally:
+        sync.close(remove=False)
+    got = asyncio.run(_outputs(servers, 0))
+    for (tokens, logprobs, versions), (want_tokens, want_logprobs, _) in zip(got, reference):
+        assert tokens == want_tokens and set(versions) == {5}
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-2
