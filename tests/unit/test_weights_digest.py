@@ -1,0 +1,40 @@
+"""The sync checksum (engines/vllm_ext/fa_digest.py): same set -> same digest in any order; a tensor missing, from
+another version, reshaped or in another dtype -> another digest."""
+
+import torch
+
+from fully_async.engines.vllm_ext.fa_digest import SAMPLES, Digest, digest
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 48, generator=g), "b.bias": torch.randn(7, generator=g)}
+
+
+def test_the_same_tensors_in_any_order_give_one_digest():
+    w = _weights()
+    assert digest(w.items()) == digest(reversed(list(w.items())))
+    assert digest(w.items()) == Digest().update((k, v.clone()) for k, v in w.items()).hexdigest()
+
+
+def test_a_missing_changed_reshaped_or_recast_tensor_changes_the_digest():
+    w = _weights()
+    base = digest(w.items())
+    assert digest(list(w.items())[:1]) != base
+    assert digest(_weights(seed=1).items()) != base
+    assert digest({**w, "a.weight": w["a.weight"].reshape(48, 64)}.items()) != base
+    assert digest({**w, "a.weight": w["a.weight"].to(torch.bfloat16)}.items()) != base
+    same_bytes = w["a.weight"].view(torch.int32)  # equal bytes, another dtype
+    assert digest({**w, "a.weight": same_bytes}.items()) != base
+    assert digest({"renamed": w["a.weight"], "b.bias": w["b.bias"]}.items()) != base
+
+
+def test_a_large_tensor_is_sampled_and_samples_zero_hashes_every_element():
+    big = torch.zeros(SAMPLES * 10)
+    changed = big.clone()
+    changed[0] = 1.0  # the first element is always a sample
+    assert digest([("x", big)]) != digest([("x", changed)])
+    between = big.clone()
+    between[5] = 1.0  # between two samples: only the full hash sees it
+    assert digest([("x", big)]) == digest([("x", between)])
+    assert digest([("x", big)], samples=0) != digest([("x", between)], samples=0)
