@@ -49,11 +49,58 @@ class TinyModelConfig:
         require(self.init_std > 0, p + "init_std", self.init_std, "> 0")
 
 
+LORA_SYNCS = ("auto", "adapter", "merged")
+"""Values of model.lora.sync."""
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's --max-lora-rank accepts (0.32); an adapter of rank r is served with the smallest one >= r."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 = off (full fine-tuning). With a rank, the trainer trains only the adapter (the base weights are
+    frozen, the optimizer holds only adapter parameters) and checkpoints carry the adapter."""
+    alpha: int = 16
+    """LoRA alpha (the adapter's output is scaled by alpha / rank)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get an adapter: module names (q_proj, v_proj, ...) or ["all-linear"] (every linear layer but the
+    output head)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training."""
+    sync: str = "auto"
+    """How a version reaches the engines: adapter (only the adapter's tensors, loaded into every engine server under
+    a versioned name), merged (base + adapter merged, sent through async_training.weight_transport like full
+    fine-tuning) or auto (adapter where the engine can serve it, else merged, said once at start)."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.rank >= 0, p + "rank", self.rank, ">= 0 (0 = off)")
+        require(self.alpha > 0, p + "alpha", self.alpha, "> 0")
+        require(0.0 <= self.dropout < 1.0, p + "dropout", self.dropout, "in [0, 1)")
+        require(
+            bool(self.target_modules), p + "target_modules", self.target_modules, 'a non-empty list (or ["all-linear"])'
+        )
+        require(self.sync in LORA_SYNCS, p + "sync", self.sync, f"one of {list(LORA_SYNCS)}")
+        if self.rank:
+            require(
+                self.rank <= VLLM_LORA_RANKS[-1] or self.sync == "merged",
+                p + "rank",
+                self.rank,
+                f"<= {VLLM_LORA_RANKS[-1]} (the largest rank an engine serves) unless model.lora.sync=merged",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ModelConfig:
     path: str | None = field(default=None, metadata=PATH)
     """Hugging Face model directory; null = build the tiny model (model.tiny) locally and cache it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Settings of the locally built tiny model (used when path is null)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA training and adapter-only weight sync (docs/lora.md); model.lora.rank=0 (the default) is off."""
     cache_dir: str | None = field(default=None, metadata=PATH)
     """Where built tiny models are cached; null = ~/.cache/fully_async/models."""
