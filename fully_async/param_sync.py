@@ -32,6 +32,7 @@ from fully_async.handles import resolve
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.disk import default_weights_root
+from fully_async.weights.verify import VERIFIED_METRIC
 
 __all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "default_weights_root"]
 
@@ -54,12 +55,13 @@ class ParamSync:
         bucket_mb: float = 16,
         device: str = "cpu",
         mode: str = "blocking",
+        verify: bool = True,
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
         built WeightTransport, or an async_training.weight_transport value (disk | collective | auto);
         `bucket_mb` and `device` (cpu | cuda): for the collective transport. `mode`: an async_training.sync_mode
-        value (blocking | background, see the module docstring)."""
+        value (blocking | background, see the module docstring). `verify`: async_training.verify_sync."""
         if mode not in SYNC_MODES:
             from fully_async.config import ConfigError
 
@@ -69,7 +71,7 @@ class ParamSync:
         self.tracer = tracer
         self.timeout_s = timeout_s
         if isinstance(transport, str):
-            transport = build_transport(transport, rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb,
+            transport = build_transport(transport, rollouter, backend, weights_root, dtype, verify, bucket_mb=bucket_mb,
                                         sync_timeout_s=timeout_s, device=device)  # fmt: skip
         self.transport = transport
         self._prepared = False
@@ -140,7 +142,9 @@ class ParamSync:
     def _run_engine_phases(self, t: dict[str, float], phases: list) -> None:
         self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
         for name, fn in phases:
-            self._phase(name, t, fn)
+            out = self._phase(name, t, fn)
+            if name == "verify":  # the transport's proof: {server: digest}, one per server that matched
+                t[VERIFIED_METRIC] = float(len(out))
         self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
 
     def _start_background(self, version: int, phases: list) -> None:

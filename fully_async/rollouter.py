@@ -243,6 +243,15 @@ class Rollouter:
         """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
         return await self.servers.rpc(index, method, spec, timeout_s)
 
+    async def engine_rpc_all(self, method: str, spec: str) -> dict[str, Any] | None:
+        """The worker extension's `method(spec)` on every serving server within engine.control_deadline_s:
+        {url: answers or why none}; None for an engine kind without it (the proof of a sync, weights/verify.py)."""
+        return await self.engine_service.rpc_all(method, spec)
+
+    def engine_unverifiable(self) -> str:
+        """Why weight syncs into this rollouter's engines cannot be proven ("" = they can: weights/verify.py)."""
+        return self.servers.unverifiable
+
     async def weights_received(self, version: int, epoch: int) -> None:
         """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""
         await self.servers.weights_received(version, epoch)

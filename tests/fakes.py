@@ -58,6 +58,8 @@ class FakeEngine:
         self.prompts: list[list[int]] = []
         self.reloads: list[str] = []
         self.weights_step = 0
+        self.loaded_digest: str | None = None
+        self.lie_digest: str | None = None
         self._pause_event = asyncio.Event()
         self._resume_event = asyncio.Event()
         self._resume_event.set()
@@ -156,17 +158,26 @@ class FakeEngine:
         return web.json_response({"success": True, "new_version": self.version})
 
     async def _rpc(self, request: web.Request) -> web.Response:
-        """A weight reload: the directory must exist, as for vLLM; a sim backend's export in it (sim_weights.json)
-        sets `weights_step`, which every later token is shifted by (outputs change with the weights)."""
+        """The worker extension's methods. fa_reload, a weight reload: the directory must exist, as for vLLM; a sim
+        backend's export in it (sim_weights.json) sets `weights_step`, which every later token is shifted by
+        (outputs change with the weights), and the digest of its safetensors (none for a sim export) is what
+        fa_loaded_digest answers, unless `lie_digest` replaces it (a server whose load went astray)."""
         body = await request.json()
-        path = Path(body["kwargs"]["weights_path"])
+        method, spec = body["method"], json.loads(body["kwargs"].get("spec") or "{}")
+        if method == "fa_loaded_digest":
+            return web.json_response({"results": [{"digest": self.lie_digest or self.loaded_digest, "tensors": 0,
+                                                   "source": self.reloads[-1] if self.reloads else None}]})  # fmt: skip
+        if method != "fa_reload":
+            return web.Response(status=500, text=f"fake engine: no worker-extension method {method}")
+        path = Path(spec["path"])
         if not path.is_dir():
             return web.Response(status=500, text=f"fake engine: no weights directory {path}")
         await asyncio.sleep(self.reload_delay_s)
         self.reloads.append(str(path))
         if (path / "sim_weights.json").is_file():
             self.weights_step = int(json.loads((path / "sim_weights.json").read_text())["step"])
-        return web.json_response({"results": [None]})
+        self.loaded_digest = await asyncio.to_thread(_files_digest, path)  # its first call imports torch
+        return web.json_response({"results": [{"digest": self.loaded_digest}]})
 
     async def _reset(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
@@ -174,6 +185,12 @@ class FakeEngine:
     async def _state(self, request: web.Request) -> web.Response:
         """What a test asks a fake in another process: its version label, reloads and prompts so far."""
         return web.json_response({"version": self.version, "reloads": self.reloads, "prompts": len(self.prompts)})
+
+
+def _files_digest(path: Path) -> str:
+    from fully_async.weights.disk import files_digest
+
+    return files_digest(path)
 
 
 class FakeProcessServers(VLLMServers):
@@ -260,6 +277,9 @@ class StubRollouter:
     def engine_nodes(self) -> list[dict]:
         """`nodes` (default: one server on this process's node, which needs no copy of the weights)."""
         return list(self.nodes)
+
+    def engine_unverifiable(self) -> str:
+        return "a stub rollouter has no engines to prove a sync on"
 
     async def resume(self) -> None:
         await self._scripted("resume")
@@ -566,3 +586,11 @@ class ServersRollouter:
 
     async def weights_received(self, version: int, epoch: int) -> None:
         await self.servers.weights_received(version, epoch)
+
+    async def engine_rpc_all(self, method: str, spec: str):
+        from fully_async.engines.service import EngineService
+
+        return await EngineService(self.servers, None).rpc_all(method, spec)
+
+    def engine_unverifiable(self) -> str:
+        return self.servers.unverifiable

@@ -75,6 +75,9 @@ class EngineKind(abc.ABC):
     liveness_path = "/health"
     """Answered by the server's HTTP front while it is busy (a weight reload): the control plane's probe that a server
     under a slow call still lives (control.py)."""
+    unverifiable: str = "this engine kind reports no digest of the weights it loaded"
+    """Why a weight sync into this kind's servers cannot be proven (fully_async/weights/verify.py); "" = it can:
+    every server answers the worker extension's `fa_loaded_digest` (vLLM)."""
     cfg: Any
     device: str
 

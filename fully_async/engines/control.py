@@ -89,6 +89,18 @@ class ControlPlane:
         (body,) = await self.call_all(method, self.pool.rpc_call(method, spec), [url], timeout_s=timeout_s)
         return (body or {}).get("results", body)
 
+    async def rpc_all(self, method: str, spec: str) -> dict[str, Any]:
+        """`method(spec)` on every worker of every serving server at once, each server within `deadline_s`:
+        {url: the workers' answers, or the EngineError of a server that failed or did not answer}. Nobody is set
+        aside: the caller judges the answers (a weight sync's proof, fully_async/weights/verify.py)."""
+        await self._set_aside_lost(method)
+        urls = [self.pool.address(i) for i in self.pool.serving]
+        call = self.pool.rpc_call(method, spec)
+        async with self.session() as session:
+            bodies = await asyncio.gather(*(self._one(session, url, call, self.deadline_s, False) for url in urls),
+                                          return_exceptions=True)  # fmt: skip
+        return {url: b if isinstance(b, Exception) else (b or {}).get("results", b) for url, b in zip(urls, bodies)}
+
     async def reload(self, weights_dir: Path, node_dirs: dict[str, Path], procs: list[Any], nodes: list[Any]) -> None:
         """Reload the servers `procs` (in the pool or about to join it), each on its node in `nodes` from that node's
         copy in `node_dirs` when it has one, else from `weights_dir`, all at once; any failure fails the call (a

@@ -58,6 +58,15 @@ class EngineService:
         client holds down), each with its index, URL and worker count."""
         return self.servers.layout(self.servers.down)
 
+    async def rpc_all(self, method: str, spec: str) -> dict[str, Any] | None:
+        """The worker extension's `method(spec)` on every serving server at once, each within
+        engine.control_deadline_s: {url: the workers' answers, or why the server gave none (a string)}; None when
+        this engine kind has no worker extension to ask (`unverifiable` says why)."""
+        if self.servers.unverifiable:
+            return None
+        answers = await self.servers.control.rpc_all(method, spec)
+        return {url: f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for url, a in answers.items()}
+
     # ---- fully_async.ctl engines -------------------------------------------------------------------------------------
     async def rows(self) -> list[dict[str, Any]]:
         """One row per server slot: index, url, state (serving, down, removed), requests in flight, seconds busy so

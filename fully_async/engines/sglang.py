@@ -76,6 +76,9 @@ def _sglang_finish(reason: Any) -> str:
 class SGLangServers(EngineServers):
     kind = "sglang"
     liveness_path = "/model_info"  # /health runs a one-token generation, which waits behind a weight reload
+    # SGLang 0.5.23's only read-back, /get_weights_by_name, is missing for Qwen2 models ("Get parameter by name
+    # failed") and returns the first values of the fused, repacked parameter, not what the loader took.
+    unverifiable = "SGLang has no read-back of the tensors it loaded (docs/weight-transports.md)"
 
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg

@@ -271,6 +271,7 @@ class SimServers(VLLMControlCalls, EngineServers):
 
     kind = "sim"
     in_process = True
+    unverifiable = "engine=sim holds no weights"
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ the engine itself. Control endpoints need VLLM_SERVER_DEV_MODE=1.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
-"""Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the weight receiver."""
+"""Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the worker extension, which
+every vLLM server loads: the collective transport's receiver and the digested reload of the disk transport."""
 EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"
 
 
@@ -61,6 +63,12 @@ class VLLMControlCalls:
 
 class VLLMServers(VLLMControlCalls, EngineServers):
     kind = "vllm"
+    unverifiable = ""
+
+    def reload_weights_call(self, weights_dir: Path) -> HttpCall:
+        """Through the worker extension (on every vLLM server): vLLM's loader reads the directory and the extension
+        digests each tensor it takes, for `fa_loaded_digest` (fully_async/weights/verify.py)."""
+        return self.rpc_call("fa_reload", json.dumps({"path": str(weights_dir)}))
 
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg
@@ -88,8 +96,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         ]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
-        if self.weight_receiver:
-            cmd += ["--worker-extension-cls", EXTENSION_CLS]
+        cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
         if cuda:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
             if cfg.tensor_parallel_size > 1:
@@ -102,7 +109,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
-        env["PYTHONPATH"] = str(EXTENSION_DIR) if self.weight_receiver else ""
+        env["PYTHONPATH"] = str(EXTENSION_DIR)
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
         return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}
 

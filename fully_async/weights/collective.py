@@ -16,6 +16,8 @@ A sync (ParamSync's phases after `pause`):
   engine dtype, the next bucket packed while the previous one is on the wire. Each engine loads bucket k while
   bucket k+1 is on the wire (the receiver streams; a send that fails midway leaves the engines with a mix of
   versions until the next sync, see the receiver). Both sides keep their bucket buffers from one sync to the next.
+- `verify` (async_training.verify_sync): every engine's digest of the tensors it loaded equals the sender's of the
+  tensors it packed (weights/verify.py); a server that differs or does not answer fails the sync, naming it.
 - `set_version`: every engine resets its prefix cache and takes the version, no reload.
 The group's per-operation timeout is a fraction of async_training.sync_timeout_s, so a dead or stalled peer fails
 the send with an error naming the servers before ParamSync's watchdog would fire; if it does fire first, its
@@ -43,6 +45,7 @@ from typing import Any
 
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, WeightTransport
+from fully_async.weights.verify import SyncVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +117,9 @@ def pack_and_send(
     bucket k is on the wire. A tensor out of plan order, with another shape, or not floating, raises TransportError
     naming it (after waiting for what is already on the wire). `buffers`: a list this call fills with its two
     buffers, or takes them from when they fit (a caller that keeps it across sends packs into memory already
-    touched: on these machines first-touch page faults cost more than the copy). Returns bytes and seconds spent
-    packing / waiting."""
+    touched: on these machines first-touch page faults cost more than the copy). Returns bytes, seconds spent
+    packing / waiting / digesting, and `digest`: fa_digest's checksum of the tensors as sent (cast and packed), which
+    the engines' digests of what they loaded must equal (weights/verify.py)."""
     import torch
 
     target = _torch_dtype(dtype)
@@ -129,8 +133,9 @@ def pack_and_send(
     if not fits:
         buffers[:] = [torch.empty(cap, dtype=target, device=device) for _ in range(need)]
     pending: list[Any] = [None, None]
-    packed_s = wait_s = 0.0
+    packed_s = wait_s = digest_s = 0.0
     sent = 0
+    digest = _new_digest()
     it = iter(tensors)
     try:
         for k, bucket in enumerate(buckets):
@@ -143,7 +148,10 @@ def pack_and_send(
             flat = buffers[slot][: bucket["numel"]]
             t0 = time.monotonic()
             pack_bucket(it, bucket, flat)
-            packed_s += time.monotonic() - t0
+            t1 = time.monotonic()
+            packed_s += t1 - t0
+            digest_bucket(digest, bucket, flat)
+            digest_s += time.monotonic() - t1
             pending[slot] = broadcast(flat)
             sent += bucket["numel"] * flat.element_size()
         no_more_tensors(it)
@@ -153,7 +161,8 @@ def pack_and_send(
                 t0 = time.monotonic()
                 work.wait()
                 wait_s += time.monotonic() - t0
-    return {"bytes": float(sent), "pack_s": packed_s, "wait_s": wait_s}
+    return {"bytes": float(sent), "pack_s": packed_s, "wait_s": wait_s, "digest": digest.hexdigest(),
+            "digest_s": digest_s}  # fmt: skip
 
 
 def pack_bucket(tensors: Iterator[tuple[str, Any]], bucket: dict, flat: Any) -> None:
@@ -171,6 +180,18 @@ def pack_bucket(tensors: Iterator[tuple[str, Any]], bucket: dict, flat: Any) -> 
         if not tensor.is_floating_point():
             raise TransportError(f"tensor {name!r} is {tensor.dtype}; only floating tensors are sent")
         flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+
+
+def _new_digest() -> Any:
+    from fully_async.engines.vllm_ext.fa_digest import Digest
+
+    return Digest()
+
+
+def digest_bucket(digest: Any, bucket: dict, flat: Any) -> None:
+    """Add every tensor of one packed bucket to `digest`, as the engines see it: a view of `flat` in its shape."""
+    for name, shape, offset, n in bucket["tensors"]:
+        digest.add(name, flat[offset : offset + n].view(shape))
 
 
 def no_more_tensors(tensors: Iterator[tuple[str, Any]]) -> None:
@@ -245,7 +266,8 @@ class CollectiveSender:
         packs them; the next optimizer step does not touch them), then start broadcasting them in a thread of this
         process and return. The broadcast waits in the group for the engines, which join it when ParamSync's
         background thread asks them to receive (after its pause). The previous staged send must have finished:
-        its failure is raised here (TransportError). Returns bytes and seconds spent packing."""
+        its failure is raised here (TransportError). Returns bytes, seconds spent packing and digesting, and the
+        digest of the staged tensors (as `send`)."""
         import torch
 
         self.staged_result()
@@ -265,9 +287,15 @@ class CollectiveSender:
         no_more_tensors(it)
         if device == "cuda":
             torch.cuda.current_stream().synchronize()  # the copies are done before the optimizer may run
+        t1 = time.monotonic()
+        digest = _new_digest()
+        for bucket, flat in zip(buckets, self.staging):
+            digest_bucket(digest, bucket, flat)
         stats = {
             "bytes": float(sum(b.numel() * b.element_size() for b in self.staging)),
-            "pack_s": time.monotonic() - t0,
+            "pack_s": t1 - t0,
+            "digest": digest.hexdigest(),
+            "digest_s": time.monotonic() - t1,
         }
         pg, staging, outcome = self.pg, list(self.staging), {}
 
@@ -321,7 +349,9 @@ class CollectiveTransport(WeightTransport):
         bucket_mb: float = 16,
         sync_timeout_s: float = 300.0,
         device: str = "cpu",
+        verify: bool = True,
     ) -> None:
+        """`verify`: async_training.verify_sync (a `verify` phase after `send`, weights/verify.py)."""
         if dtype not in DTYPE_BYTES:
             raise TransportError(f"engine dtype {dtype!r} cannot be sent collectively; one of {sorted(DTYPE_BYTES)}")
         self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
@@ -342,6 +372,7 @@ class CollectiveTransport(WeightTransport):
         self._staging_shown = False
         self._staged_stats: dict[str, float] = {}
         self._staged_epoch: int | None = None
+        self.verifier = SyncVerifier(rollouter, verify)
 
     # -- engine calls -----------------------------------------------------------------------------------------------
     def _rpc_all(self, method: str, spec: dict | list[dict], timeout_s: float) -> list:
@@ -421,14 +452,24 @@ class CollectiveTransport(WeightTransport):
         _wait(refs, self.group_timeout_s + 30)
 
     def phases(self, version: int) -> list[Phase]:
-        return [("send", lambda: self._send()), ("set_version", lambda: self._set_version(version))]
+        return [("send", lambda: self._send()), *self._verify_phase(version),
+                ("set_version", lambda: self._set_version(version))]  # fmt: skip
+
+    def _verify_phase(self, version: int) -> list[Phase]:
+        """Every server's digest of what it received equals the sender's of what it packed (before the version is
+        set: unproven weights are never labelled)."""
+        if not self.verifier.active():
+            return []
+        return [
+            ("verify", lambda: self.verifier(self.last["sender"]["digest"], "fa_loaded_digest", f"weights v{version}"))
+        ]
 
     def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
         """`stage` (the trainer's: a copy of the weights into the sender's staging buffers, whose broadcast starts
         at once and waits for the engines), then `send` (the engines receive the staged version) and
         `set_version`. A server restarted between the two fails the sync, and so the run (the staged broadcast
         went to the group formed before it); blocking mode re-forms the group instead."""
-        return [("stage", self._stage)], [("send", self._receive_staged),
+        return [("stage", self._stage)], [("send", self._receive_staged), *self._verify_phase(version),
                                           ("set_version", lambda: self._set_version(version))]  # fmt: skip
 
     def _buckets(self) -> list[dict]:

@@ -16,6 +16,10 @@ dead: while a node's copy runs, its engine host is asked every PROBE_EVERY_S whe
 answer within the deadline has its copy abandoned for this sync, and the reload sets that node's servers aside
 (engines/control.py: down, then restarted or replaced). A node Ray already reports dead gets no copy at all.
 
+Proof: phase `verify` (async_training.verify_sync) reads the digest of the version's files (fa_digest's
+`directory_digest`: memory-mapped, only the sampled elements' pages are read) and requires every serving server's
+digest of the tensors its loader took (fa_reload) to equal it (weights/verify.py).
+
 Versions: each root keeps the version just written and the one before, so a server restarted meanwhile still finds
 the weights it was told about (the engine pool reloads a restarted server from its node's directory); older ones are
 removed.
@@ -36,6 +40,7 @@ from typing import Any
 
 from fully_async.handles import dead_nodes, one_line, resolve
 from fully_async.weights.base import Phase, WeightTransport
+from fully_async.weights.verify import SyncVerifier
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +203,10 @@ def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict
 class DiskTransport(WeightTransport):
     name = "disk"
 
-    def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str) -> None:
+    def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str, verify: bool = True) -> None:
+        """`verify`: async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""
         self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
+        self.verifier = SyncVerifier(rollouter, verify)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.run_tag = uuid.uuid4().hex[:8]
@@ -225,15 +232,19 @@ class DiskTransport(WeightTransport):
 
     def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
         """Export into the version's own directory (new at every version: the engines still serving the previous
-        one never see a half-written file); distribute and reload read only that directory, not the backend."""
+        one never see a half-written file); distribute, reload and verify read only that directory, not the
+        backend."""
         out = self.root / f"v{version}"
 
         def reload() -> None:
             resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
             prune(self.root, keep={out.name, f"v{version - 1}"})
 
-        return [("export", lambda: self.export(version))], [("distribute", lambda: self.distribute(version)),
-                                                             ("reload", reload)]  # fmt: skip
+        engines = [("distribute", lambda: self.distribute(version)), ("reload", reload)]
+        if self.verifier.active():  # every server's digest of what its loader took equals that of the files
+            engines.append(("verify", lambda: self.verifier(lambda: files_digest(out), "fa_loaded_digest",
+                                                             f"weights v{version}")))  # fmt: skip
+        return [("export", lambda: self.export(version))], engines
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"
@@ -366,6 +377,14 @@ def remove_node_copies(writers: dict[str, Any], timeout_s: float = 60.0) -> None
             log.warning("weights: %s not removed by its engine host: gone already (%s)", name, type(e).__name__)
         except Exception as e:  # the other nodes' copies are removed all the same; this one is reported
             log.warning("weights: %s not removed: %s", name, one_line(e))
+
+
+def files_digest(directory: Path) -> str:
+    """fa_digest's checksum of the safetensors files in `directory` (sampled reads of a memory map; torch is imported
+    here, not where this module is)."""
+    from fully_async.engines.vllm_ext.fa_digest import directory_digest
+
+    return directory_digest(str(directory))[0]
 
 
 def _this_node() -> str | None:

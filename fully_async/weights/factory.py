@@ -11,16 +11,23 @@ from fully_async.weights.base import WeightTransport, resolve_kind
 
 
 def build_transport(
-    kind: str, rollouter: Any, backend: Any, weights_root: str | Path, dtype: str, **collective: Any
+    kind: str,
+    rollouter: Any,
+    backend: Any,
+    weights_root: str | Path,
+    dtype: str,
+    verify: bool = True,
+    **collective: Any,
 ) -> WeightTransport:
     """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
     `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport). `collective`:
     the collective transport's options, with their defaults there (CollectiveTransport: bucket_mb, sync_timeout_s,
-    of which its group timeout is a share, and device, cpu: gloo, cuda: nccl); the disk transport takes none."""
+    of which its group timeout is a share, and device, cpu: gloo, cuda: nccl); the disk transport takes none.
+    `verify`: async_training.verify_sync (every sync proven by the engines' digests, weights/verify.py)."""
     if resolve_kind(kind) == "disk":
         from fully_async.weights.disk import DiskTransport
 
-        return DiskTransport(rollouter, backend, weights_root, dtype)
+        return DiskTransport(rollouter, backend, weights_root, dtype, verify)
     from fully_async.weights.collective import CollectiveTransport
 
-    return CollectiveTransport(rollouter, backend, weights_root, dtype, **collective)
+    return CollectiveTransport(rollouter, backend, weights_root, dtype, verify=verify, **collective)

@@ -159,6 +159,14 @@ class _ThreadEngines:
     async def engine_rpc(self, index, method, spec, timeout_s):
         return [await asyncio.to_thread(getattr(self.workers[index], method), spec)]
 
+    async def engine_rpc_all(self, method, spec):
+        """The proof's fan-out (weights/verify.py): every worker's answer, by its server's URL."""
+        urls = [s["url"] for s in self.engine_layout()["servers"]]
+        return {url: await self.engine_rpc(i, method, spec, 10) for i, url in enumerate(urls)}
+
+    def engine_unverifiable(self):
+        return ""
+
     async def weights_received(self, version, epoch):
         self.version = version
         self.received.append((version, epoch))
@@ -369,7 +377,9 @@ def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
         w.fa_check(json.dumps({"tensors": [["lm_head.weight", [8, 16]]]}))
 
 
-def test_the_engine_gets_the_receiver_only_with_the_collective_transport_and_imports_it_alone(tmp_path):
+def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
+    """Every reload goes through the extension (fa_reload digests what the loader takes), so every vLLM server loads
+    it, whatever the transport; its interpreter imports it (and fa_digest beside it) with nothing of ours."""
     import subprocess
 
     from fully_async.config import EngineConfig
@@ -378,17 +388,17 @@ def test_the_engine_gets_the_receiver_only_with_the_collective_transport_and_imp
 
     if not (REPO_ROOT / ".venv-engine/bin/python").exists():
         pytest.skip("engine venv missing")
-    with_receiver = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True)
-    plain = build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")
-    cmd, env = with_receiver.command(0, 8000), with_receiver.environment(0)
-    assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
-    assert env["PYTHONPATH"] == str(EXTENSION_DIR)
-    assert "--worker-extension-cls" not in plain.command(0, 8000) and plain.environment(0)["PYTHONPATH"] == ""
+    for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
+                    build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
+        cmd, env = servers.command(0, 8000), servers.environment(0)
+        assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
+        assert env["PYTHONPATH"] == str(EXTENSION_DIR)
     # the engine's interpreter finds the class on that path, with nothing of ours importable
-    probe = "import fa_weight_receiver as m, importlib.util as u; print(m.WeightReceiver.__name__, u.find_spec('fully_async'))"
+    probe = ("import fa_weight_receiver as m, importlib.util as u; "
+             "print(m.WeightReceiver.__name__, m.Digest.__name__, u.find_spec('fully_async'))")  # fmt: skip
     out = subprocess.run([cmd[0], "-c", probe], env={"PYTHONPATH": env["PYTHONPATH"]}, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)  # fmt: skip
-    assert out.stdout.split() == ["WeightReceiver", "None"], out.stderr[-2000:]
+    assert out.stdout.split() == ["WeightReceiver", "Digest", "None"], out.stderr[-2000:]
 
 
 class _SlowPauseEngines(_ThreadEngines):

@@ -8,12 +8,19 @@ Each tensor contributes its name, shape, dtype and the bytes of SAMPLES elements
 (the first and the last included; every element when it has fewer), so the cost does not grow with the model: a
 tensor that did not arrive, arrived from another version, with another shape or in another dtype changes the digest;
 a change confined to elements between two samples may not (`samples=0` hashes every element).
+
+`directory_digest` digests a directory of safetensors files by memory-mapping them: only the pages that hold the
+sampled elements are read, so the disk transport's trainer side costs milliseconds, not a read of the model.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -64,3 +71,46 @@ class Digest:
 def digest(named: Iterable[tuple[str, torch.Tensor]], samples: int = SAMPLES) -> str:
     """The checksum of (name, tensor) pairs, in any order."""
     return Digest(samples).update(named).hexdigest()
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+"""safetensors dtype codes read by `safetensors_tensors` (the float8 codes are not: no weights here use them)."""
+
+
+def safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the safetensors file `path`, each a view of a private (copy-on-write) memory
+    map of the file: nothing is read until touched, and nothing written reaches the file. The format: 8 bytes of
+    little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        if os.fstat(f.fileno()).st_size == 8 + length:  # no data at all (only empty tensors): nothing to map
+            return
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not know")
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        start, end = entry["data_offsets"]
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        flat = (
+            torch.frombuffer(data, dtype=dtype, count=count, offset=8 + length + start)
+            if count
+            else torch.empty(0, dtype=dtype)
+        )
+        yield name, flat.view(entry["shape"])
+
+
+def directory_digest(directory: str, samples: int = SAMPLES) -> tuple[str, int]:
+    """(checksum, number of tensors) of every tensor in the `*.safetensors` files directly under `directory`, as
+    `digest` computes it for the same tensors loaded into memory."""
+    d = Digest(samples)
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            d.update(safetensors_tensors(os.path.join(directory, file)))
+    return d.hexdigest(), len(d)

@@ -23,6 +23,16 @@ every worker of the server (one per tensor-parallel rank). The sender (the train
   server holds a mix of versions and must not serve before the next sync succeeds (ParamSync's error fails the
   run; a restarted run syncs before it generates).
 - fa_leave(spec): drop the group (before a re-formed one is joined).
+- fa_reload(spec): the disk transport's reload: vLLM's own loader reads the safetensors directory spec.path (as
+  `reload_weights(weights_path=...)` does) and every tensor it yields is digested on its way into
+  `reload_weights(weights_iterator=...)`.
+- fa_loaded_digest(spec): the checksum (fa_digest.py) of the tensors the last fa_reload or fa_receive handed to the
+  loader, with their count and source: the proof that a sync landed, compared by the trainer with the digest of what
+  it wrote or sent. It is taken of the tensors the loader got (checkpoint names and layout, before vLLM shards them
+  for tensor parallelism and repacks them for the CPU kernels), so every worker of a server reports the same digest;
+  what vLLM does with them afterwards is not covered (on CPU the repacked parameters no longer compare with the
+  checkpoint, which is why vLLM's own /weight_checker cannot serve here). A server that loaded nothing through these
+  methods since it started reports digest None.
 No pickle crosses the network: the arguments are JSON, the payload raw tensor bytes.
 """
 
@@ -38,6 +48,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+if __package__:  # imported as fully_async.engines.vllm_ext.fa_weight_receiver
+    from .fa_digest import Digest
+else:  # the top-level module fa_weight_receiver (the engine: this directory alone on its path; or loaded by file)
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("fa_digest", os.path.join(os.path.dirname(__file__), "fa_digest.py"))
+    _fa_digest = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_fa_digest)
+    Digest = _fa_digest.Digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -190,7 +210,9 @@ class WeightReceiver:
         arrived: queue.Queue = queue.Queue()
         taken = threading.Semaphore(0)
         stop = threading.Event()
-        stats = {"receive_s": 0.0, "stall_s": 0.0}
+        stats = {"receive_s": 0.0, "stall_s": 0.0, "digest_s": 0.0}
+        digest = Digest()
+        self._fa_loaded = None  # until this load completes, the server holds no proven set
         # Far longer than the group's own timeout, which bounds every broadcast: only a bug could reach it.
         patience = 2 * float(s.get("timeout_s", 300.0)) + 60
 
@@ -232,7 +254,11 @@ class WeightReceiver:
                     failure["error"], failure["bucket"] = buf, k
                     return
                 for name, shape, offset, numel in bucket["tensors"]:
-                    yield name, buf[int(offset) : int(offset) + int(numel)].view(shape)
+                    tensor = buf[int(offset) : int(offset) + int(numel)].view(shape)
+                    t1 = time.monotonic()
+                    digest.add(name, tensor)
+                    stats["digest_s"] += time.monotonic() - t1
+                    yield name, tensor
                     loaded[0] += 1
                 del buf  # views still held by the loader keep the storage; this frame must not
             stats["iterated_at"] = time.monotonic()
@@ -252,7 +278,45 @@ class WeightReceiver:
                 "loaded, so this server holds a mix of weight versions until the next sync succeeds"
             )
         nbytes = sum(int(b["numel"]) for b in buckets) * torch.empty((), dtype=pool.dtype).element_size()
+        self._fa_loaded = {"digest": digest.hexdigest(), "tensors": len(digest), "source": f"group {s['group']}",
+                           "digest_s": stats["digest_s"]}  # fmt: skip
         return {"tensors": len(flat), "bytes": nbytes, "buckets": len(buckets), "fresh_buffers": pool.fresh - fresh_before,
-                "receive_s": stats["receive_s"], "stall_s": stats["stall_s"],
+                "receive_s": stats["receive_s"], "stall_s": stats["stall_s"], "digest_s": stats["digest_s"],
                 "load_s": stats.get("iterated_at", end) - start - stats["stall_s"],
                 "finish_s": end - stats.get("iterated_at", end), "total_s": end - start}  # fmt: skip
+
+    def fa_reload(self, spec: str) -> dict:
+        """Reload from the safetensors directory spec.path through vLLM's own loader, digesting every tensor the
+        loader yields on its way in (see the module docstring). The model's directory becomes spec.path, as with
+        `reload_weights(weights_path=...)`, so a server restarted later and a plan check read it."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        path = json.loads(spec)["path"]
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no weights directory {path}")
+        runner = self.model_runner
+        config = runner.vllm_config
+        model_config = config.model_config
+        # What reload_weights(weights_path=...) does before it reads: the revision and any separate weights source
+        # belong to the directory loaded before.
+        model_config.model, model_config.model_weights, model_config.revision = path, "", None
+        weights = get_model_loader(config.load_config).get_all_weights(model_config, runner.get_model())
+        digest = Digest()
+        spent = [0.0]
+
+        def digested():
+            for name, tensor in weights:
+                t0 = time.monotonic()
+                digest.add(name, tensor)
+                spent[0] += time.monotonic() - t0
+                yield name, tensor
+
+        self._fa_loaded = None  # until this load completes, the server holds no proven set
+        start = time.monotonic()
+        runner.reload_weights(weights_iterator=digested())
+        self._fa_loaded = {"digest": digest.hexdigest(), "tensors": len(digest), "source": path, "digest_s": spent[0]}
+        return {**self._fa_loaded, "total_s": time.monotonic() - start}
+
+    def fa_loaded_digest(self, spec: str = "{}") -> dict:
+        """{"digest", "tensors", "source", "digest_s"} of the last completed load (digest None: none yet)."""
+        return getattr(self, "_fa_loaded", None) or {"digest": None, "tensors": 0, "source": None, "digest_s": 0.0}
