@@ -8,7 +8,8 @@ and the servers keep their weights. A sender that dies mid-broadcast, one that s
 mid-broadcast all fail the sync within the watchdog, naming the servers (the engines load each bucket as it arrives,
 so they may hold a mix of versions then); the next sync, after a restart of the killed server, makes every server
 equal the fresh one again. A restarted server rejoins the group at the next sync and gets the current version; until
-then the client keeps it out of rotation.
+then the client keeps it out of rotation. Every sync, collective or disk, is proven by each server's digest of what
+its loader took; a server that loaded another directory fails the proof, named.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.weights.collective import CollectiveTransport
+from fully_async.weights.disk import files_digest
+from fully_async.weights.verify import VERIFIED_METRIC, verify_engines
 from tests.fakes import ServersRollouter, StateDictBackend
 
 pytestmark = [
@@ -234,3 +237,55 @@ def test_a_restarted_server_rejoins_and_gets_the_current_version_before_serving(
     assert servers.stale == set()
     for i in range(2):
         _same(asyncio.run(_outputs(servers, i)), reference, version=4)
+
+
+class _Astray(ServersRollouter):
+    """A rollouter whose reload sends server 1 to another directory behind ParamSync's back (a server whose load
+    went astray: it serves, labelled with the new version, on other weights)."""
+
+    def __init__(self, servers, astray):
+        super().__init__(servers)
+        self.astray = astray
+
+    async def load_weights(self, weights_dir, version: int, node_dirs=None) -> None:
+        await super().load_weights(weights_dir, version, node_dirs)
+        await self.servers.control.reload_indices(self.astray, {}, [1])
+
+
+def test_every_sync_is_proven_by_each_servers_digest_and_a_server_that_loaded_something_else_fails_it(
+    pool, models, tmp_path
+):
+    """Collective and disk syncs: each server's digest of what its loader took equals the sender's of what it
+    packed / the digest of the files written, and changes with the version; a server that loaded another directory
+    fails the sync's verify phase, naming it (and only it), within engine.control_deadline_s."""
+    servers, handle = pool
+    urls = servers.addresses
+    collective = _sync(handle, StateDictBackend(models[1]), tmp_path)
+    try:
+        t = collective.sync(11)
+    finally:
+        collective.close(remove=False)
+    sent = collective.transport.last["sender"]["digest"]
+    assert t[VERIFIED_METRIC] == 2 and "timing_s/param_sync/verify" in t
+    assert verify_engines(handle, sent, "fa_loaded_digest", {}, "weights v11") == dict.fromkeys(urls, sent)
+    disk = ParamSync(handle, StateDictBackend(models[0]), tmp_path / "d", "float32", SYNC_TIMEOUT_S, transport="disk")
+    try:
+        t = disk.sync(12)
+        written = files_digest(tmp_path / "d" / "v12")
+        assert written != sent and t[VERIFIED_METRIC] == 2  # another version, another digest, proven on both
+        assert verify_engines(handle, written, "fa_loaded_digest", {}, "weights v12") == dict.fromkeys(urls, written)
+        astray = LocalActor(_Astray(servers, models[1]))
+        lost = ParamSync(astray, StateDictBackend(models[0]), tmp_path / "a", "float32", SYNC_TIMEOUT_S,
+                         transport="disk")  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(ParamSyncError, match=r"'verify' failed.*weights v13 did not land on 1 of 2") as failed:
+            lost.sync(13)
+        took = time.monotonic() - start
+        assert f"{urls[1]} loaded digest {sent} (from {models[1]})" in str(failed.value)
+        assert urls[0] not in str(failed.value)
+        print(f"\nverified disk sync: {t}; the failed one took {took:.2f} s")
+        assert took < SYNC_TIMEOUT_S
+        asyncio.run(servers.resume())  # the failed sync left the engines paused
+        astray.close()
+    finally:
+        disk.close(remove=False)

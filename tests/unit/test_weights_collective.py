@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from fully_async.engines.vllm import EXTENSION_DIR
+from fully_async.engines.vllm_ext.fa_digest import digest
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.weights.collective import (
@@ -25,6 +26,7 @@ from fully_async.weights.collective import (
     make_plan,
     pack_and_send,
 )
+from fully_async.weights.verify import VERIFIED_METRIC
 
 
 def _receiver_module():
@@ -222,11 +224,54 @@ def test_a_sync_over_gloo_delivers_every_tensor_to_every_worker_and_labels_the_v
             timings
         )
         assert len(transport.last["engines"]) == 2 and transport.last["sender"]["bytes"] > 0
+        # proven: each worker's digest of what its loader took is the sender's of what it packed (bf16, as sent)
+        sent = transport.last["sender"]["digest"]
+        assert sent == digest((k, v.bfloat16()) for k, v in new.items()) and timings[VERIFIED_METRIC] == 2
+        assert [w.fa_loaded_digest()["digest"] for w in workers] == [sent, sent]
         # a server restarted meanwhile (epoch bumped): the next sync re-forms the group first, then sends
         engines.epoch = 1
         workers[1].model_runner.loaded = None
         sync.sync(4)
         assert workers[1].model_runner.loaded is not None and engines.received[-1] == (4, 1)
+    finally:
+        sync.close(remove=False)
+        handle.close()
+
+
+class _Garbled:
+    """A worker's group whose received buckets arrive with their first element changed (a load gone wrong on one
+    server: the engine holds other values than were sent)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def broadcast(self, buf, root):
+        work = self.pg.broadcast(buf, root)
+
+        class _Then:
+            def wait(self):
+                work.wait()
+                buf.view(-1)[0] += 1.0  # the first element of a bucket is a sample of its first tensor
+
+        return _Then()
+
+
+def test_a_server_that_received_other_values_fails_the_verify_phase_naming_it_before_the_version_is_set(
+    checkpoint, tmp_path
+):
+    model_dir, state = checkpoint
+    workers = [_Worker(model_dir), _Worker(model_dir)]
+    engines = _ThreadEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, _Backend(state), tmp_path / "w", "float32", sync_timeout_s=20)
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport)
+    try:
+        sync.sync(1)
+        workers[1]._fa["pg"] = _Garbled(workers[1]._fa["pg"])
+        with pytest.raises(ParamSyncError, match=r"'verify' failed.*weights v2 did not land on 1 of 2") as failed:
+            sync.sync(2)
+        assert "http://127.0.0.1:9001 loaded digest" in str(failed.value) and ":9000" not in str(failed.value)
+        assert engines.received == [(1, 0)]  # unproven weights are never labelled with the version
     finally:
         sync.close(remove=False)
         handle.close()
