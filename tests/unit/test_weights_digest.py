@@ -38,3 +38,24 @@ def test_a_large_tensor_is_sampled_and_samples_zero_hashes_every_element():
     between[5] = 1.0  # between two samples: only the full hash sees it
     assert digest([("x", big)]) == digest([("x", between)])
     assert digest([("x", big)], samples=0) != digest([("x", between)], samples=0)
+
+
+def test_a_directory_of_safetensors_digests_as_its_tensors_loaded_in_memory(tmp_path):
+    """The disk transport's trainer side (a memory-mapped, sampled read) equals what an engine computes over the
+    tensors its loader reads, whatever the dtypes, across files; another directory's differs."""
+    from safetensors.torch import load_file, save_file
+
+    from fully_async.engines.vllm_ext.fa_digest import directory_digest
+
+    w = _weights()
+    save_file({"a.weight": w["a.weight"], "e": torch.zeros(0), "i": torch.arange(5)}, str(tmp_path / "m-1.safetensors"))
+    save_file(
+        {"b.bias": w["b.bias"].to(torch.bfloat16), "big": torch.randn(SAMPLES * 3)}, str(tmp_path / "m-2.safetensors")
+    )
+    (tmp_path / "config.json").write_text("{}")  # not a tensor file: ignored
+    loaded = {**load_file(str(tmp_path / "m-1.safetensors")), **load_file(str(tmp_path / "m-2.safetensors"))}
+    assert directory_digest(str(tmp_path)) == (digest(loaded.items()), 5)
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({**w, "b.bias": w["b.bias"] + 1}, str(other / "model.safetensors"))
+    assert directory_digest(str(other))[0] != digest(loaded.items())
