@@ -25,6 +25,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
 """Files besides the weights that make a directory loadable by transformers and servable by vLLM."""
 INDEX = "model.safetensors.index.json"
+DIGEST_KEY = "fa_digest"
+"""The key, in the index's metadata, of the digest of the tensors written (`write_safetensors`)."""
 
 
 def write_safetensors(
@@ -36,8 +38,12 @@ def write_safetensors(
 ) -> list[str]:
     """Write `(name, full tensor)` pairs as safetensors shards of about `bucket_bytes` each plus the index; floating
     tensors are cast to `dtype`. Earlier weight files in `out_dir` are removed first. Returns the file names;
-    `progress` hears of each file written."""
+    `progress` hears of each file written. The index's metadata records DIGEST_KEY: fa_digest's checksum of the
+    tensors as written (taken from memory while writing: a few ms at 100 M parameters), which a weight sync's
+    proof compares with the engines' digests of what they loaded (fully_async/weights/verify.py)."""
     from safetensors.torch import save_file
+
+    from fully_async.engines.vllm_ext.fa_digest import Digest
 
     target = DTYPES[dtype]
     out = Path(out_dir)
@@ -48,6 +54,7 @@ def write_safetensors(
     weight_map: dict[str, str] = {}
     bucket: dict[str, torch.Tensor] = {}
     size = 0
+    digest = Digest()
 
     def flush() -> None:
         nonlocal bucket, size
@@ -65,13 +72,15 @@ def write_safetensors(
             t = t.to(target)
         # clone: tied weights (embedding and LM head) are one storage, which safetensors refuses to write twice
         bucket[name] = t.to("cpu").contiguous().clone()
+        digest.add(name, bucket[name])
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
             flush()
     if bucket or not files:
         flush()
     total = sum((out / f).stat().st_size for f in files)
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    metadata = {"total_size": total, DIGEST_KEY: digest.hexdigest()}
+    (out / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=1))
     return files
 
 

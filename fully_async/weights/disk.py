@@ -16,9 +16,9 @@ dead: while a node's copy runs, its engine host is asked every PROBE_EVERY_S whe
 answer within the deadline has its copy abandoned for this sync, and the reload sets that node's servers aside
 (engines/control.py: down, then restarted or replaced). A node Ray already reports dead gets no copy at all.
 
-Proof: phase `verify` (async_training.verify_sync) reads the digest of the version's files (fa_digest's
-`directory_digest`: memory-mapped, only the sampled elements' pages are read) and requires every serving server's
-digest of the tensors its loader took (fa_reload) to equal it (weights/verify.py).
+Proof: phase `verify` (async_training.verify_sync) takes the digest of the version's files (`files_digest`: the one
+the export recorded while writing, else a sampled read of the files) and requires every serving server's digest of
+the tensors its loader took (fa_reload) to equal it (weights/verify.py).
 
 Versions: each root keeps the version just written and the one before, so a server restarted meanwhile still finds
 the weights it was told about (the engine pool reloads a restarted server from its node's directory); older ones are
@@ -27,6 +27,7 @@ removed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -380,11 +381,18 @@ def remove_node_copies(writers: dict[str, Any], timeout_s: float = 60.0) -> None
 
 
 def files_digest(directory: Path) -> str:
-    """fa_digest's checksum of the safetensors files in `directory` (sampled reads of a memory map; torch is imported
-    here, not where this module is)."""
+    """fa_digest's checksum of the safetensors in `directory`: the one its writer recorded in the index's metadata
+    (training/hf_files.write_safetensors, the verl backend's export: taken from the tensors as written, nothing is
+    read back), else computed from the files (a memory-mapped, sampled read: ~0.1-0.2 s at 101 M parameters here,
+    docs/weight-transports.md). torch is imported here, not where this module is."""
     from fully_async.engines.vllm_ext.fa_digest import directory_digest
+    from fully_async.training.hf_files import DIGEST_KEY, INDEX
 
-    return directory_digest(str(directory))[0]
+    try:
+        recorded = json.loads((Path(directory) / INDEX).read_text())["metadata"][DIGEST_KEY]
+    except (FileNotFoundError, KeyError, TypeError, ValueError):  # no index, or one another writer made
+        recorded = None
+    return str(recorded) if recorded else directory_digest(str(directory))[0]
 
 
 def _this_node() -> str | None:

@@ -59,3 +59,27 @@ def test_a_directory_of_safetensors_digests_as_its_tensors_loaded_in_memory(tmp_
     other.mkdir()
     save_file({**w, "b.bias": w["b.bias"] + 1}, str(other / "model.safetensors"))
     assert directory_digest(str(other))[0] != digest(loaded.items())
+
+
+def test_the_export_records_the_digest_of_what_it_wrote_and_the_disk_side_takes_it_from_the_index(tmp_path):
+    """training/hf_files.write_safetensors (the verl backend's export) records the digest of the tensors as written
+    (cast, across shards), which equals a read of the files; the disk transport's side takes it from the index
+    without reading, and falls back to reading the files when no index records one."""
+    import json
+
+    from fully_async.engines.vllm_ext.fa_digest import directory_digest
+    from fully_async.training.hf_files import DIGEST_KEY, INDEX, write_safetensors
+    from fully_async.weights.disk import files_digest
+
+    w = {**_weights(), "c.weight": torch.randn(300, 20)}
+    files = write_safetensors(w.items(), tmp_path, "bfloat16", bucket_bytes=4096)
+    assert len(files) > 1
+    index = json.loads((tmp_path / INDEX).read_text())
+    recorded = index["metadata"][DIGEST_KEY]
+    assert recorded == directory_digest(str(tmp_path))[0] == digest((k, v.bfloat16()) for k, v in w.items())
+    assert files_digest(tmp_path) == recorded
+    index["metadata"][DIGEST_KEY] = "0" * 32  # what the index says is what the disk side compares (nothing read)
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    assert files_digest(tmp_path) == "0" * 32
+    (tmp_path / INDEX).unlink()
+    assert files_digest(tmp_path) == recorded
