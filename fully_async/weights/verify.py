@@ -32,9 +32,19 @@ def verify_engines(rollouter: Any, expected: str, method: str, spec: dict, what:
     digest}. Raises ParamSyncError naming every server whose digest is not `expected` (or whose workers disagree)
     or that did not answer, and `what` (the payload: "weights v3", "adapter policy-v3"); also when the engine kind
     cannot report a digest at all (never a silent pass)."""
+    return check_answers(rollouter, ask_engines(rollouter, method, spec), expected, what)
+
+
+def ask_engines(rollouter: Any, method: str, spec: dict) -> dict[str, Any] | None:
+    """The pool-wide fan-out of `verify_engines`: {url: the workers' answers, or why none}; None when the engine kind
+    has no worker extension to ask."""
+    return resolve(rollouter.engine_rpc_all.remote(method, json.dumps(spec)))
+
+
+def check_answers(rollouter: Any, answers: dict[str, Any] | None, expected: str, what: str) -> dict[str, str]:
+    """`verify_engines`' judgement of the answers `ask_engines` collected (see there)."""
     from fully_async.param_sync import ParamSyncError
 
-    answers = resolve(rollouter.engine_rpc_all.remote(method, json.dumps(spec)))
     if answers is None:
         why = resolve(rollouter.engine_unverifiable.remote())
         raise ParamSyncError(f"{what}: cannot verify the sync: {why}")
@@ -73,8 +83,9 @@ class SyncVerifier:
         self.enabled = enabled
         self._checked = False
         self.last_s: dict[str, float] = {}
-        """Seconds of the last verification: `trainer_digest_s` (the trainer side's digest), `engines_s` (the
-        fan-out, the engines' answers included)."""
+        """Seconds of the last verification: `trainer_digest_s` (the trainer side's digest, when computed here),
+        `engines_s` (the fan-out, the engines' answers included), `engine_digest_s` (the slowest engine worker's
+        digest of its load, taken while it loaded)."""
 
     def active(self) -> bool:
         """Whether syncs are verified (asks the engines' kind once)."""
@@ -91,6 +102,8 @@ class SyncVerifier:
         t0 = time.monotonic()
         expected = expected() if callable(expected) else expected
         t1 = time.monotonic()
-        got = verify_engines(self.rollouter, expected, method, spec or {}, what)
+        answers = ask_engines(self.rollouter, method, spec or {})
         self.last_s = {"trainer_digest_s": t1 - t0, "engines_s": time.monotonic() - t1}
-        return got
+        workers = [w for a in (answers or {}).values() if isinstance(a, list) for w in a if isinstance(w, dict)]
+        self.last_s["engine_digest_s"] = max((float(w.get("digest_s") or 0.0) for w in workers), default=0.0)
+        return check_answers(self.rollouter, answers, expected, what)

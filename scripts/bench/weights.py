@@ -23,6 +23,9 @@ With several --bucket-mb values, each collective bucket size is its own transpor
 raw broadcast uses the first. The collective rows also break the send phase down from what the transport reports:
 the sender's pack (copy + cast into the flat buckets) and wait (on the wire, not overlapped), and per engine worker
 (slowest worker) its receive, load (model_runner.reload_weights) and stall (the load waiting for the next bucket).
+Where a sync is verified (async_training.verify_sync), its `verify` phase is broken down too: the trainer side's
+digest (`verify_trainer_digest`; the collective sender's is taken while packing, `sender_digest`), the fan-out to
+the servers (`verify_engines`) and the slowest worker's digest of its load (`verify_engine_digest`).
 
 Prints a markdown table per size. Importing this module starts nothing.
 """
@@ -332,12 +335,14 @@ def send_breakdown(transport: Any) -> dict[str, float]:
     last = getattr(transport, "last", None) or {}
     out = {}
     sender = last.get("sender") or {}
-    for key in ("pack_s", "wait_s"):
+    for key in ("pack_s", "wait_s", "digest_s"):
         if key in sender:
             out[f"sender_{key[:-2]}"] = sender[key]
     workers = [w for answer in last.get("engines") or [] for w in (answer if isinstance(answer, list) else [answer])]
     for key in sorted({k for w in workers if isinstance(w, dict) for k in w if k.endswith("_s")}):
         out[f"engine_{key[:-2]}"] = max(w.get(key, 0.0) for w in workers)
+    verifier = getattr(transport, "verifier", None)  # the verify phase's parts (weights/verify.py), where it ran
+    out.update({f"verify_{key[:-2]}": v for key, v in (getattr(verifier, "last_s", None) or {}).items()})
     return out
 
 
