@@ -210,6 +210,7 @@ class CollectiveSender:
     iterator of (checkpoint name, full tensor) in a fixed order each call; `device`: where they live (cpu | cuda)."""
 
     def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, Any]]], device: str = "cpu") -> None:
+        _new_digest()  # its import (fully_async.engines, ~0.7 s here) at the transport's set-up, not in a send
         self.named_tensors, self.device = named_tensors, device
         self.store = None
         self.pg = None
