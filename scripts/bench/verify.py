@@ -19,25 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from weights import SIZES  # the benchmark's model sizes (scripts/bench is on sys.path when this runs as a script)
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's fully_async, before an installed one
-
-
-def timed(fn, rounds: int) -> float:
-    fn()  # warm-up: first touch of memory, imports
-    runs = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+# scripts/bench is on sys.path when this runs as a script: the benchmark's model sizes and its median timer
+from trainer import timed  # noqa: E402
+from weights import SIZES  # noqa: E402
 
 
 def one_size(name: str, rounds: int) -> dict:
@@ -50,7 +39,7 @@ def one_size(name: str, rounds: int) -> dict:
     state = load_file(build_tiny_model(TinyModelConfig(**SIZES[name])) / "model.safetensors")
     out = Path(tempfile.mkdtemp(prefix="bench-verify-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
-        export_s = timed(lambda: save_file(state, str(out / "model.safetensors")), rounds)
+        export_s = timed(lambda: save_file(state, str(out / "model.safetensors")), rounds)  # after one warm-up
         assert directory_digest(str(out))[0] == digest(state.items())  # the two sides agree
         return {
             "size": name,
