@@ -21,15 +21,12 @@ from pathlib import Path
 import torch
 
 # At import (a trainer rank's start), not at the first export: it pulls fully_async.engines (~0.7 s here).
-from fully_async.engines.vllm_ext.fa_digest import Digest
+from fully_async.engines.vllm_ext.fa_digest import DIGEST_KEY, INDEX, Digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
 """Files besides the weights that make a directory loadable by transformers and servable by vLLM."""
-INDEX = "model.safetensors.index.json"
-DIGEST_KEY = "fa_digest"
-"""The key, in the index's metadata, of the digest of the tensors written (`write_safetensors`)."""
 
 
 def write_safetensors(

@@ -27,7 +27,6 @@ removed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -384,15 +383,10 @@ def files_digest(directory: Path) -> str:
     """fa_digest's checksum of the safetensors in `directory`: the one its writer recorded in the index's metadata
     (training/hf_files.write_safetensors, the verl backend's export: taken from the tensors as written, nothing is
     read back), else computed from the files (a memory-mapped, sampled read: ~0.1-0.2 s at 101 M parameters here,
-    docs/weight-transports.md). torch is imported here, not where this module is."""
-    from fully_async.engines.vllm_ext.fa_digest import directory_digest
-    from fully_async.training.hf_files import DIGEST_KEY, INDEX
+    docs/weight-transports.md; torch is imported only when there are tensors)."""
+    from fully_async.engines.vllm_ext.fa_digest import directory_digest, recorded_digest
 
-    try:
-        recorded = json.loads((Path(directory) / INDEX).read_text())["metadata"][DIGEST_KEY]
-    except (FileNotFoundError, KeyError, TypeError, ValueError):  # no index, or one another writer made
-        recorded = None
-    return str(recorded) if recorded else directory_digest(str(directory))[0]
+    return recorded_digest(str(directory)) or directory_digest(str(directory))[0]
 
 
 def _this_node() -> str | None:
