@@ -36,7 +36,9 @@ class FakeEngine:
     "bad_shape" (JSON without choices); "never_healthy" (/health answers 503); "fail_first" (the first
     `fail_count` generates answer 503, then ok); "silent" (accepts every request and answers none, /health included:
     a server on a stopped node). `reload_delay_s`: a weight reload takes this long (/health still answers: a big
-    model loading).
+    model loading). Reloads go through the worker extension's `fa_reload` and `fa_loaded_digest` answers the digest
+    of the directory reloaded last, as vLLM's extension does; `lie_digest` makes it answer another (a load gone
+    astray).
     """
 
     def __init__(
