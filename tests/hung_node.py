@@ -93,6 +93,12 @@ class Pool:
     def engine_nodes(self):
         return self.service.nodes()
 
+    async def engine_rpc_all(self, method: str, spec: str):
+        return await self.service.rpc_all(method, spec)
+
+    def engine_unverifiable(self) -> str:
+        return self.servers.unverifiable
+
     def control_deadline_s(self) -> float:
         return self.deadline_s
 

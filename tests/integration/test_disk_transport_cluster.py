@@ -51,6 +51,8 @@ class Pool:
     # The Rollouter's weight-sync surface over a real engine pool (its own engine_nodes, unchanged).
     engine_nodes = Rollouter.engine_nodes
     control_deadline_s = Rollouter.control_deadline_s
+    engine_rpc_all = Rollouter.engine_rpc_all  # the proof of each sync (weights/verify.py)
+    engine_unverifiable = Rollouter.engine_unverifiable
 
     def __init__(self, servers):
         self.servers = servers
