@@ -482,6 +482,7 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
                 t.add_(100.0)
             done = sync.wait()
             assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(done)
+            assert done[VERIFIED_METRIC] == 1  # proven against the digest taken at stage, not the changed weights
             assert engines.version == version
             for name, t in expected.items():
                 assert torch.equal(worker.model_runner.loaded[name], t), name
