@@ -33,7 +33,8 @@ def build_engine(
 ) -> EngineServers:
     """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running).
     `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu;
-    `weight_receiver`: vLLM servers start with the collective weight transport's receiver."""
+    `weight_receiver`: the run uses the collective weight transport (vLLM servers load its receiver, the worker
+    extension, either way: every reload goes through it)."""
     if cfg.kind == "vllm":
         from fully_async.engines.vllm import VLLMServers
 

@@ -50,8 +50,8 @@ class EngineServers(EngineKind):
         """addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
-        fully_async.host.device; None = this machine's). weight_receiver: start the servers with the collective
-        transport's receiver (async_training.weight_transport=collective)."""
+        fully_async.host.device; None = this machine's). weight_receiver: the run uses the collective transport
+        (async_training.weight_transport=collective); vLLM servers load the worker extension whatever it says."""
         from fully_async.host import device as run_device
 
         self.cfg = cfg
