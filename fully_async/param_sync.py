@@ -31,14 +31,11 @@ from fully_async.config.sections.async_training import SYNC_MODES
 from fully_async.handles import resolve
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
+from fully_async.weights.base import ParamSyncError
 from fully_async.weights.disk import default_weights_root
 from fully_async.weights.verify import VERIFIED_METRIC
 
 __all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "default_weights_root"]
-
-
-class ParamSyncError(RuntimeError):
-    """A sync phase failed or timed out; the message names the phase."""
 
 
 class ParamSync:

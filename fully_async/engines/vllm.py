@@ -17,7 +17,7 @@ from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
-EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+EXTENSION_DIR = Path(__file__).resolve().parents[1] / "vllm_ext"
 """Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the worker extension, which
 every vLLM server loads: the collective transport's receiver and the digested reload of the disk transport."""
 EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"

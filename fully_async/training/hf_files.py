@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 # At import (a trainer rank's start), not at the first export: it pulls fully_async.engines (~0.7 s here).
-from fully_async.engines.vllm_ext.fa_digest import DIGEST_KEY, INDEX, Digest
+from fully_async.vllm_ext.fa_digest import DIGEST_KEY, INDEX, Digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -29,6 +29,12 @@ Phase = tuple[str, Callable[[], Any]]
 """(name, blocking call): one timed, traced step of a sync; the name becomes timing_s/param_sync/<name>."""
 
 
+class ParamSyncError(RuntimeError):
+    """A sync phase failed or timed out, or a sync did not land (weights/verify.py); the message names the phase.
+    Defined here, below ParamSync, so that the transports' own checks raise it too (fully_async.param_sync
+    re-exports it)."""
+
+
 class WeightTransport(abc.ABC):
     """Moves versions of one training backend's weights into the engine servers one rollouter runs. Calls come from
     one thread (ParamSync's), never concurrently."""

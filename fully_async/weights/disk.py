@@ -384,7 +384,7 @@ def files_digest(directory: Path) -> str:
     (training/hf_files.write_safetensors, the verl backend's export: taken from the tensors as written, nothing is
     read back), else computed from the files (a memory-mapped, sampled read: ~0.1-0.2 s at 101 M parameters here,
     docs/weight-transports.md; torch is imported only when there are tensors)."""
-    from fully_async.engines.vllm_ext.fa_digest import directory_digest, recorded_digest
+    from fully_async.vllm_ext.fa_digest import directory_digest, recorded_digest
 
     return recorded_digest(str(directory)) or directory_digest(str(directory))[0]
 

@@ -1,7 +1,7 @@
 """The proof that a weight sync landed: every serving engine server reports the digest of what it loaded, and each one
 must equal the trainer side's digest of what it wrote or sent.
 
-The digest is fully_async/engines/vllm_ext/fa_digest.py's (a sampled, order-independent checksum of names, shapes,
+The digest is fully_async/vllm_ext/fa_digest.py's (a sampled, order-independent checksum of names, shapes,
 dtypes and values). The engine side computes it in its worker extension on the tensors it hands to vLLM's loader
 (fa_reload for the disk transport, fa_receive for the collective one; fa_adapter_digest for LoRA adapters) and
 answers it to a later call (`method`). A server whose digest differs, or that does not answer within
@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from fully_async.handles import resolve
+from fully_async.weights.base import ParamSyncError
 
 VERIFIED_METRIC = "fully_async/param_sync/verified_servers"
 """Servers whose digest matched at a sync (docs/metrics.md)."""
@@ -43,8 +44,6 @@ def ask_engines(rollouter: Any, method: str, spec: dict) -> dict[str, Any] | Non
 
 def check_answers(rollouter: Any, answers: dict[str, Any] | None, expected: str, what: str) -> dict[str, str]:
     """`verify_engines`' judgement of the answers `ask_engines` collected (see there)."""
-    from fully_async.param_sync import ParamSyncError
-
     if answers is None:
         why = resolve(rollouter.engine_unverifiable.remote())
         raise ParamSyncError(f"{what}: cannot verify the sync: {why}")

@@ -33,8 +33,8 @@ def one_size(name: str, rounds: int) -> dict:
     from safetensors.torch import load_file, save_file
 
     from fully_async.config import TinyModelConfig
-    from fully_async.engines.vllm_ext.fa_digest import digest, directory_digest
     from fully_async.models import build_tiny_model
+    from fully_async.vllm_ext.fa_digest import digest, directory_digest
 
     state = load_file(build_tiny_model(TinyModelConfig(**SIZES[name])) / "model.safetensors")
     out = Path(tempfile.mkdtemp(prefix="bench-verify-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))

@@ -1,9 +1,9 @@
-"""The sync checksum (engines/vllm_ext/fa_digest.py): same set -> same digest in any order; a tensor missing, from
+"""The sync checksum (vllm_ext/fa_digest.py): same set -> same digest in any order; a tensor missing, from
 another version, reshaped or in another dtype -> another digest."""
 
 import torch
 
-from fully_async.engines.vllm_ext.fa_digest import SAMPLES, Digest, digest
+from fully_async.vllm_ext.fa_digest import SAMPLES, Digest, digest
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -45,7 +45,7 @@ def test_a_directory_of_safetensors_digests_as_its_tensors_loaded_in_memory(tmp_
     tensors its loader reads, whatever the dtypes, across files; another directory's differs."""
     from safetensors.torch import load_file, save_file
 
-    from fully_async.engines.vllm_ext.fa_digest import directory_digest
+    from fully_async.vllm_ext.fa_digest import directory_digest
 
     w = _weights()
     save_file({"a.weight": w["a.weight"], "e": torch.zeros(0), "i": torch.arange(5)}, str(tmp_path / "m-1.safetensors"))
@@ -67,8 +67,8 @@ def test_the_export_records_the_digest_of_what_it_wrote_and_the_disk_side_takes_
     without reading, and falls back to reading the files when no index records one."""
     import json
 
-    from fully_async.engines.vllm_ext.fa_digest import directory_digest
     from fully_async.training.hf_files import DIGEST_KEY, INDEX, write_safetensors
+    from fully_async.vllm_ext.fa_digest import directory_digest
     from fully_async.weights.disk import files_digest
 
     w = {**_weights(), "c.weight": torch.randn(300, 20)}

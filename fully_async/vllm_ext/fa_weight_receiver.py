@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-if __package__:  # imported as fully_async.engines.vllm_ext.fa_weight_receiver
+if __package__:  # imported as fully_async.vllm_ext.fa_weight_receiver
     from .fa_digest import Digest
 else:  # the top-level module fa_weight_receiver (the engine: this directory alone on its path; or loaded by file)
     import importlib.util as _util
