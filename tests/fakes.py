@@ -566,3 +566,72 @@ class ServersRollouter:
 
     async def weights_received(self, version: int, epoch: int) -> None:
         await self.servers.weights_received(version, epoch)
+
+    async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:
+        await self.servers.adapters.load(name, path, node_dirs)
+
+    async def activate_adapter(self, name: str, version: int) -> None:
+        await self.servers.adapters.activate(name, version)
+
+    async def unload_adapters(self) -> dict:
+        return await self.servers.adapters.unload()
+
+
+# -- the trainer's side of a LoRA adapter sync (until the verl backend exports adapters itself) -----------------------
+class AdapterBackend:
+    """A training backend reduced to what the adapter transport uses: a peft LoRA adapter on a model in this process
+    (float32). `export_adapter` writes a PEFT directory and returns fa_digest over what it wrote; `export_weights`
+    writes base + adapter merged (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a
+    training step: lora_B non-zero, so the adapter changes the outputs)."""
+
+    def __init__(self, model_dir, lora) -> None:
+        import peft
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.lora = lora
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        modules = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+        config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=modules, lora_dropout=0.0)
+        self.model = peft.get_peft_model(base, config)
+        self.fail_export: str | None = None
+        """When set, export_adapter raises this (a trainer that cannot write)."""
+        self.step(0)
+
+    def step(self, seed: int) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+    def export_adapter(self, out_dir, dtype: str = "float32") -> str:
+        from safetensors.torch import load_file
+
+        from fully_async.engines.vllm_ext.fa_digest import digest
+
+        if self.fail_export:
+            raise RuntimeError(self.fail_export)
+        out = Path(out_dir)
+        self.model.save_pretrained(str(out))
+        return digest(load_file(str(out / "adapter_model.safetensors")).items())
+
+    def merged_state(self) -> dict:
+        """Base + adapter merged, under the base model's names (a copy; the adapter stays)."""
+        import copy
+
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
+        if merged.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def export_weights(self, out_dir, dtype: str = "float32"):
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.merged_state(), str(out / "model.safetensors"))
+        return [out / "model.safetensors"]

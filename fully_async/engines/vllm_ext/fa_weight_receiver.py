@@ -39,6 +39,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+try:
+    from fa_lora import AdapterDigest  # the engine's interpreter: this directory alone is on PYTHONPATH
+except ImportError:  # imported as part of fully_async (tests)
+    from fully_async.engines.vllm_ext.fa_lora import AdapterDigest
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 POOL_KEEP = 3
@@ -115,7 +120,7 @@ def check_plan(tensors: list, headers: dict[str, list[int]], limit: int = 5) -> 
     return problems
 
 
-class WeightReceiver:
+class WeightReceiver(AdapterDigest):
     """Mixed into vLLM's worker class (see the module docstring)."""
 
     def _fa_state(self) -> dict:
