@@ -139,8 +139,9 @@ class EngineServers(EngineKind):
     @property
     def stale_on_return(self) -> bool:
         """Whether a server that (re)starts now cannot get the current weights: they are in no directory (collective
-        transport) and differ from the start-up ones."""
-        return self.weights_dir is None and self.state.version > 0
+        transport) and differ from the start-up ones. With adapters it can: the base model it starts on and the
+        current adapter it loads (`elastic.bring_current`)."""
+        return self.weights_dir is None and self.state.version > 0 and self.adapters is None
 
     # ---- addresses, logs, router -------------------------------------------------------------------------------------
     @property
