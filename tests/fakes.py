@@ -635,3 +635,69 @@ class AdapterBackend:
         out.mkdir(parents=True, exist_ok=True)
         save_file(self.merged_state(), str(out / "model.safetensors"))
         return [out / "model.safetensors"]
+
+
+class FakeSGLangLora:
+    """An aiohttp server on 127.0.0.1 that speaks SGLang's LoRA endpoints and its token-level /generate, for the
+    adapter sync's contract test (SGLang's CPU engine cannot run LoRA). /load_lora_adapter takes {"lora_name",
+    "lora_path"} (the directory must hold adapter_config.json, else {"success": false}); /unload_lora_adapter a
+    loaded name; /generate answers 400 when its "lora_path" names no loaded adapter, else a token per
+    `token_delay_s`, each token = (sum(prompt) + i + number of the adapter's version) % 250. `calls`: every LoRA call
+    and the adapter of every generate, in order."""
+
+    def __init__(self, token_delay_s: float = 0.0) -> None:
+        self.token_delay_s = token_delay_s
+        self.loaded: dict[str, str] = {}
+        self.calls: list[tuple[str, str | None]] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> FakeSGLangLora:
+        app = web.Application()
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/model_info", self._ok)
+        app.router.add_post("/load_lora_adapter", self._load)
+        app.router.add_post("/unload_lora_adapter", self._unload)
+        app.router.add_post("/generate", self._generate)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(("load", body["lora_name"]))
+        if not (Path(body["lora_path"]) / "adapter_config.json").is_file():
+            return web.json_response({"success": False, "message": f"no adapter in {body['lora_path']}"}, status=400)
+        self.loaded[body["lora_name"]] = body["lora_path"]
+        return web.json_response({"success": True, "message": ""})
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        self.calls.append(("unload", name))
+        if self.loaded.pop(name, None) is None:
+            return web.json_response({"success": False, "message": f"{name} is not loaded"}, status=400)
+        return web.json_response({"success": True, "message": ""})
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body.get("lora_path")
+        self.calls.append(("generate", name))
+        if name is not None and name not in self.loaded:
+            return web.json_response({"error": f"adapter {name} is not loaded"}, status=400)
+        shift = int(name.rsplit("-v", 1)[1]) if name else 0
+        tokens = []
+        for i in range(body["sampling_params"]["max_new_tokens"]):
+            await asyncio.sleep(self.token_delay_s)
+            tokens.append((sum(body["input_ids"]) + i + shift) % 250)
+        meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, t, None] for t in tokens]}
+        return web.json_response({"output_ids": tokens, "meta_info": meta})
