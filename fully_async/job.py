@@ -165,6 +165,8 @@ class Job:
         lora, why = adapter_sync_plan(cfg, cfg.trainer.device)
         if why:
             self.echo(f"LoRA: versions sync as merged full weights (async_training.weight_transport): {why}")
+        elif lora:
+            self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
         self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
                               transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
                               device=cfg.trainer.device, mode=at.sync_mode)  # fmt: skip

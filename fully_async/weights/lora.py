@@ -12,12 +12,15 @@ Per version N (engines/adapters.py holds the engines' side):
 5. activate: new requests name `policy-vN`; only now do the pool's version and the rollouter's ledger move;
 6. unload: names older than the newest max_staleness + 2 that no request uses any more (their directories go too).
 
-No pause. Loading a name leaves requests on the other names alone, so the engines keep generating through the whole
-sync: a request in flight finishes on the adapter it named, and the client labels its tokens with that adapter's
-version (not the servers' version spans, which would call old-adapter tokens new and hide their staleness). With
-partial rollout a continuation names the newest adapter, so each segment keeps its own version. The cost of not
-pausing is nil here; pausing would cost every in-flight request an abort and a continuation per sync. So the
-transport says `pauses_engines = False` and ParamSync skips its pause and resume.
+No pause, decided because nothing needs it: loading a name leaves requests on the other names alone, so the engines
+keep generating through the whole sync, and a pause would only cost every request in flight an abort and a
+continuation per sync. A request in flight finishes on the adapter it named, and the client labels its tokens with
+that adapter's version (not the servers' version spans, which would call old-adapter tokens new and hide their
+staleness). Staleness is what it is with a pause and partial rollout (a sample's oldest token decides it, and that
+token is the same either way); with partial_rollout=false a request in flight is not restarted under the new version
+but is still one version throughout, which is what that setting guarantees. A continuation after an abort for another
+reason names the newest adapter, so each segment keeps its own version. So the transport says
+`pauses_engines = False` and ParamSync skips its pause and resume.
 
 `lora_serving` decides, once, at start, whether a run syncs adapters or falls back to merged full weights through
 async_training.weight_transport (the backend's export_weights / weight_sender give base + adapter merged).
