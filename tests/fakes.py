@@ -637,7 +637,7 @@ class AdapterBackend:
         return [out / "model.safetensors"]
 
 
-class FakeSGLangLora:
+class FakeSGLangLora(FakeEngine):
     """An aiohttp server on 127.0.0.1 that speaks SGLang's LoRA endpoints and its token-level /generate, for the
     adapter sync's contract test (SGLang's CPU engine cannot run LoRA). /load_lora_adapter takes {"lora_name",
     "lora_path"} (the directory must hold adapter_config.json, else {"success": false}); /unload_lora_adapter a
@@ -646,32 +646,18 @@ class FakeSGLangLora:
     and the adapter of every generate, in order."""
 
     def __init__(self, token_delay_s: float = 0.0) -> None:
-        self.token_delay_s = token_delay_s
+        super().__init__(token_delay_s=token_delay_s)
         self.loaded: dict[str, str] = {}
         self.calls: list[tuple[str, str | None]] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
-    async def start(self) -> FakeSGLangLora:
+    def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_get("/model_info", self._ok)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/model_info", self._health)
         app.router.add_post("/load_lora_adapter", self._load)
         app.router.add_post("/unload_lora_adapter", self._unload)
         app.router.add_post("/generate", self._generate)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.json_response({})
+        return app
 
     async def _load(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -14,30 +14,18 @@ from __future__ import annotations
 import asyncio
 import copy
 
-import pytest
-
-from fully_async.config import EngineConfig, TinyModelConfig
+from fully_async.config import EngineConfig
 from fully_async.config.sections.model import LoraConfig
-from fully_async.engines import EngineClient, Sampling, build_engine
+from fully_async.engines import EngineClient, build_engine
 from fully_async.engines.adapters import LoraServing
-from fully_async.engines.sglang import SGLANG_VENV
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
 from fully_async.param_sync import ParamSync
 from tests.fakes import AdapterBackend, ServersRollouter
+from tests.gpu.test_sglang_gpu import GREEDY, PROMPTS, TINY, pytestmark  # noqa: F401  (the same marks and model)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.slow,
-    pytest.mark.timeout(1200),
-    pytest.mark.skipif(not (SGLANG_VENV / "bin/python").exists(), reason="SGLang venv .venv-sglang missing"),
-]
-
-TINY = TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, init_std=0.1)
 LORA = LoraConfig(rank=8, alpha=16)
 CFG = EngineConfig(kind="sglang", num_servers=1, dtype="float32", gpu_memory_utilization=0.3, startup_timeout_s=600)
-GREEDY = Sampling(temperature=0.0, ignore_eos=True)
-PROMPTS = [list(b"12+34="), list(b"hello world"), list(b"7*8 is")]
 N = 16
 
 
