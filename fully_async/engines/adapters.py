@@ -88,15 +88,8 @@ class Adapters:
         is set aside, one whose node got no copy too). Any other failure fails the call naming the server."""
         pool = self.pool
         control = pool.control
-        node_dirs = node_dirs or {}
-        routed = {node: Path(d) for node, d in node_dirs.items() if d is not None}
-        abandoned = {node for node, d in node_dirs.items() if d is None}
         async with pool.membership:
-            if abandoned:
-                control.set_aside("load adapter", [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
-                                  "the adapter copy to its node was abandoned")  # fmt: skip
-                await pool.sync_router_async()
-            await control._set_aside_lost("load adapter")
+            routed = await control.route_copies("load adapter", node_dirs)
             indices = pool.serving
             calls = [(pool.address(i), self._load_call(name, Path(path), routed, pool.node_of(i)["node_id"]))
                      for i in indices]  # fmt: skip

@@ -37,7 +37,7 @@ from fully_async.engines.adapters import LoraServing, adapter_name
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, WeightTransport
 from fully_async.weights.disk import DiskTransport, prune
-from fully_async.weights.verify import verify_engines
+from fully_async.weights.verify import SyncVerifier
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -102,6 +102,8 @@ class LoraTransport(WeightTransport):
         self.root = self.disk.root
         self.expected: dict[int, str] = {}
         """version -> the digest every server must report for its adapter."""
+        self.verifier = SyncVerifier(rollouter)
+        """The verify phase (weights/verify.py): every server's digest of the adapter against `expected`."""
         self.bytes: dict[int, int] = {}
         """version -> bytes of its adapter directory (what one sync moves per node)."""
 
@@ -123,8 +125,9 @@ class LoraTransport(WeightTransport):
             resolve(self.rollouter.load_adapter.remote(name, str(out), self.disk.node_dirs or None))
 
         def verify() -> dict[str, str]:
-            return verify_engines(self.rollouter, self.expected[version], "fa_adapter_digest", {"name": name},
-                                  f"adapter {name}")  # fmt: skip
+            if not self.verifier.active():  # engines that report no digest (said once)
+                return {}
+            return self.verifier(self.expected[version], "fa_adapter_digest", f"adapter {name}", {"name": name})
 
         return [("export", lambda: self.export(version))], [
             ("distribute", lambda: self.disk.distribute(version)),

@@ -44,3 +44,32 @@ def verify_engines(rollouter: Any, expected: str, method: str, spec: dict, what:
             + "; ".join(bad)
         )
     return got
+
+
+class SyncVerifier:
+    """A transport's verify phase: asks once whether the engines can report digests (a kind without the worker
+    extension cannot: one line says so and syncs go unverified), then verifies each sync (`__call__`)."""
+
+    def __init__(self, rollouter: Any, enabled: bool = True) -> None:
+        self.rollouter = rollouter
+        self.enabled = enabled
+        self._checked = False
+
+    def active(self) -> bool:
+        """Whether syncs are verified (asks the engines' kind once; a rollouter that cannot say is taken to have
+        engines that can)."""
+        if self.enabled and not self._checked:
+            self._checked = True
+            try:
+                why = resolve(self.rollouter.engine_unverifiable.remote())
+            except AttributeError:
+                why = ""
+            if why:
+                self.enabled = False
+                print(f"fully_async: weight syncs are not verified by a digest: {why}", flush=True)
+        return self.enabled
+
+    def __call__(self, expected: Any, method: str, what: str, spec: dict | None = None) -> dict[str, str]:
+        """Verify one sync: `expected` is the trainer side's digest, or a function computing it."""
+        expected = expected() if callable(expected) else expected
+        return verify_engines(self.rollouter, expected, method, spec or {}, what)
