@@ -137,3 +137,15 @@ async def test_sglang_adapter_sync_calls_and_the_unload_rule_against_a_stand_in_
     finally:
         await client.close()
         await fake.stop()
+
+
+async def test_a_resumed_run_loads_the_checkpoints_adapter_as_its_version(model, tmp_path, python):
+    fake = await FakeSGLangLora().start()
+    cfg = EngineConfig(kind="sglang", python=python, control_deadline_s=5, control_timeout_s=5)
+    pool = build_engine(cfg, model, tmp_path, addresses=[fake.url], device="cuda", lora=LoraServing(2, 8))
+    try:
+        await pool.load_weights(_adapter(tmp_path, "v5"), 5)  # what Rollouter.start does with a checkpoint's export
+        assert fake.calls == [("load", "policy-v5")] and pool.state.version == 5
+        assert pool.adapters.current == "policy-v5" and pool.adapters.acquire(5) == "policy-v5"
+    finally:
+        await fake.stop()
