@@ -8,13 +8,16 @@ adapter transport, without pausing the engine.
   old version) while newer ones are activated, and the unload rule keeps its name loaded until it is done.
 - An adapter the server refuses fails the sync within the watchdog naming the server, and the server keeps serving
   the previous version; an adapter that differs from the trainer's fails the verify phase naming the server.
-- A restarted server loads the current adapter before it serves.
+- A server stopped (SIGSTOP) during a load fails the sync within the watchdog naming it; restarted, it loads the
+  current adapter before it serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import threading
 import time
 
@@ -42,7 +45,9 @@ pytestmark = [
 TINY = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
 LORA = LoraConfig(rank=8, alpha=12)
 """alpha / rank = 1.5: vLLM folds a scaling that is not a power of two into lora_B (the digest must follow)."""
-CFG = EngineConfig(num_servers=1, max_model_len=1024, kv_cache_gib=1, startup_timeout_s=900, control_timeout_s=30)
+CFG = EngineConfig(
+    num_servers=1, max_model_len=1024, kv_cache_gib=1, startup_timeout_s=900, control_timeout_s=30, control_deadline_s=5
+)
 SERVING = LoraServing(max_loras=2, max_rank=8)
 """max_staleness 0: the newest two names stay loaded."""
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
@@ -190,12 +195,25 @@ def test_an_adapter_that_differs_from_the_trainers_fails_the_verify_phase_naming
         phases["verify"]()
 
 
-def test_a_restarted_server_loads_the_current_adapter_before_it_serves(pool, sync):
+def test_a_server_stopped_during_a_load_fails_the_sync_naming_it_and_restarted_it_serves_the_current_adapter(
+    pool, sync
+):
     servers, handle = pool
     sync.backend.step(41)
     sync.sync(41)
     want = asyncio.run(_generate(servers))
-    asyncio.run(servers.restart_async(0))
+    group = servers.procs[0].popen.pid  # its watchdog leads the server's session: the whole server stops
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        sync.backend.step(42)
+        with pytest.raises(ParamSyncError, match=rf"'load' failed.*no engine server answered.*{servers.addresses[0]}"):
+            sync.sync(42)
+        assert time.monotonic() - start < SYNC_TIMEOUT_S
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert servers.state.version == 41 and servers.adapters.current == "policy-v41"
+    asyncio.run(servers.restart_async(0))  # what the client's recovery does with a server set aside
     assert verify_engines(handle, sync.transport.expected[41], "fa_adapter_digest", {"name": "policy-v41"}, "v41")
     got = asyncio.run(_generate(servers))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
