@@ -18,8 +18,11 @@ from fully_async.engines import EngineClient, EngineError, Sampling, build_engin
 from fully_async.engines.adapters import LoraServing
 from fully_async.engines.vllm_ext.fa_digest import digest
 from fully_async.engines.vllm_ext.fa_lora import folded, scaling
+from fully_async.handles import LocalActor
+from fully_async.param_sync import ParamSync
+from fully_async.weights.base import WeightTransport
 from fully_async.weights.lora import adapter_sync_plan
-from tests.fakes import FakeSGLangLora
+from tests.fakes import FakeSGLangLora, StubRollouter
 
 
 def _cfg(rank: int = 8, sync: str = "auto", kind: str = "vllm", staleness: int = 1) -> FullyAsyncConfig:
@@ -149,3 +152,43 @@ async def test_a_resumed_run_loads_the_checkpoints_adapter_as_its_version(model,
         assert pool.adapters.current == "policy-v5" and pool.adapters.acquire(5) == "policy-v5"
     finally:
         await fake.stop()
+
+
+class _NoPauseTransport(WeightTransport):
+    """A transport whose phases need no pause (as the adapter transport's): records what ran."""
+
+    name = "no-pause"
+    pauses_engines = False
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def prepare(self, rollouter) -> None:
+        pass
+
+    def phases(self, version: int):
+        return [("load", lambda: self.ran.append(f"load v{version}"))]
+
+    def background_phases(self, version: int):
+        return [("export", lambda: self.ran.append(f"export v{version}"))], self.phases(version)
+
+    def export(self, version: int):
+        raise NotImplementedError
+
+    def close(self, remove: bool = True) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_param_sync_neither_pauses_nor_resumes_the_engines_for_a_transport_that_needs_no_pause(tmp_path, mode):
+    stub = StubRollouter()
+    handle = LocalActor(stub)
+    transport = _NoPauseTransport()
+    sync = ParamSync(handle, None, tmp_path, "float32", 10.0, transport=transport, mode=mode)
+    try:
+        timings = {**sync.sync(1), **sync.wait()}
+    finally:
+        sync.close()
+        handle.close()
+    assert stub.calls == [] and "timing_s/param_sync/pause" not in timings
+    assert transport.ran == (["load v1"] if mode == "blocking" else ["export v1", "load v1"])
