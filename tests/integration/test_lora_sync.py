@@ -9,7 +9,7 @@ adapter transport, without pausing the engine.
 - An adapter the server refuses fails the sync within the watchdog naming the server, and the server keeps serving
   the previous version; an adapter that differs from the trainer's fails the verify phase naming the server.
 - A server stopped (SIGSTOP) during a load fails the sync within the watchdog naming it; restarted, it loads the
-  current adapter before it serves.
+  current adapter before it serves; so does a server that joins the pool.
 """
 
 from __future__ import annotations
@@ -218,3 +218,23 @@ def test_a_server_stopped_during_a_load_fails_the_sync_naming_it_and_restarted_i
     got = asyncio.run(_generate(servers))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert all(set(r.versions) == {41} for r in got)
+
+
+def test_a_server_that_joins_loads_the_current_adapter_before_it_serves(pool, sync):
+    servers, handle = pool
+    sync.backend.step(51)
+    sync.sync(51)
+    want = asyncio.run(_generate(servers))
+    (joined,) = asyncio.run(servers.add(1))
+    try:
+        got = verify_engines(handle, sync.transport.expected[51], "fa_adapter_digest", {"name": "policy-v51"}, "v51")
+        assert servers.addresses[joined] in got and len(got) == 2
+        servers.slots.mark_down(0)  # generate on the new server alone
+        try:
+            alone = asyncio.run(_generate(servers))
+        finally:
+            servers.slots.back_up(0, stale=False)
+        assert [r.token_ids for r in alone] == [r.token_ids for r in want]
+        assert all(set(r.versions) == {51} for r in alone)
+    finally:
+        asyncio.run(servers.remove(joined))
