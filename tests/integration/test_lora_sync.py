@@ -4,8 +4,9 @@ adapter transport, without pausing the engine.
 
 - Under a loaded adapter the server's greedy tokens and log-probs equal those of the merged model (base + adapter,
   merged with peft) scored in this process with transformers in float32; after the next sync they change.
-- A request in flight on an old adapter finishes on it (its tokens equal the old adapter's alone, labelled with the
-  old version) while newer ones are activated, and the unload rule keeps its name loaded until it is done.
+- Requests in flight on an old adapter (held by a pause that keeps them) finish on it (tokens equal the old adapter's
+  alone, labelled with the old version) while newer ones are activated, and the unload rule keeps its name loaded
+  until they are done.
 - An adapter the server refuses fails the sync within the watchdog naming the server, and the server keeps serving
   the previous version; an adapter that differs from the trainer's fails the verify phase naming the server.
 - A server stopped (SIGSTOP) during a load fails the sync within the watchdog naming it; restarted, it loads the
@@ -146,13 +147,19 @@ def test_an_old_version_in_flight_finishes_on_its_own_adapter_while_newer_ones_a
     while servers.adapters.in_use.get("policy-v11", 0) < len(long_prompts) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert servers.adapters.in_use["policy-v11"] == len(long_prompts)
-    for version in (12, 13):  # v11 is then older than the newest two: only its requests keep it loaded
-        backend.step(version)
-        sync.sync(version)
-    still_running = thread.is_alive()
-    loaded = servers.adapters.state()["loaded"]
+    # Frozen where they are (a pause that keeps them; the syncs themselves never pause), so that they are surely
+    # still in flight, naming v11, while v12 and v13 are activated.
+    asyncio.run(servers.pause("keep"))
+    try:
+        for version in (12, 13):  # v11 is then older than the newest two: only its requests keep it loaded
+            backend.step(version)
+            sync.sync(version)
+        still_running = thread.is_alive()
+        loaded = servers.adapters.state()["loaded"]
+    finally:
+        asyncio.run(servers.resume())
     thread.join(120)
-    assert still_running, "the in-flight requests ended before the syncs; the test proves nothing (slower prompts?)"
+    assert still_running
     assert "policy-v11" in loaded and servers.adapters.current == "policy-v13"
     for got, want in zip(box["out"], alone):
         assert list(got.token_ids) == list(want.token_ids)  # on its own adapter to the end
