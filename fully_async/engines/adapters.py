@@ -18,38 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fully_async.engines.errors import EngineError
+from fully_async.weights.lora import LoraServing, adapter_name
 
 logger = logging.getLogger(__name__)
-
-PREFIX = "policy-v"
-
-
-def adapter_name(version: int) -> str | None:
-    """The adapter name of policy version `version`; None for version 0 (the base model)."""
-    return f"{PREFIX}{version}" if version > 0 else None
-
-
-@dataclass(frozen=True)
-class LoraServing:
-    """How servers are started to serve versioned adapters (weights/lora.py `lora_serving` decides)."""
-
-    max_loras: int
-    """Adapters in one batch at once, and the names kept loaded: async_training.max_staleness + 2."""
-    max_rank: int
-    """--max-lora-rank: the smallest rank the engine allows that is >= model.lora.rank."""
-    target_modules: tuple[str, ...] = ("all-linear",)
-    """model.lora.target_modules (SGLang's --lora-target-modules)."""
-
-    @property
-    def max_cpu_loras(self) -> int:
-        """Adapters the engine keeps in its CPU cache: two above `max_loras`, so that a name kept past `max_loras`
-        because a request still uses it does not evict one that is kept anyway."""
-        return self.max_loras + 2
 
 
 class Adapters:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import EngineConfig
-from fully_async.engines.adapters import Adapters, LoraServing
+from fully_async.engines.adapters import Adapters
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
 from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
@@ -31,6 +31,7 @@ from fully_async.engines.process import ServerProcess, node_of, release_shm, shm
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
 from fully_async.handles import dead_nodes
+from fully_async.weights.lora import LoraServing
 
 logger = logging.getLogger(__name__)
 

@@ -30,16 +30,41 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fully_async.engines.adapters import LoraServing, adapter_name
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, WeightTransport
 from fully_async.weights.disk import DiskTransport, prune
 from fully_async.weights.verify import SyncVerifier
 
 ADAPTER_FILE = "adapter_model.safetensors"
+
+PREFIX = "policy-v"
+
+
+def adapter_name(version: int) -> str | None:
+    """The adapter name of policy version `version`; None for version 0 (the base model)."""
+    return f"{PREFIX}{version}" if version > 0 else None
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """How servers are started to serve versioned adapters (`adapter_sync_plan` decides; engines/adapters.py)."""
+
+    max_loras: int
+    """Adapters in one batch at once, and the names kept loaded: async_training.max_staleness + 2."""
+    max_rank: int
+    """--max-lora-rank: the smallest rank the engine allows that is >= model.lora.rank."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """model.lora.target_modules (SGLang's --lora-target-modules)."""
+
+    @property
+    def max_cpu_loras(self) -> int:
+        """Adapters the engine keeps in its CPU cache: two above `max_loras`, so that a name kept past `max_loras`
+        because a request still uses it does not evict one that is kept anyway."""
+        return self.max_loras + 2
 
 
 def adapter_sync_plan(cfg: Any, device: str) -> tuple[LoraServing | None, str]:

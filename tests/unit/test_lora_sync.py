@@ -15,13 +15,12 @@ import torch
 
 from fully_async.config import ConfigError, EngineConfig, FullyAsyncConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
-from fully_async.engines.adapters import LoraServing
 from fully_async.engines.vllm_ext.fa_digest import digest
 from fully_async.engines.vllm_ext.fa_lora import folded, scaling
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.weights.base import WeightTransport
-from fully_async.weights.lora import adapter_sync_plan
+from fully_async.weights.lora import LoraServing, adapter_sync_plan
 from tests.fakes import FakeSGLangLora, StubRollouter
 
 
