@@ -131,6 +131,7 @@ class Job:
         from fully_async.trainer import Trainer
         from fully_async.training import build_backend
         from fully_async.weights.disk import claim_weights_root
+        from fully_async.weights.lora import adapter_sync_plan
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
@@ -161,8 +162,13 @@ class Job:
         if root is None:  # a fresh /dev/shm root: the run directory records it, and a resume removes a killed run's
             root = default_weights_root(self.run_dir)
             claim_weights_root(self.run_dir, root)
+        lora, why = adapter_sync_plan(cfg, cfg.trainer.device)
+        if why:
+            self.echo(f"LoRA: versions sync as merged full weights (async_training.weight_transport): {why}")
+        elif lora:
+            self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
         self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
-                              transport=at.weight_transport, bucket_mb=at.bucket_mb,
+                              transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
                               device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync)  # fmt: skip
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
         start_kwargs: dict[str, Any] = {}

@@ -137,12 +137,15 @@ class ParamSync:
         return t
 
     def _run_engine_phases(self, t: dict[str, float], phases: list) -> None:
-        self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
+        pauses = self.transport.pauses_engines  # the adapter transport does not pause (weights/lora.py)
+        if pauses:
+            self._phase("pause", t, lambda: resolve(self.rollouter.pause.remote()))
         for name, fn in phases:
             out = self._phase(name, t, fn)
             if name == "verify":  # the transport's proof: {server: digest}, one per server that matched
                 t[VERIFIED_METRIC] = float(len(out))
-        self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
+        if pauses:
+            self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
 
     def _start_background(self, version: int, phases: list) -> None:
         timings: dict[str, float] = {}

@@ -43,6 +43,7 @@ from fully_async.reward import RewardAgent, RewardFatal
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 from fully_async.weights.base import resolve_kind
+from fully_async.weights.lora import adapter_sync_plan
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,9 @@ class Rollouter:
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         collective = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
+        lora, _ = adapter_sync_plan(self.cfg, device)  # the job says once why a LoRA run syncs merged weights
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
-                                    weight_receiver=collective)  # fmt: skip
+                                    weight_receiver=collective, lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
@@ -257,6 +259,21 @@ class Rollouter:
         await self.servers.weights_received(version, epoch)
         self.ledger.on_sync(version)
 
+    async def load_adapter(self, name: str, path: str, node_dirs: dict[str, str | None] | None = None) -> None:
+        """Every engine loads the LoRA adapter in `path` (or its node's copy) as `name` (the adapter transport)."""
+        await self.servers.adapters.load(name, path, node_dirs)
+
+    async def activate_adapter(self, name: str, version: int) -> None:
+        """New requests name adapter `name`: the engines serve `version` from now on (no pause was needed)."""
+        await self.servers.adapters.activate(name, version)
+        self.ledger.on_sync(version)
+        self._wake.set()
+        self._validate_after_sync()
+
+    async def unload_adapters(self) -> dict[str, list[str]]:
+        """Unload the adapters no request names any more, beyond the newest kept (engines/adapters.py)."""
+        return await self.servers.adapters.unload()
+
     async def resume(self) -> None:
         await self.servers.resume()
         self._admitting.set()
@@ -264,6 +281,11 @@ class Rollouter:
             self.tracer.record("rollouter", "paused", self._paused_at, time.time(), version=self.ledger.version)
             self._paused_at = None
         self._wake.set()
+        self._validate_after_sync()
+
+    def _validate_after_sync(self) -> None:
+        if self._validation is not None and not self._validation.done():  # an adapter sync does not wait for it
+            return
         val_every = self.cfg.trainer.val_every
         if val_every and self.ledger.version % val_every == 0 and self.val_rows:
             self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))

@@ -596,3 +596,124 @@ class ServersRollouter:
 
     def engine_unverifiable(self) -> str:
         return self.servers.unverifiable
+
+    async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:
+        await self.servers.adapters.load(name, path, node_dirs)
+
+    async def activate_adapter(self, name: str, version: int) -> None:
+        await self.servers.adapters.activate(name, version)
+
+    async def unload_adapters(self) -> dict:
+        return await self.servers.adapters.unload()
+
+
+# -- the trainer's side of a LoRA adapter sync (until the verl backend exports adapters itself) -----------------------
+class AdapterBackend:
+    """A training backend reduced to what the adapter transport uses: a peft LoRA adapter on a model in this process
+    (float32). `export_adapter` writes a PEFT directory and returns fa_digest over what it wrote; `export_weights`
+    writes base + adapter merged (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a
+    training step: lora_B non-zero, so the adapter changes the outputs)."""
+
+    def __init__(self, model_dir, lora) -> None:
+        import peft
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.lora = lora
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        modules = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+        config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=modules, lora_dropout=0.0)
+        self.model = peft.get_peft_model(base, config)
+        self.fail_export: str | None = None
+        """When set, export_adapter raises this (a trainer that cannot write)."""
+        self.step(0)
+
+    def step(self, seed: int) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+    def export_adapter(self, out_dir, dtype: str = "float32") -> str:
+        from safetensors.torch import load_file
+
+        from fully_async.vllm_ext.fa_digest import digest
+
+        if self.fail_export:
+            raise RuntimeError(self.fail_export)
+        out = Path(out_dir)
+        self.model.save_pretrained(str(out))
+        return digest(load_file(str(out / "adapter_model.safetensors")).items())
+
+    def merged_state(self) -> dict:
+        """Base + adapter merged, under the base model's names (a copy; the adapter stays)."""
+        import copy
+
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
+        if merged.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def export_weights(self, out_dir, dtype: str = "float32"):
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.merged_state(), str(out / "model.safetensors"))
+        return [out / "model.safetensors"]
+
+
+class FakeSGLangLora(FakeEngine):
+    """An aiohttp server on 127.0.0.1 that speaks SGLang's LoRA endpoints and its token-level /generate, for the
+    adapter sync's contract test (SGLang's CPU engine cannot run LoRA). /load_lora_adapter takes {"lora_name",
+    "lora_path"} (the directory must hold adapter_config.json, else {"success": false}); /unload_lora_adapter a
+    loaded name; /generate answers 400 when its "lora_path" names no loaded adapter, else a token per
+    `token_delay_s`, each token = (sum(prompt) + i + number of the adapter's version) % 250. `calls`: every LoRA call
+    and the adapter of every generate, in order."""
+
+    def __init__(self, token_delay_s: float = 0.0) -> None:
+        super().__init__(token_delay_s=token_delay_s)
+        self.loaded: dict[str, str] = {}
+        self.calls: list[tuple[str, str | None]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/model_info", self._health)
+        app.router.add_post("/load_lora_adapter", self._load)
+        app.router.add_post("/unload_lora_adapter", self._unload)
+        app.router.add_post("/generate", self._generate)
+        return app
+
+    async def _load(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(("load", body["lora_name"]))
+        if not (Path(body["lora_path"]) / "adapter_config.json").is_file():
+            return web.json_response({"success": False, "message": f"no adapter in {body['lora_path']}"}, status=400)
+        self.loaded[body["lora_name"]] = body["lora_path"]
+        return web.json_response({"success": True, "message": ""})
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        self.calls.append(("unload", name))
+        if self.loaded.pop(name, None) is None:
+            return web.json_response({"success": False, "message": f"{name} is not loaded"}, status=400)
+        return web.json_response({"success": True, "message": ""})
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body.get("lora_path")
+        self.calls.append(("generate", name))
+        if name is not None and name not in self.loaded:
+            return web.json_response({"error": f"adapter {name} is not loaded"}, status=400)
+        shift = int(name.rsplit("-v", 1)[1]) if name else 0
+        tokens = []
+        for i in range(body["sampling_params"]["max_new_tokens"]):
+            await asyncio.sleep(self.token_delay_s)
+            tokens.append((sum(body["input_ids"]) + i + shift) % 250)
+        meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, t, None] for t in tokens]}
+        return web.json_response({"output_ids": tokens, "meta_info": meta})

@@ -12,6 +12,7 @@ await client.close(); servers.stop()
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fully_async.config import ConfigError, EngineConfig
 from fully_async.engines.client import EngineClient
@@ -30,20 +31,22 @@ def build_engine(
     hosts: list | None = None,
     device: str | None = None,
     weight_receiver: bool = False,
+    lora: Any = None,
 ) -> EngineServers:
     """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running).
     `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu;
     `weight_receiver`: the run uses the collective weight transport (vLLM servers load its receiver, the worker
-    extension, either way: every reload goes through it)."""
+    extension, either way: every reload goes through it); `lora` (a LoraServing): the servers serve versioned LoRA
+    adapters (vLLM, SGLang on GPUs)."""
     if cfg.kind == "vllm":
         from fully_async.engines.vllm import VLLMServers
 
         return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device,
-                           weight_receiver=weight_receiver)  # fmt: skip
+                           weight_receiver=weight_receiver, lora=lora)  # fmt: skip
     if cfg.kind == "sglang":
         from fully_async.engines.sglang import SGLangServers
 
-        return SGLangServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device)
+        return SGLangServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device, lora=lora)
     if cfg.kind == "sim":
         from fully_async.engines.sim import SimServers
 

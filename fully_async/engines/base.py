@@ -135,3 +135,15 @@ class EngineKind(abc.ABC):
     def rpc_call(self, method: str, spec: str) -> HttpCall:
         """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
         raise NotImplementedError(f"{self.kind} servers have no weight receiver")
+
+    # ---- LoRA adapters (engines/adapters.py; only kinds that serve them) ---------------------------------------------
+    def load_adapter_call(self, name: str, path: Path) -> HttpCall:
+        """Load the PEFT adapter directory `path` under `name` (again, in place, when the name exists)."""
+        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")
+
+    def unload_adapter_call(self, name: str) -> HttpCall:
+        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")
+
+    def adapter_fields(self, name: str) -> dict[str, Any]:
+        """What a generate request's body gets so that adapter `name` serves it."""
+        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")

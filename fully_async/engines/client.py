@@ -201,7 +201,7 @@ class EngineClient:
             sent_version = state.version
             try:
                 seg = await self._send(
-                    idx, list(prompt_ids) + result.token_ids, max_tokens - len(result.token_ids), sampling
+                    idx, list(prompt_ids) + result.token_ids, max_tokens - len(result.token_ids), sampling, sent_version
                 )
             except _ServerFailure as e:
                 failed = idx
@@ -223,7 +223,11 @@ class EngineClient:
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
             versions = seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
-            if state.version != sent_version and seg.finish_reason != "abort":
+            if self.servers.adapters is not None:
+                # The adapter this segment named produced every token of it, whatever the pool activated meanwhile
+                # (an adapter sync does not pause: the servers' version spans would say the newest).
+                versions = [sent_version] * len(seg.token_ids)
+            elif state.version != sent_version and seg.finish_reason != "abort":
                 # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
                 # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
                 # with the older version, which can only overstate staleness, never hide it.
@@ -265,8 +269,12 @@ class EngineClient:
                 self.stats.carried_tokens += take
         return result
 
-    async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
+    async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling, version: int) -> Segment:
+        """One generate call on server `idx`; with adapters, under the adapter of `version` (counted in use until the
+        answer, so that no sync unloads it meanwhile)."""
         url = self.servers.generate_url(idx)
+        adapters = self.servers.adapters
+        adapter = adapters.acquire(version) if adapters is not None else None
         start = time.time()
         self.outstanding[idx] += 1
         if self.outstanding[idx] == 1:
@@ -280,6 +288,8 @@ class EngineClient:
                 )
             else:
                 path, body = self.servers.generate_request(prompt, max_tokens, sampling)
+                if adapter is not None:
+                    body.update(self.servers.adapter_fields(adapter))
                 async with self.session.post(url + path, json=body) as resp:
                     text = await resp.text()
                 if resp.status >= 500:
@@ -297,6 +307,8 @@ class EngineClient:
             raise _ServerFailure(f"{type(e).__name__}: {e}") from e
         finally:
             end = time.time()
+            if adapters is not None:
+                adapters.release(adapter)
             self.outstanding[idx] -= 1
             if self.outstanding[idx] == 0 and self._busy_since[idx] is not None:
                 self._busy_s[idx] += end - self._busy_since[idx]

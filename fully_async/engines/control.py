@@ -122,14 +122,8 @@ class ControlPlane:
         `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside."""
         pool = self.pool
         weights_dir = Path(weights_dir).resolve()
-        node_dirs = node_dirs or {}
-        routed = {node: Path(d) for node, d in node_dirs.items() if d is not None}
-        abandoned = {node for node, d in node_dirs.items() if d is None}
         async with pool.membership:
-            if abandoned:
-                self.set_aside("reload weights", [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
-                               "the weight copy to its node was abandoned")  # fmt: skip
-                await pool.sync_router_async()
+            routed = await self.route_copies("reload weights", node_dirs)
             await self._reload_serving(weights_dir, routed)
             pool.weights_dir, pool.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
@@ -142,6 +136,20 @@ class ControlPlane:
             await self.set_version(version)
             if rejoin:
                 await pool.sync_router_async()
+
+    async def route_copies(self, what: str, node_dirs: dict[str, str | None] | None) -> dict[str, Path]:
+        """Before a pool-wide load from files (weights, an adapter): {node: its copy} of the nodes in `node_dirs`
+        that got one (disk.py `distribute`); the serving servers on a node mapped to None (its copy was abandoned),
+        or on a node Ray reports dead, are set aside. The caller holds the membership lock."""
+        node_dirs = node_dirs or {}
+        abandoned = {node for node, d in node_dirs.items() if d is None}
+        if abandoned:
+            pool = self.pool
+            self.set_aside(what, [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
+                           "the copy to its node was abandoned")  # fmt: skip
+            await pool.sync_router_async()
+        await self._set_aside_lost(what)
+        return {node: Path(d) for node, d in node_dirs.items() if d is not None}
 
     async def weights_received(self, version: int, epoch: int) -> None:
         """`EngineServers.weights_received`: the version without a reload; stale servers serve again only when the
@@ -159,9 +167,8 @@ class ControlPlane:
             await pool.sync_router_async()
 
     async def _reload_serving(self, weights_dir: Path, node_dirs: dict[str, Path]) -> None:
-        """Reload every serving server, pool-wide: one whose node is known lost is not called, one that stops answering
-        is set aside, one that died meanwhile is dropped."""
-        await self._set_aside_lost("reload weights")
+        """Reload every serving server, pool-wide (after `route_copies`, which set aside those on lost nodes): one that
+        stops answering is set aside, one that died meanwhile is dropped."""
         indices = self.pool.serving
         nodes = [self.pool.node_of(i)["node_id"] if node_dirs else None for i in indices]
         calls = self._reload_calls(weights_dir, node_dirs, [self.pool.address(i) for i in indices], nodes)

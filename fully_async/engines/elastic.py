@@ -40,6 +40,8 @@ async def join(pool: Any, count: int) -> list[int]:
             if pool.weights_dir is not None:
                 nodes = [node_of(p)["node_id"] if pool.node_dirs else None for p in started]
                 await pool.control.reload(pool.weights_dir, pool.node_dirs, started, nodes)
+            if pool.adapters is not None:
+                await pool.adapters.bring_current(started)
             await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
             if pool.state.paused:  # joined during a sync: paused like the others until its resume
                 await pool.control.call_all("pause", pool.pause_call("abort"), urls)
@@ -105,7 +107,7 @@ async def leave(pool: Any, index: int, drained: Any = None) -> None:
 
 async def bring_current(pool: Any, indices) -> None:
     """Servers `indices` of `pool`, healthy again (started or restarted): the current weights (or STALE where their
-    node has no copy yet), the current version, and paused when the pool is."""
+    node has no copy yet), the current adapter (adapter syncs), the current version, and paused when the pool is."""
     urls = [pool.procs[i].url for i in indices]
     if pool.weights_dir is not None:
         try:
@@ -121,6 +123,8 @@ async def bring_current(pool: Any, indices) -> None:
             for i in uncopied:
                 pool.slots.mark_stale(i)
             pool.epoch += 1
+    if pool.adapters is not None:  # the current adapter, from its node's copy where there is one
+        await pool.adapters.bring_current([pool.procs[i] for i in indices])
     await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
     if pool.state.paused:  # back during a sync: paused like the others until its resume
         await pool.control.call_all("pause", pool.pause_call("abort"), urls)

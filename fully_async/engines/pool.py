@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import EngineConfig
+from fully_async.engines.adapters import Adapters
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
 from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
@@ -30,6 +31,7 @@ from fully_async.engines.process import ServerProcess, node_of, release_shm, shm
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
 from fully_async.handles import dead_nodes
+from fully_async.weights.lora import LoraServing
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,14 @@ class EngineServers(EngineKind):
         hosts: list[Any] | None = None,
         device: str | None = None,
         weight_receiver: bool = False,
+        lora: LoraServing | None = None,
     ):
         """addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
         fully_async.host.device; None = this machine's). weight_receiver: the run uses the collective transport
-        (async_training.weight_transport=collective); vLLM servers load the worker extension whatever it says."""
+        (async_training.weight_transport=collective); vLLM servers load the worker extension whatever it says.
+        lora: serve versioned LoRA adapters (the adapter sync; engines/adapters.py)."""
         from fully_async.host import device as run_device
 
         self.cfg = cfg
@@ -65,6 +69,8 @@ class EngineServers(EngineKind):
         """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
         transport, fully_async/weights/disk.py)."""
         self.weight_receiver = weight_receiver
+        self.adapters = Adapters(self, lora) if lora is not None else None
+        """The versioned LoRA adapters the servers hold (None: full-weight syncs only)."""
         self.epoch = 0
         """Bumped whenever the servers' workers change: a weight group formed at an older epoch must be re-formed."""
         self.hosts = hosts
@@ -134,8 +140,9 @@ class EngineServers(EngineKind):
     @property
     def stale_on_return(self) -> bool:
         """Whether a server that (re)starts now cannot get the current weights: they are in no directory (collective
-        transport) and differ from the start-up ones."""
-        return self.weights_dir is None and self.state.version > 0
+        transport) and differ from the start-up ones. With adapters it can: the base model it starts on and the
+        current adapter it loads (`elastic.bring_current`)."""
+        return self.weights_dir is None and self.state.version > 0 and self.adapters is None
 
     # ---- addresses, logs, router -------------------------------------------------------------------------------------
     @property
@@ -250,7 +257,11 @@ class EngineServers(EngineKind):
         """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
         `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead;
         None for a node whose copy was abandoned (its servers are set aside, control.py). Call between pause and
-        resume."""
+        resume. With adapters, a directory that holds one (a resumed run's first weights) is loaded and activated as
+        the adapter of `version` beside the base model instead."""
+        if self.adapters is not None and (Path(weights_dir) / "adapter_config.json").is_file():
+            await self.adapters.resume(weights_dir, version, node_dirs)
+            return
         await self.control.load_weights(weights_dir, version, node_dirs)
 
     async def weights_received(self, version: int, epoch: int) -> None:

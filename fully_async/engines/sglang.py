@@ -127,6 +127,12 @@ class SGLangServers(EngineServers):
                 # Without it the idle scheduler spins a core at 100 %, which the trainer beside it would lose.
                 "--sleep-on-idle",
             ]
+        if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py); GPUs only
+            lora = self.adapters.serving
+            cmd += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras-per-batch",
+                    str(lora.max_loras), "--max-loaded-loras", str(lora.max_cpu_loras),
+                    # SGLang's word for PEFT's "all-linear" is "all".
+                    "--lora-target-modules", *("all" if m == "all-linear" else m for m in lora.target_modules)]  # fmt: skip
         return cmd + list(cfg.extra_args)
 
     def environment(self, index: int) -> dict[str, str]:
@@ -191,6 +197,17 @@ class SGLangServers(EngineServers):
 
     def resume_call(self) -> HttpCall:
         return HttpCall("POST", "/continue_generation", json={})
+
+    def load_adapter_call(self, name: str, path: Path) -> HttpCall:
+        body = {"lora_name": name, "lora_path": str(path)}
+        return HttpCall("POST", "/load_lora_adapter", json=body, check=_success(f"loading adapter {name}"))
+
+    def unload_adapter_call(self, name: str) -> HttpCall:
+        return HttpCall("POST", "/unload_lora_adapter", json={"lora_name": name},
+                        check=_success(f"unloading adapter {name}"))  # fmt: skip
+
+    def adapter_fields(self, name: str) -> dict[str, Any]:
+        return {"lora_path": name}  # a loaded adapter's name selects it
 
     def is_paused_call(self) -> tuple[HttpCall, Any]:
         """Unused: SGLang has no is-paused endpoint; `is_paused` reads /ready's status code instead."""

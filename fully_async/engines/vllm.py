@@ -50,6 +50,17 @@ class VLLMControlCalls:
     def rpc_call(self, method: str, spec: str) -> HttpCall:
         return HttpCall("POST", "/collective_rpc", json={"method": method, "kwargs": {"spec": spec}})
 
+    def load_adapter_call(self, name: str, path: Path) -> HttpCall:
+        # load_inplace: a retried sync loads the same name again instead of failing on "already loaded".
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        return HttpCall("POST", "/v1/load_lora_adapter", json=body)
+
+    def unload_adapter_call(self, name: str) -> HttpCall:
+        return HttpCall("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def adapter_fields(self, name: str) -> dict[str, Any]:
+        return {"model": name}
+
     def set_version_call(self, version: int) -> HttpCall:
         return HttpCall("POST", "/update_weight_version", json={"new_version": str(version)})
 
@@ -97,6 +108,10 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
         cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
+        if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py)
+            lora = self.adapters.serving
+            cmd += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-cpu-loras", str(lora.max_cpu_loras),
+                    "--max-lora-rank", str(lora.max_rank)]  # fmt: skip
         if cuda:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
             if cfg.tensor_parallel_size > 1:
@@ -110,6 +125,8 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
         env["PYTHONPATH"] = str(EXTENSION_DIR)
+        if self.adapters is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
         return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}
 

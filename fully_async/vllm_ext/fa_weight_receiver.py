@@ -51,13 +51,18 @@ import torch.distributed as dist
 
 if __package__:  # imported as fully_async.vllm_ext.fa_weight_receiver
     from .fa_digest import Digest
+    from .fa_lora import AdapterDigest
 else:  # the top-level module fa_weight_receiver (the engine: this directory alone on its path; or loaded by file)
     import importlib.util as _util
 
-    _spec = _util.spec_from_file_location("fa_digest", os.path.join(os.path.dirname(__file__), "fa_digest.py"))
-    _fa_digest = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_fa_digest)
-    Digest = _fa_digest.Digest
+    def _sibling(name: str):
+        spec = _util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+        module = _util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    Digest = _sibling("fa_digest").Digest
+    AdapterDigest = _sibling("fa_lora").AdapterDigest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,7 +140,7 @@ def check_plan(tensors: list, headers: dict[str, list[int]], limit: int = 5) -> 
     return problems
 
 
-class WeightReceiver:
+class WeightReceiver(AdapterDigest):
     """Mixed into vLLM's worker class (see the module docstring)."""
 
     def _fa_state(self) -> dict:

@@ -40,6 +40,8 @@ class WeightTransport(abc.ABC):
     one thread (ParamSync's), never concurrently."""
 
     name: str = "?"
+    pauses_engines: bool = True
+    """Whether ParamSync pauses the engines around `phases` (False: the phases never disturb running requests)."""
 
     @abc.abstractmethod
     def prepare(self, rollouter: Any) -> None:

@@ -23,7 +23,14 @@ def build_transport(
     `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport). `collective`:
     the collective transport's options, with their defaults there (CollectiveTransport: bucket_mb, sync_timeout_s,
     of which its group timeout is a share, and device, cpu: gloo, cuda: nccl); the disk transport takes none.
-    `verify`: async_training.verify_sync (every sync proven by the engines' digests, weights/verify.py)."""
+    `verify`: async_training.verify_sync (every sync proven by the engines' digests, weights/verify.py).
+    `kind` "adapter" (not a weight_transport value: the job picks it when model.lora syncs adapters,
+    weights/lora.py `adapter_sync_plan`): the LoRA adapter transport."""
+    if kind == "adapter":
+        from fully_async.weights.lora import LoraTransport
+
+        return LoraTransport(rollouter, backend, weights_root, dtype, device=collective.get("device", "cpu"),
+                             verify=verify)  # fmt: skip
     if resolve_kind(kind) == "disk":
         from fully_async.weights.disk import DiskTransport
 
