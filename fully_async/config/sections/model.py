@@ -94,6 +94,14 @@ class LoraConfig:
         return self.rank > 0
 
 
+def lora_on_sim(rank: int) -> str:
+    """The error for LoRA with the simulated trainer (a cross-section rule, and build_backend's own check)."""
+    return (
+        f"model.lora.rank must be 0 with trainer.backend=sim (it has no weights to adapt), got {rank}; use "
+        "trainer=verl for LoRA"
+    )
+
+
 @dataclass
 class ModelConfig:
     path: str | None = field(default=None, metadata=PATH)
