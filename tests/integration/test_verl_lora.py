@@ -18,10 +18,13 @@ from safetensors.torch import load_file
 from fully_async.config import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig
 from fully_async.engines.vllm_ext import fa_digest
 from fully_async.training import hf_files, lora
+from tests.helpers import SIM_ROLLOUT
 from tests.training_data import hf_log_probs, load_hf_model, make_groups
 
 TEMPERATURE = 0.9
 RANK, ALPHA = 4, 8
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +169,29 @@ def test_the_export_cli_writes_the_merged_model_and_the_adapter_of_a_lora_run(be
     a_out = load_file(out / "adapter" / lora.ADAPTER_WEIGHTS)
     assert a_ckpt.keys() == a_out.keys() and all(torch.equal(a_ckpt[k], a_out[k]) for k in a_ckpt)
     assert json.loads((out / "adapter" / lora.ADAPTER_CONFIG).read_text())["r"] == RANK
+
+
+def test_a_lora_run_checkpoints_the_adapter_and_ends_with_the_merged_model(ray_local, tmp_path):
+    """The job hands model.lora to the backend: a short run (simulated engine, the real verl trainer) writes
+    step_N/adapter/ (PEFT) and step_N/hf/ (merged), and the one is the other merged onto the base."""
+    from peft import PeftModel
+
+    from fully_async.config import compose
+    from fully_async.models import resolve_model_path
+    from fully_async.simulation import run_schedule
+
+    cfg = compose([*SIM_ROLLOUT, "trainer=verl", f"model.lora.rank={RANK}", "engine.num_servers=1",
+                   "async_training.groups_per_step=2", "trainer.total_steps=2", "trainer.save_every=2",
+                   "trainer.lr=1e-2", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128"])  # fmt: skip
+    base = resolve_model_path(cfg.model)
+    run_schedule(cfg, tmp_path, str(base))
+    step = tmp_path / "checkpoints" / "step_2"
+    config = json.loads((step / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"]) == (RANK, cfg.model.lora.alpha)
+    merged = PeftModel.from_pretrained(load_hf_model(base), step / "adapter").merge_and_unload().state_dict()
+    served = _weights(step / "hf")
+    assert served.keys() == merged.keys()
+    for name, tensor in served.items():
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    untrained = load_hf_model(base).state_dict()
+    assert sum(not torch.equal(served[k], untrained[k]) for k in served) == 7 * cfg.model.tiny.num_layers  # trained
