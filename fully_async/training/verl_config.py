@@ -50,7 +50,7 @@ def engine_configs(
         "infer_max_token_len_per_gpu": trainer.max_token_len_per_gpu,
     }
     schedule = {
-        "lr": trainer.lr,
+        "lr": lora.lr if lora_on and lora.lr is not None else trainer.lr,
         "weight_decay": trainer.weight_decay,
         "clip_grad": trainer.grad_clip,
         "lr_warmup_steps": trainer.lr_warmup_steps,

@@ -22,7 +22,7 @@ from background_sync import LEVEL, markdown, per_run, run, summarize  # scripts/
 from fully_async.config.sections import AsyncTrainingConfig
 
 KINDS = ("full", "lora")
-LORA = ["model.lora.rank=8", "model.lora.sync=merged"]
+LORA = ["model.lora.rank=8", "model.lora.lr=3e-3", "model.lora.sync=merged"]
 
 
 def per_kind(rows: list[dict]) -> str:

@@ -110,6 +110,9 @@ def test_lora_reaches_verls_model_config_and_not_the_reference_or_critic(tmp_pat
     ]  # fmt: skip
     assert reference_config(twc).model_config.lora_rank == 0  # the base model itself
     assert critic_config(twc, TrainerConfig()).model_config.lora_rank == 0  # a new score head trains in full
+    assert twc.optimizer_config.lr == TrainerConfig().lr  # model.lora.lr null: trainer.lr
+    fast, _ = engine_configs(TrainerConfig(lr=1e-3), AlgorithmConfig(), model, True, LoraConfig(rank=8, lr=3e-3))
+    assert fast.optimizer_config.lr == 3e-3 and critic_config(fast, TrainerConfig(lr=1e-3)).optimizer_config.lr == 1e-3
     assert engine_configs(TrainerConfig(), AlgorithmConfig(), model, True, LoraConfig())[0].model_config.lora_rank == 0
     with pytest.raises(ConfigError, match="model.lora.rank=8 is built for trainer.strategy=fsdp2"):
         engine_configs(TrainerConfig(strategy="megatron"), AlgorithmConfig(), model, False, LoraConfig(rank=8))
