@@ -22,7 +22,7 @@ from tests.helpers import SIM_ROLLOUT
 from tests.training_data import hf_log_probs, load_hf_model, make_groups
 
 TEMPERATURE = 0.9
-RANK, ALPHA = 4, 8
+RANK, ALPHA, DROPOUT = 4, 8, 0.05
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def be(ray_local, tiny_model, tmp_path_factory):
     trainer = TrainerConfig(n_gpus_per_node=2, max_token_len_per_gpu=512, total_steps=20, lr=1e-2)
     backend = build_backend(
         trainer, AlgorithmConfig(), tiny_model, temperature=TEMPERATURE, device="cpu",
-        lora=LoraConfig(rank=RANK, alpha=ALPHA),
+        lora=LoraConfig(rank=RANK, alpha=ALPHA, dropout=DROPOUT),
     )  # fmt: skip
     backend.fa_init = tmp_path_factory.mktemp("init")
     backend.save_checkpoint(backend.fa_init, 0)
@@ -105,7 +105,12 @@ def test_the_exported_adapter_loads_with_peft_and_gives_the_trainers_log_probs(b
     assert digest == fa_digest.digest(written.items())
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in written
     config = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["peft_type"]) == (
+        RANK,
+        ALPHA,
+        DROPOUT,
+        "LORA",
+    )
     model = PeftModel.from_pretrained(load_hf_model(tiny_model), tmp_path / "adapter")
     base = hf_log_probs(load_hf_model(tiny_model), groups, TEMPERATURE)
     for got, lp, lp_base in zip(hf_log_probs(model, groups, TEMPERATURE), want, base, strict=True):
