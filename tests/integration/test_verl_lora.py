@@ -134,6 +134,8 @@ def test_exported_weights_are_the_merged_model_peft_would_make(be, tiny_model, t
         torch.testing.assert_close(tensor, want[name], atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         changed += not torch.equal(tensor, base[name])
     assert changed == 7 * TinyModelConfig().num_layers  # every adapted layer and nothing else
+    # the collective transport's sender walks the same merged tensors (names and shapes in its send plan)
+    assert {name: shape for name, shape in be.weight_sender().plan()} == {k: list(t.shape) for k, t in merged.items()}
     groups = make_groups(2, 2, seed=4)
     for got, lp in zip(hf_log_probs(load_hf_model(tmp_path / "merged"), groups, TEMPERATURE),
                        be.compute_log_probs(groups), strict=True):  # fmt: skip
