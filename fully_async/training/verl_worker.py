@@ -72,7 +72,7 @@ def _trainable_optimizer(engine, module):
 
 
 class FullyAsyncTrainingWorker(TrainingWorker):
-    """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
+    """`TrainingWorker` that can run on CPU (gloo), export weights as safetensors and, with LoRA, its adapter."""
 
     def __init__(
         self,
@@ -177,8 +177,8 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         set_model_state_dict(engine.module, hf_files.merged_model(local_path), options=full)
         if engine.optimizer is not None:
             raw = hf_files.merged_optimizer(local_path)
-            # torch keys the saved state by parameter index, in module.parameters() order (how verl built it); the
-            # full-state-dict setter wants parameter names. With LoRA it holds the adapter's alone (_trainable_optimizer).
+            # torch keys the saved state by parameter index, in the order of the parameters it was built over (all of
+            # module.parameters(); with LoRA the adapter's alone, _trainable_optimizer); the setter wants names.
             every = self._peft_model() is None
             names = [name for name, p in engine.module.named_parameters() if every or p.requires_grad]
             osd = {
