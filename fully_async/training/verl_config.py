@@ -150,8 +150,9 @@ def _loss_configs(algorithm: AlgorithmConfig) -> dict:
 
 def critic_config(twc, trainer: TrainerConfig):
     """Engine config for the critic: the policy's model loaded as a value model (verl's `load_valuehead_model`: the
-    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr (default: trainer.lr).
-    With LoRA on the policy, the critic still trains in full (a new score head has nothing to adapt from)."""
+    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr
+    (default: trainer.lr, not model.lora.lr). With LoRA on the policy, the critic still trains in full (a new score
+    head has nothing to adapt from)."""
     from verl.workers.config import TrainingWorkerConfig
 
     optim = dataclasses.replace(twc.optimizer_config, lr=trainer.lr if trainer.critic_lr is None else trainer.critic_lr)
