@@ -5,6 +5,10 @@ per-rank FSDP shards are joined into full tensors in this process (fully_async/t
 ranks), then written as safetensors with the model's config.json, generation_config.json and tokenizer files, so
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it and `model.path=DIR` serves it. Needs memory for
 the full model once (in float32 as FSDP keeps it). The policy only: a critic (`backend/critic/`) is not exported.
+
+A LoRA run (model.lora.rank > 0) gives both: DIR holds the merged model (base + adapter, Hugging Face names) and
+DIR/adapter/ the adapter alone in PEFT format (`peft.PeftModel.from_pretrained(base, DIR/adapter)`), its
+adapter_config.json the one the run wrote into the checkpoint's `adapter/`.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def export_checkpoint(
     ckpt: str | Path, out: str | Path, dtype: str | None = None, progress: Callable[[str], None] | None = print
 ) -> list[Path]:
     """Write checkpoint `ckpt`'s policy into `out` as a Hugging Face model directory; returns the weight files."""
-    from fully_async.training import hf_files
+    from fully_async.training import hf_files, lora
 
     ckpt, out = Path(ckpt), Path(out)
     backend = ckpt / "backend"
@@ -82,13 +86,30 @@ def export_checkpoint(
     if progress:
         progress(f"export: {ckpt} (step {state['step']}, {state['world_size']} ranks) -> {out} as {dtype}")
     tensors = hf_files.merged_model(backend, progress)
-    files = hf_files.write_safetensors(tensors.items(), out, dtype, progress=progress)
+    named = tensors.items()
+    if any(lora.is_adapter(name) for name in tensors):
+        named = _export_adapter(ckpt, tensors, out / "adapter", dtype, progress)
+    files = hf_files.write_safetensors(named, out, dtype, progress=progress)
     copied = hf_files.copy_model_files(sources, out)
     if "config.json" not in copied and not (out / "config.json").is_file():
         raise ExportError(f"no config.json for the model: neither {backend / 'huggingface'} nor model.path has one")
     if progress:
         progress(f"export: wrote {len(tensors)} tensors in {len(files)} files, and {', '.join(copied)}")
     return [out / f for f in files]
+
+
+def _export_adapter(ckpt: Path, tensors: dict, out: Path, dtype: str, progress: Callable[[str], None] | None):
+    """A LoRA checkpoint's adapter into `out` (PEFT format); returns the merged model's (name, tensor) pairs."""
+    from fully_async.training import lora
+
+    config_file = ckpt / "adapter" / lora.ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise ExportError(f"{ckpt} holds a LoRA policy but no adapter/{lora.ADAPTER_CONFIG} (rank, alpha, modules)")
+    config = json.loads(config_file.read_text())
+    lora.write_adapter(lora.adapter_tensors(tensors.items()), config, out, dtype)
+    if progress:
+        progress(f"export: LoRA run: the adapter (rank {config['r']}) -> {out}, the merged model -> {out.parent}")
+    return lora.merged_tensors(tensors.items(), lora.scaling(config))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,7 +155,7 @@ class Job:
         self.hosts = self._engine_hosts(driver_node, engine_side, token)
         self.backend = build_backend(
             cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature, cpu_set=trainer_side,
-            placement_groups=self.placement.trainer_pgs or None,
+            placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
         )  # fmt: skip
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
         root = self.weights_root

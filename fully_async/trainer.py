@@ -108,6 +108,8 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.backend.save_checkpoint(tmp / "backend", self.step)
+        if self.backend.lora is not None:  # the adapter in PEFT format, loadable onto the base model (docs/lora.md)
+            self.backend.export_adapter(tmp / "adapter")
         if self.cfg.trainer.save_hf and self.step == self.cfg.trainer.total_steps:
             dtype = self.cfg.engine.dtype if self.cfg.engine.dtype != "auto" else "float32"
             self.backend.export_weights(tmp / "hf", dtype=dtype)  # the trained model out (python -m fully_async.export)

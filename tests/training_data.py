@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
+from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup, flatten
 
 
 def make_groups(
@@ -40,3 +40,26 @@ def make_groups(
             )
         groups.append(TrajectoryGroup(ref, trajs))
     return groups
+
+
+def load_hf_model(model_dir):
+    """A Hugging Face causal LM as the trainer computes it on CPU (float32, eager attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+
+
+def hf_log_probs(model, groups: list[TrajectoryGroup], temperature: float) -> list[np.ndarray]:
+    """Log-probs of each response token under `model` (a transformers or PEFT model) at `temperature`, one array
+    per trajectory in `flatten(groups)` order (the trainer's compute_log_probs, computed independently)."""
+    import torch
+
+    out = []
+    for t in flatten(groups):
+        ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float() / temperature
+        p = len(t.prompt_ids)
+        out.append(torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, ids[0, p:, None])[:, 0].numpy())
+    return out

@@ -52,6 +52,7 @@ from fully_async.config.sections import (
     TinyModelConfig,
     TrainerConfig,
 )
+from fully_async.config.sections.model import lora_on_sim
 from fully_async.config.tasks import TASK_GROUP, task_problems, with_task_option
 from fully_async.config.verl_keys import translate as translate_verl_keys
 from fully_async.config.verl_keys import verl_hint
@@ -186,6 +187,8 @@ class FullyAsyncConfig:
                 f"engine.max_model_len must be >= data.max_prompt_length + rollout.response_length = {longest}, "
                 f"got {self.engine.max_model_len}"
             )
+        if self.model.lora.enabled and self.trainer.backend == "sim":
+            out.append(lora_on_sim(self.model.lora.rank))
         out += task_problems(self)
         return out
 

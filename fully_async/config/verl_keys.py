@@ -48,6 +48,9 @@ MAPPED: dict[str, str] = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "algorithm.policy_loss",
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
+    "actor_rollout_ref.model.lora_rank": "model.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "model.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "model.lora.target_modules",
     "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
     "critic.optim.lr": "trainer.critic_lr",
     "critic.cliprange_value": "algorithm.value_clip",
@@ -71,6 +74,9 @@ MAPPED: dict[str, str] = {
     "rollout.test_freq": "trainer.val_every",
 }
 """verl key -> our key with the same meaning and unit."""
+
+_ONE_OR_LIST = {"model.lora.target_modules"}
+"""Our list keys whose verl key also takes one bare string (target_modules=all-linear): read as a list of it."""
 
 _PROX = {"true": "algorithm.recompute_prox=false", "false": "algorithm.recompute_prox=true"}
 """Training on the engine's log-probs as pi_old (verl's bypass) = not recomputing pi_prox here."""
@@ -232,6 +238,8 @@ def translate(overrides: list[str]) -> Translation:
         if not sep or key.startswith("~"):
             plain.append(o)
         elif key in MAPPED:
+            if MAPPED[key] in _ONE_OR_LIST and not value.strip().startswith("["):
+                value = f"[{value}]"
             out.append((MAPPED[key], f"{plus}{MAPPED[key]}={value}"))
             t.notes.append(f"verl key {key} read as {MAPPED[key]}")
         elif key in CHOICES:

@@ -16,11 +16,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from fully_async.config.sections.model import LoraConfig
     from fully_async.protocol import TrajectoryGroup
 
 
 class TrainingBackend(ABC):
     """Contract shared by all backends. Calls are blocking and must not be made concurrently."""
+
+    lora: LoraConfig | None = None
+    """model.lora when the policy trains a LoRA adapter, None when it trains in full."""
 
     @property
     @abstractmethod
@@ -41,7 +45,15 @@ class TrainingBackend(ABC):
     @abstractmethod
     def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
         """Write the current weights as Hugging Face safetensors (plus the model's config and tokenizer files) into
-        `out_dir`, cast to `dtype`; returns the weight files written."""
+        `out_dir`, cast to `dtype`; returns the weight files written. With LoRA, the merged model (base + adapter,
+        Hugging Face names), so every full-weight transport serves it unchanged; `weight_sender()` sends the same."""
+
+    def export_adapter(self, out_dir: str | Path, dtype: str = "float32") -> str:
+        """With LoRA, write the adapter as a PEFT adapter directory (`adapter_model.safetensors` under PEFT's tensor
+        names + `adapter_config.json`), loadable by `peft.PeftModel.from_pretrained(base, out_dir)` and by vLLM's
+        `/v1/load_lora_adapter`; returns `fa_digest.digest` of the tensors as written (names and dtype of the
+        file). Collective on every rank, like export_weights. Raises when the backend trains no adapter."""
+        raise NotImplementedError(f"the {type(self).__name__} training backend trains no LoRA adapter")
 
     def weight_sender(self) -> Any:
         """The sending side of the collective weight transport, run where the full weights are: an object with

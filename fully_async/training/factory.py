@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+from fully_async.config.sections.model import LoraConfig, lora_on_sim
 from fully_async.training.base import TrainingBackend
 from fully_async.training.sim_backend import SimBackend
 
@@ -22,13 +23,15 @@ def build_backend(
     device: str | None = None,
     cpu_set: Sequence[int] | None = None,
     placement_groups: list | None = None,
+    lora: LoraConfig | None = None,
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
     `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
     defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
     the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
-    job's trainer groups (fully_async/placement.py); None = the backend reserves its own.
+    job's trainer groups (fully_async/placement.py); None = the backend reserves its own. `lora`: model.lora
+    (rank 0 or None = full fine-tuning).
     Ray must already be initialised by the caller.
     """
     if trainer.backend == "verl":
@@ -43,7 +46,10 @@ def build_backend(
             device=device,
             cpu_set=cpu_set,
             placement_groups=placement_groups,
+            lora=lora,
         )
     if trainer.backend == "sim":
+        if lora is not None and lora.enabled:
+            raise ConfigError(lora_on_sim(lora.rank))
         return SimBackend(trainer, algorithm, use_reference=use_reference)
     raise ConfigError(f"trainer.backend must be one of ['verl', 'sim'], got {trainer.backend!r}")

@@ -28,6 +28,7 @@ import torch
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
 from fully_async.config.sections import NEEDS_CRITIC, NEEDS_PROX
+from fully_async.config.sections.model import LoraConfig
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training import hf_files
@@ -57,9 +58,11 @@ class VerlBackend(TrainingBackend):
         pad_token_id: int = 0,
         cpu_set: Sequence[int] | None = None,
         placement_groups: list | None = None,
+        lora: LoraConfig | None = None,
     ):
         """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
-        trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here."""
+        trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
+        `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md)."""
         from fully_async.host import device as run_device
 
         if not ray.is_initialized():
@@ -72,6 +75,7 @@ class VerlBackend(TrainingBackend):
         self.model_path = Path(model_path)
         self.temperature = float(temperature)
         self.pad_token_id = pad_token_id
+        self.lora = lora if lora is not None and lora.enabled else None
         self.step = 0
         if self.cpu:
             from fully_async.training import cpu_platform
@@ -85,11 +89,11 @@ class VerlBackend(TrainingBackend):
             _require_patch(
                 "0002-forward-only-engine-on-cpu", "verl.workers.engine.fsdp.transformer_impl", "offload_wanted"
             )
-        twc, self.actor_config = engine_configs(trainer, algorithm, str(model_path), self.cpu)
+        twc, self.actor_config = engine_configs(trainer, algorithm, str(model_path), self.cpu, self.lora)
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
         try:
-            self.ranks.start("policy", twc)
+            self.ranks.start("policy", twc, lora_dropout=self.lora.dropout if self.lora else 0.0)
             if use_reference:
                 self.ranks.start("reference", reference_config(twc))
             if self.use_critic:
@@ -111,7 +115,7 @@ class VerlBackend(TrainingBackend):
                 f"algorithm.adv_estimator={algorithm.adv_estimator} needs the critic, which this backend was built "
                 "without (build the backend with that estimator)"
             )
-        _, self.actor_config = engine_configs(self.trainer, algorithm, str(self.model_path), self.cpu)
+        _, self.actor_config = engine_configs(self.trainer, algorithm, str(self.model_path), self.cpu, self.lora)
         self.algorithm = algorithm
         self.ranks.call_all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))
         if "critic" in self.ranks:
@@ -293,6 +297,12 @@ class VerlBackend(TrainingBackend):
         files = next(f for f in answers if f is not None)
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]
+
+    def export_adapter(self, out_dir: str | Path, dtype: str = "float32") -> str:
+        if self.lora is None:
+            raise RuntimeError("export_adapter needs LoRA training (model.lora.rank > 0); this backend trains in full")
+        answers = self.ranks.call_all("policy", "export_adapter", str(out_dir), dtype, str(self.model_path))
+        return next(d for d in answers if d is not None)
 
     def weight_sender(self) -> WeightSender:
         """The policy's rank 0 sends (the collective transport); every rank takes part in gathering each tensor."""

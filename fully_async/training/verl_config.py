@@ -6,20 +6,31 @@ from __future__ import annotations
 import dataclasses
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+from fully_async.config.sections.model import LoraConfig
 
 _NO_MODULE = "FullyAsyncNoSuchModule"
 
 
-def engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool):
+def engine_configs(
+    trainer: TrainerConfig, algorithm: AlgorithmConfig, model_path: str, cpu: bool, lora: LoraConfig | None = None
+):
     """verl config dataclasses for the policy: (TrainingWorkerConfig, actor config used by the loss).
 
     fsdp2 runs on CPU (float32, padded sequences, eager attention) and GPUs (bf16); megatron (GPU only) adds TP/PP/CP
-    from the trainer config. Loss, dispatch and weight export are the same for both."""
+    from the trainer config. Loss, dispatch and weight export are the same for both. With `lora` enabled, verl's
+    FSDP engine wraps the policy in a PEFT LoRA model (its `lora_rank`, `lora_alpha`, `target_modules`): only the
+    adapter trains."""
     from verl.workers import config as vc
 
     megatron = trainer.strategy == "megatron"
     if megatron and cpu:
         raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
+    lora_on = lora is not None and lora.enabled
+    if lora_on and megatron:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} is built for trainer.strategy=fsdp2 (megatron's LoRA is not wired); use "
+            "trainer.strategy=fsdp2 or model.lora.rank=0"
+        )
     model = vc.HFModelConfig(
         path=str(model_path),
         load_tokenizer=False,
@@ -31,6 +42,7 @@ def engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pat
         enable_gradient_checkpointing=not cpu
         if trainer.gradient_checkpointing is None
         else trainer.gradient_checkpointing,
+        **(_lora_fields(lora) if lora_on else {}),
     )
     budget = {
         "use_dynamic_bsz": True,
@@ -38,7 +50,7 @@ def engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pat
         "infer_max_token_len_per_gpu": trainer.max_token_len_per_gpu,
     }
     schedule = {
-        "lr": trainer.lr,
+        "lr": lora.lr if lora_on and lora.lr is not None else trainer.lr,
         "weight_decay": trainer.weight_decay,
         "clip_grad": trainer.grad_clip,
         "lr_warmup_steps": trainer.lr_warmup_steps,
@@ -97,6 +109,23 @@ def engine_configs(trainer: TrainerConfig, algorithm: AlgorithmConfig, model_pat
     return twc, actor
 
 
+def _lora_fields(lora: LoraConfig) -> dict:
+    """HFModelConfig's LoRA fields (verl's FSDP engine); PEFT takes "all-linear" as a string, not in a list. The
+    dropout goes to the ranks separately (verl builds its PEFT config without one; verl_worker.py)."""
+    modules = list(lora.target_modules)
+    return {
+        "lora_rank": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": "all-linear" if modules == ["all-linear"] else modules,
+    }
+
+
+def without_lora(model_config):
+    """The same model config with LoRA off: the reference (the base model itself, which a fresh adapter would only
+    reproduce) and the critic (trained in full) of a LoRA run."""
+    return dataclasses.replace(model_config, lora_rank=0)
+
+
 _ACTOR_LOSS_ARGS = ("tau_pos", "tau_neg", "clip_ratio_c")
 """algorithm.policy_loss_args that are fields of verl's ActorConfig (the rest are PolicyLossConfig fields)."""
 
@@ -121,13 +150,15 @@ def _loss_configs(algorithm: AlgorithmConfig) -> dict:
 
 def critic_config(twc, trainer: TrainerConfig):
     """Engine config for the critic: the policy's model loaded as a value model (verl's `load_valuehead_model`: the
-    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr (default: trainer.lr)."""
+    LM head replaced by a one-output score head), the same engine and precision, its own AdamW at trainer.critic_lr
+    (default: trainer.lr, not model.lora.lr). With LoRA on the policy, the critic still trains in full (a new score
+    head has nothing to adapt from)."""
     from verl.workers.config import TrainingWorkerConfig
 
     optim = dataclasses.replace(twc.optimizer_config, lr=trainer.lr if trainer.critic_lr is None else trainer.critic_lr)
     return TrainingWorkerConfig(
         model_type="value_model",
-        model_config=dataclasses.replace(twc.model_config),
+        model_config=without_lora(twc.model_config),
         engine_config=dataclasses.replace(twc.engine_config),
         optimizer_config=optim,
         checkpoint_config=twc.checkpoint_config,
@@ -149,12 +180,12 @@ def value_loss_config(trainer: TrainerConfig, algorithm: AlgorithmConfig):
 
 
 def reference_config(twc):
-    """Forward-only engine config for the reference model: same model and precision, no optimizer."""
+    """Forward-only engine config for the reference model: same model and precision, no optimizer, no LoRA."""
     from verl.workers.config import TrainingWorkerConfig
 
     return TrainingWorkerConfig(
         model_type=twc.model_type,
-        model_config=twc.model_config,
+        model_config=without_lora(twc.model_config),
         engine_config=dataclasses.replace(twc.engine_config, forward_only=True),
         optimizer_config=None,
         checkpoint_config=twc.checkpoint_config,

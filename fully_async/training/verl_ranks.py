@@ -49,8 +49,9 @@ class RankGroups:
     def dp_size(self) -> int:
         return max(self._groups["policy"].fa_dp_map) + 1
 
-    def start(self, role: str, twc) -> None:
-        """Start `role`'s ranks with engine config `twc` and build their models (verl's `reset`)."""
+    def start(self, role: str, twc, **worker_args) -> None:
+        """Start `role`'s ranks with engine config `twc` and build their models (verl's `reset`); `worker_args` go to
+        FullyAsyncTrainingWorker's constructor."""
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
         from fully_async.training.verl_worker import FullyAsyncTrainingWorker
@@ -84,6 +85,7 @@ class RankGroups:
             cpu=self.cpu,
             cpu_threads=self.trainer.cpu_threads_per_rank,
             cpu_set=self.cpu_set if self.cpu else None,
+            **worker_args,
         )
         wg = RayWorkerGroup(
             resource_pool=pool,

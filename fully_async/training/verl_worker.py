@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import TrainingWorker
 
-from fully_async.training import hf_files
+from fully_async.training import hf_files, lora
 
 
 def _init_gloo(timeout_s: float) -> None:
@@ -53,8 +54,25 @@ def _value_models_with_eager_attention() -> None:
     verl_model.load_valuehead_model = load_valuehead_model
 
 
+def _lora_dropout(p: float) -> None:
+    """verl builds its PEFT LoraConfig without a dropout; in this process, build it with `p`."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
+    from peft import LoraConfig
+
+    impl.LoraConfig = partial(LoraConfig, lora_dropout=p)
+
+
+def _trainable_optimizer(engine, module):
+    """verl's optimizer over the parameters that train (with LoRA, the adapter's only), not every parameter: the
+    frozen base then appears in neither the optimizer's groups nor its state, so checkpoints carry only the
+    adapter's moments."""
+    from verl.workers.config.optimizer import build_optimizer
+
+    return build_optimizer([p for p in module.parameters() if p.requires_grad], engine.optimizer_config)
+
+
 class FullyAsyncTrainingWorker(TrainingWorker):
-    """`TrainingWorker` that can run on CPU (gloo) and export weights as safetensors."""
+    """`TrainingWorker` that can run on CPU (gloo), export weights as safetensors and, with LoRA, its adapter."""
 
     def __init__(
         self,
@@ -63,7 +81,10 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         cpu_threads: int = 0,
         dist_timeout_s: float = 600.0,
         cpu_set: list[int] | None = None,
+        lora_dropout: float = 0.0,
     ):
+        if lora_dropout:
+            _lora_dropout(lora_dropout)
         if cpu:
             if cpu_set and hasattr(os, "sched_setaffinity"):
                 # Cores of their own: OpenMP threads sharing a core with the engine's spin at every barrier.
@@ -76,6 +97,8 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             if config.model_type == "value_model":
                 _value_models_with_eager_attention()
         super().__init__(config)
+        if config.model_config.lora_rank > 0 and config.optimizer_config is not None:
+            self.engine._build_optimizer = partial(_trainable_optimizer, self.engine)
 
     def where(self) -> dict:
         """Node id, pid and visible devices of this rank (for the job's placement record)."""
@@ -84,12 +107,53 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         return {"rank": int(os.environ.get("RANK", "0")), "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
 
+    # ---- the policy's tensors out: full weights (merged with the adapter under LoRA) and the adapter alone ------
+    def _peft_model(self):
+        """The PEFT model the engine wrapped (LoRA on), else None."""
+        module = self.engine.module
+        module = getattr(module, "_fsdp_wrapped_module", module)
+        return module if hasattr(module, "peft_config") else None
+
+    def _full_tensors(self, keep=None):
+        """(module name, full tensor) of the module's state dict, gathered one tensor at a time (a collective: every
+        rank drains it in the same order); `keep(name)` picks the names (all when None)."""
+        from torch.distributed.tensor import DTensor
+
+        for name, value in self.engine.module.state_dict().items():
+            if keep is None or keep(name):
+                yield name, value.full_tensor() if isinstance(value, DTensor) else value.detach()
+
+    def _policy_tensors(self):
+        """(Hugging Face name, full tensor) of the policy as an engine serves it: with LoRA the merged model
+        (fully_async/training/lora.py; verl's own iterator would give the base without the adapter here), else
+        verl's per-tensor iterator."""
+        peft = self._peft_model()
+        if peft is None:
+            return self.engine.get_per_tensor_param()[0]
+        config = lora.adapter_config(peft.peft_config["default"])
+        return lora.merged_tensors(self._full_tensors(), lora.scaling(config))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_adapter(self, out_dir: str, dtype: str = "float32", base_model: str | None = None) -> str | None:
+        """Write the LoRA adapter as a PEFT adapter directory; returns fa_digest's digest of the tensors written on
+        rank 0, None on the other ranks."""
+        peft = self._peft_model()
+        if peft is None:
+            raise RuntimeError("export_adapter: this policy has no LoRA adapter (model.lora.rank=0)")
+        tensors = lora.adapter_tensors(self._full_tensors(lora.is_adapter))
+        if not self._rank0():
+            for _ in tensors:
+                pass
+            return None
+        config = lora.adapter_config(peft.peft_config["default"], base_model)
+        return lora.write_adapter(tensors, config, out_dir, dtype)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[str] | None:
-        """Write the full (unsharded) weights as Hugging Face safetensors shards of about `bucket_bytes` each, with
-        a `model.safetensors.index.json`. Floating tensors are cast to `dtype`. Returns the file names on rank 0,
-        None on the other ranks."""
-        params, _ = self.engine.get_per_tensor_param()
+        """Write the full (unsharded) weights, merged with the LoRA adapter when there is one, as Hugging Face
+        safetensors shards of about `bucket_bytes` each, with a `model.safetensors.index.json`. Floating tensors are
+        cast to `dtype`. Returns the file names on rank 0, None on the other ranks."""
+        params = self._policy_tensors()
         if not self._rank0():  # every rank drains the generator: each step is a collective
             for _ in params:
                 pass
@@ -113,9 +177,10 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         set_model_state_dict(engine.module, hf_files.merged_model(local_path), options=full)
         if engine.optimizer is not None:
             raw = hf_files.merged_optimizer(local_path)
-            # torch keys the saved state by parameter index, in module.parameters() order (how verl built it); the
-            # full-state-dict setter wants parameter names.
-            names = [name for name, _ in engine.module.named_parameters()]
+            # torch keys the saved state by parameter index, in the order of the parameters it was built over (all of
+            # module.parameters(); with LoRA the adapter's alone, _trainable_optimizer); the setter wants names.
+            every = self._peft_model() is None
+            names = [name for name, p in engine.module.named_parameters() if every or p.requires_grad]
             osd = {
                 "state": {names[i]: entry for i, entry in raw["state"].items()},
                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in raw["param_groups"]],
@@ -137,7 +202,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
         if getattr(self, "_weight_sender", None) is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._weight_sender = CollectiveSender(lambda: self.engine.get_per_tensor_param()[0], device)
+            self._weight_sender = CollectiveSender(self._policy_tensors, device)
         return self._weight_sender
 
     @staticmethod
@@ -163,7 +228,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         """The sender's `method` (send | stage) on rank 0; the other ranks take part in the gathers its iterator
         needs."""
         if not self._rank0():
-            for _ in self.engine.get_per_tensor_param()[0]:
+            for _ in self._policy_tensors():
                 pass
             return None
         return getattr(self._sender(), method)(json.loads(buckets_json), dtype)

@@ -1,5 +1,6 @@
 """Trainer log-probs (verl backend, CPU, float32) against the vLLM-CPU engine's behaviour log-probs for the same
-weights, before and after a weight export -> engine reload (the disk transport)."""
+weights, before and after a weight export -> engine reload (the disk transport), in full fine-tuning and with LoRA
+(the merged model synced). One engine server serves the module."""
 
 from __future__ import annotations
 
@@ -53,50 +54,86 @@ async def _sample(servers, n=2, tokens=16, version=0):
         await client.close()
 
 
-def test_trainer_log_probs_match_engine_before_and_after_a_weight_sync(ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def engine(ray_local, tmp_path_factory):
+    """(model, servers): one vLLM-CPU server for the module, started on the tiny model's files (version 0)."""
     from fully_async.engines import build_engine
     from fully_async.models import build_tiny_model
-    from fully_async.protocol import flatten
-    from fully_async.training import build_backend
 
-    model = build_tiny_model(TinyModelConfig(init_std=0.1), tmp_path / "models")
+    tmp = tmp_path_factory.mktemp("engine")
+    model = build_tiny_model(TinyModelConfig(init_std=0.1), tmp / "models")
     servers = build_engine(
         EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=240, dtype="float32"),
         model,
-        tmp_path / "run",
+        tmp / "run",
     )
     servers.start()
-    backend = build_backend(
-        TrainerConfig(max_token_len_per_gpu=256, lr=1e-2),
-        AlgorithmConfig(),
-        model,
-        temperature=TEMPERATURE,
-        device="cpu",
-    )
+    yield model, servers
+    servers.stop()
+
+
+def _backend(model, lora=None):
+    from fully_async.training import build_backend
+
+    return build_backend(
+        TrainerConfig(max_token_len_per_gpu=256, lr=1e-2), AlgorithmConfig(), model, temperature=TEMPERATURE,
+        device="cpu", lora=lora,
+    )  # fmt: skip
+
+
+def _gap(backend, groups):
+    """Largest |engine behaviour log-prob - trainer log-prob| over every response token."""
+    from fully_async.protocol import flatten
+
+    trainer = backend.compute_log_probs(groups)
+    return max(float(np.abs(t.behaviour_logprobs - lp).max()) for t, lp in zip(flatten(groups), trainer, strict=True))
+
+
+def _sync(backend, servers, out, version):
+    """The disk transport's steps: export (the merged model under LoRA), pause, reload, resume."""
+    backend.export_weights(out, dtype="float32")
+
+    async def reload():
+        await servers.pause("abort")
+        await servers.load_weights(out, version)
+        await servers.resume()
+
+    asyncio.run(reload())
+
+
+def test_trainer_log_probs_match_engine_before_and_after_a_weight_sync(engine, tmp_path):
+    model, servers = engine
+    backend = _backend(model)
     try:
-
-        def gap(groups):
-            trainer = backend.compute_log_probs(groups)
-            return max(
-                float(np.abs(t.behaviour_logprobs - lp).max()) for t, lp in zip(flatten(groups), trainer, strict=True)
-            )
-
         groups = asyncio.run(_sample(servers))
-        assert gap(groups) < 1e-4
+        assert _gap(backend, groups) < 1e-4
 
         backend.update(groups)  # new weights, then push them to the engine as version 1
-        backend.export_weights(tmp_path / "w1", dtype="float32")
-
-        async def reload():
-            await servers.pause("abort")
-            await servers.load_weights(tmp_path / "w1", 1)
-            await servers.resume()
-
-        asyncio.run(reload())
+        _sync(backend, servers, tmp_path / "w1", 1)
         fresh = asyncio.run(_sample(servers, version=1))
-        assert gap(fresh) < 1e-4
+        assert _gap(backend, fresh) < 1e-4
         # The update moved the policy: the old samples' engine log-probs no longer match the trainer.
-        assert gap(groups) > 1e-3
+        assert _gap(backend, groups) > 1e-3
     finally:
         backend.shutdown()
-        servers.stop()
+
+
+def test_a_lora_policy_synced_merged_serves_the_trainers_log_probs(engine, tmp_path):
+    """model.lora.sync=merged: the merged export through the disk transport makes the engine sample from the LoRA
+    policy the trainer holds (the base alone would miss by ~the update)."""
+    from fully_async.config import LoraConfig
+
+    model, servers = engine
+    backend = _backend(model, LoraConfig(rank=8, alpha=16))
+    try:
+        _sync(backend, servers, tmp_path / "w10", 10)  # the untrained adapter: the base model, whatever ran before
+        groups = asyncio.run(_sample(servers, version=10))
+        assert _gap(backend, groups) < 1e-4
+        for _ in range(3):
+            backend.update(groups)
+        _sync(backend, servers, tmp_path / "w11", 11)
+        fresh = asyncio.run(_sample(servers, version=11))
+        assert _gap(backend, fresh) < 1e-4
+        assert _gap(backend, groups) > 1e-3  # the adapter moved the policy away from the base
+    finally:
+        backend.shutdown()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from fully_async.config import AlgorithmConfig, TinyModelConfig, TrainerConfig
 from fully_async.protocol import flatten
-from tests.training_data import make_groups
+from tests.training_data import hf_log_probs, load_hf_model, make_groups
 
 TEMPERATURE = 0.9
 
@@ -147,16 +147,8 @@ def test_decoupled_ppo_equals_bypass_when_behaviour_is_proximal(be1, tmp_path):
 
 def _assert_hf_log_probs(model_dir, groups, want):
     """The Hugging Face model in `model_dir`, loaded by transformers, gives the log-probs `want` on `groups`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
-    for t, lp_want in zip(flatten(groups), want, strict=True):
-        ids = torch.from_numpy(np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64))[None]
-        with torch.no_grad():
-            logits = model(ids).logits[0].float() / TEMPERATURE
-        p = len(t.prompt_ids)
-        lp = torch.log_softmax(logits[p - 1 : -1], -1).gather(-1, ids[0, p:, None])[:, 0]
-        np.testing.assert_allclose(lp.numpy(), lp_want, atol=1e-5)
+    for lp, lp_want in zip(hf_log_probs(load_hf_model(model_dir), groups, TEMPERATURE), want, strict=True):
+        np.testing.assert_allclose(lp, lp_want, atol=1e-5)
 
 
 def test_exported_weights_reload_with_identical_log_probs(be1, tmp_path):

@@ -93,3 +93,37 @@ def test_fsdp_units_choose_verls_wrap_targets(tmp_path, units, cpu, ranks, expec
     layer = model.model.layers[0].__class__.__name__
     assert (layer in targets) == expect_layers
     assert {"Embedding", "Linear"} <= targets  # untied embed_tokens and lm_head are units either way
+
+
+def test_lora_reaches_verls_model_config_and_not_the_reference_or_critic(tmp_path):
+    from fully_async.config import LoraConfig, TinyModelConfig
+    from fully_async.models.tiny import build_tiny_model
+    from fully_async.training.verl_config import critic_config, engine_configs, reference_config
+
+    model = str(build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128), cache_dir=tmp_path))
+    twc, _ = engine_configs(TrainerConfig(), AlgorithmConfig(), model, cpu=True, lora=LoraConfig(rank=8, alpha=32))
+    m = twc.model_config
+    assert (m.lora_rank, m.lora_alpha, m.target_modules) == (8, 32, "all-linear")  # PEFT's string form
+    picked = LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])
+    assert engine_configs(TrainerConfig(), AlgorithmConfig(), model, True, picked)[0].model_config.target_modules == [
+        "q_proj", "v_proj"
+    ]  # fmt: skip
+    assert reference_config(twc).model_config.lora_rank == 0  # the base model itself
+    assert critic_config(twc, TrainerConfig()).model_config.lora_rank == 0  # a new score head trains in full
+    assert twc.optimizer_config.lr == TrainerConfig().lr  # model.lora.lr null: trainer.lr
+    fast, _ = engine_configs(TrainerConfig(lr=1e-3), AlgorithmConfig(), model, True, LoraConfig(rank=8, lr=3e-3))
+    assert fast.optimizer_config.lr == 3e-3 and critic_config(fast, TrainerConfig(lr=1e-3)).optimizer_config.lr == 1e-3
+    assert engine_configs(TrainerConfig(), AlgorithmConfig(), model, True, LoraConfig())[0].model_config.lora_rank == 0
+    with pytest.raises(ConfigError, match="model.lora.rank=8 is built for trainer.strategy=fsdp2"):
+        engine_configs(TrainerConfig(strategy="megatron"), AlgorithmConfig(), model, False, LoraConfig(rank=8))
+
+
+def test_lora_with_the_simulated_trainer_is_a_config_error(tmp_path):
+    from fully_async.config import LoraConfig, compose
+    from fully_async.training import build_backend
+
+    with pytest.raises(ConfigError, match="model.lora.rank must be 0 with trainer.backend=sim"):
+        build_backend(TrainerConfig(backend="sim"), AlgorithmConfig(), tmp_path, lora=LoraConfig(rank=8))
+    with pytest.raises(ConfigError, match="model.lora.rank must be 0 with trainer.backend=sim"):
+        compose(["trainer=sim", "engine=sim", "model.lora.rank=8"])
+    compose(["trainer=sim", "engine=sim", "model.lora.rank=0"])
