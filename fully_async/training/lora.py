@@ -92,8 +92,8 @@ def write_adapter(
     tensor) pairs, floating tensors cast to `dtype`; returns `fa_digest.digest` over the tensors as written."""
     from safetensors.torch import save_file
 
-    from fully_async.engines.vllm_ext.fa_digest import digest
     from fully_async.training.hf_files import DTYPES
+    from fully_async.vllm_ext.fa_digest import digest
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from fully_async.config import AlgorithmConfig, LoraConfig, TinyModelConfig, TrainerConfig
-from fully_async.engines.vllm_ext import fa_digest
 from fully_async.training import hf_files, lora
+from fully_async.vllm_ext import fa_digest
 from tests.helpers import SIM_ROLLOUT
 from tests.training_data import hf_log_probs, load_hf_model, make_groups
 

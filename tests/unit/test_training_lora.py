@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from fully_async.config import TinyModelConfig
-from fully_async.engines.vllm_ext import fa_digest
 from fully_async.training import lora
+from fully_async.vllm_ext import fa_digest
 
 
 @pytest.fixture(scope="module")
