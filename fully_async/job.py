@@ -163,7 +163,7 @@ class Job:
             claim_weights_root(self.run_dir, root)
         self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
                               transport=at.weight_transport, bucket_mb=at.bucket_mb,
-                              device=cfg.trainer.device, mode=at.sync_mode)  # fmt: skip
+                              device=cfg.trainer.device, mode=at.sync_mode, staging=at.staging)  # fmt: skip
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
         start_kwargs: dict[str, Any] = {}
         if (ckpt := self.trainer.find_checkpoint()) is not None:

@@ -54,11 +54,12 @@ class ParamSync:
         bucket_mb: float = 16,
         device: str = "cpu",
         mode: str = "blocking",
+        staging: str = "device",
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
         built WeightTransport, or an async_training.weight_transport value (disk | collective | auto);
-        `bucket_mb` and `device` (cpu | cuda): for the collective transport. `mode`: an async_training.sync_mode
+        `bucket_mb`, `device` (cpu | cuda) and `staging` (async_training.staging): for the collective transport. `mode`: an async_training.sync_mode
         value (blocking | background, see the module docstring)."""
         if mode not in SYNC_MODES:
             from fully_async.config import ConfigError
@@ -70,7 +71,7 @@ class ParamSync:
         self.timeout_s = timeout_s
         if isinstance(transport, str):
             transport = build_transport(transport, rollouter, backend, weights_root, dtype, bucket_mb=bucket_mb,
-                                        sync_timeout_s=timeout_s, device=device)  # fmt: skip
+                                        sync_timeout_s=timeout_s, device=device, staging=staging)  # fmt: skip
         self.transport = transport
         self._prepared = False
         self.syncs = 0

@@ -10,6 +10,9 @@ from fully_async.config.base import require
 SYNC_MODES = ("blocking", "background")
 """Values of async_training.sync_mode."""
 
+STAGINGS = ("device", "pinned")
+"""Values of async_training.staging."""
+
 
 @dataclass
 class AsyncTrainingConfig:
@@ -33,6 +36,8 @@ class AsyncTrainingConfig:
     """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
     sync_mode: Literal["blocking", "background"] = "background"
     """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: it waits only for the phases that read its weights (disk: export; collective: a copy into a staging buffer), and the engines' phases run in ParamSync's thread while the next step computes (docs/architecture.md)."""
+    staging: Literal["device", "pinned"] = "device"
+    """Where a background sync's collective transport keeps its copy of the weights (one model's size in the engine dtype, printed at the first sync): device (a second buffer on the trainer's device, sent as it is) or pinned (pinned host memory, copied into the two send buckets on the device as it goes out; costs no device memory). On CPU both are plain host memory; pinned runs the same copy-through code there."""
     bucket_mb: int = 16
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
 
@@ -59,4 +64,5 @@ class AsyncTrainingConfig:
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
         require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
+        require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
         require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
