@@ -22,6 +22,7 @@ Two modes (async_training.sync_mode):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,11 @@ from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.disk import default_weights_root
 
 __all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "default_weights_root"]
+
+HOLD_ENV = "FULLY_ASYNC_TEST_HOLD_SYNC"
+"""Tests only: "VERSION:PATH" makes the background sync of VERSION, once the engines are paused, create PATH and hold
+still (a phase of its own, `test_hold`, under the sync timeout) until PATH is removed, so that a test can kill the
+run exactly between pause and resume (tests/integration/test_background_sync.py)."""
 
 
 class ParamSyncError(RuntimeError):
@@ -131,7 +137,7 @@ class ParamSync:
             mine, engines = self.transport.background_phases(version)
             for name, fn in mine:
                 self._phase(name, t, fn)
-            self._start_background(version, engines)
+            self._start_background(version, hold_phase(version) + engines)
         else:
             self._run_engine_phases(t, self.transport.phases(version))
             self.syncs += 1
@@ -194,3 +200,19 @@ class ParamSync:
         if thread is not None:  # a background sync still reading the files: give it its phases' time, at most
             thread.join(min(self.timeout_s, 30.0))
         self.transport.close(remove)
+
+
+def hold_phase(version: int) -> list:
+    """The `test_hold` phase HOLD_ENV asks for at `version` ([] when it names no hold, or another version)."""
+    spec = os.environ.get(HOLD_ENV, "")
+    held, _, path = spec.partition(":")
+    if not spec or int(held) != version:
+        return []
+    marker = Path(path)
+
+    def hold() -> None:
+        marker.touch()
+        while marker.exists():
+            time.sleep(0.05)
+
+    return [("test_hold", hold)]
