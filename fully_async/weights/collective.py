@@ -515,7 +515,8 @@ class CollectiveTransport(WeightTransport):
         return True
 
     def _stage(self) -> None:
-        self._reconnect_if_changed()
+        # No re-form here, even when the pool changed since the last sync: the staged broadcast then goes to the old
+        # group and `send` re-forms it in ParamSync's thread, so the trainer never waits for a group to form.
         if not self._staging_shown:
             size = staging_bytes(self._plan, self.dtype)
             print(f"fully_async: background weight sync: the collective transport stages a copy of the weights, "

@@ -451,12 +451,14 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
     assert readers == {"param-sync-connect", "param-sync-stage"}
 
 
-def test_background_a_server_restarted_between_stage_and_send_gets_the_staged_copy_in_a_re_formed_group(
-    checkpoint, tmp_path
+@pytest.mark.parametrize("restart", ["before_stage", "after_stage"])
+def test_background_a_server_restarted_before_the_send_gets_the_staged_copy_in_a_group_re_formed_off_the_trainer(
+    checkpoint, tmp_path, restart
 ):
-    """The pool changes (epoch bumped, as a restart does) after the trainer staged version 1 and before the engines
-    receive it: `send` re-forms the group and broadcasts the staged copy again, and every worker gets it; the
-    broadcast into the old group is abandoned."""
+    """The pool changes (epoch bumped, as a restart does) between two syncs, or after the trainer staged version 2
+    and before the engines receive it: the trainer's `stage` does not wait for a re-form (its broadcast goes to the
+    old group); `send`, in ParamSync's thread, re-forms the group and broadcasts the staged copy again, and every
+    worker gets it."""
     model_dir, state = checkpoint
     live = {k: v.clone() for k, v in state.items()}
     workers = [_Worker(model_dir), _Worker(model_dir)]
@@ -466,15 +468,23 @@ def test_background_a_server_restarted_between_stage_and_send_gets_the_staged_co
                                     sync_timeout_s=20)  # fmt: skip
     sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport, mode="background")
     try:
-        expected = {k: v.clone() for k, v in live.items()}
-        sync.sync(1)  # staged; the engines' part starts after the slow pause
-        first_group = transport._group
-        engines.epoch = 1  # a server restarted meanwhile
+        sync.sync(1)
+        sync.wait()
+        group = transport._group
+        if restart == "before_stage":
+            engines.epoch = 1
+        expected = {k: v + 1.0 for k, v in live.items()}
+        for t in live.values():
+            t.add_(1.0)
+        sync.sync(2)  # staged; the engines' part starts after the slow pause
+        assert transport._group == group  # the trainer's phase formed nothing
+        if restart == "after_stage":
+            engines.epoch = 1
         for t in live.values():
             t.add_(100.0)  # the trainer's next step
         done = sync.wait()
-        assert transport._group != first_group  # re-formed, and the staged copy (not the changed tensors) sent
-        assert "timing_s/param_sync/send" in done and engines.received == [(1, 1)]
+        assert transport._group != group  # re-formed, and the staged copy (not the changed tensors) sent
+        assert "timing_s/param_sync/send" in done and engines.received == [(1, 0), (2, 1)]
         for w in workers:
             for name, t in expected.items():
                 assert torch.equal(w.model_runner.loaded[name], t), name
