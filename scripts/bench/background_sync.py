@@ -9,7 +9,8 @@ drift of the machine's load does not favour one mode). From each run's metrics.j
 (the first waits for the engine's warm-up) and leaving out checkpoint writes: seconds per step, the update's seconds
 (log-probs + train + prepare), their ratio (1.0 = the trainer never waits for anything but its own update), the
 seconds per step the trainer was held by weight syncs (`timing_s/param_sync`: background = its export and any wait
-for the previous sync) and by its per-step stats calls (from the trace, when written), the last-20 mean reward and
+for the previous sync), waited for a batch, and spent otherwise (the rest of the step), by its per-step stats calls
+(from the trace, when written), the groups dropped as too stale, the last-20 mean reward and
 the training seconds until the 20-step mean reward first reached 0.8. Prints Markdown tables.
 """
 
@@ -65,13 +66,18 @@ def summarize(run_dir: Path) -> dict:
     update = [m["timing_s/update"] for m in rest]
     curve = learning_curve(run_dir)
     stats = stats_seconds(run_dir)
+    sync = [m.get("timing_s/param_sync", 0.0) for m in rest]
+    batch = [m["timing_s/wait_for_batch"] for m in rest]
     return {
         "name": run_dir.name,
         "steps": len(metrics),
         "step_s": statistics.mean(step),
         "update_s": statistics.mean(update),
         "ratio": sum(step) / sum(update),
-        "sync_s": statistics.mean(m.get("timing_s/param_sync", 0.0) for m in rest),
+        "sync_s": statistics.mean(sync),
+        "batch_s": statistics.mean(batch),
+        "other_s": (sum(step) - sum(update) - sum(sync) - sum(batch)) / len(rest),
+        "stale": metrics[-1].get("fully_async/count/dropped_stale", 0),
         "stats_s": statistics.mean(stats) if stats else float("nan"),
         "last20": curve["last20"],
         "reached": reached(curve, LEVEL),
@@ -84,12 +90,14 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def per_run(rows: list[dict]) -> str:
-    columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "stats, s", "last 20",
-               f"{LEVEL} reached, s"]  # fmt: skip
+    """Where each step's time went besides the update: held by syncs, waiting for a batch, the rest (stats, logging,
+    the step's own bookkeeping); and the groups the queue dropped as too stale (each one regenerated)."""
+    columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "wait for batch, s",
+               "other, s", "stats, s", "stale drops", "last 20", f"{LEVEL} reached, s"]  # fmt: skip
     return markdown(columns, [
         [r["name"], str(r["steps"]), f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{r['ratio']:.2f}",
-         f"{r['sync_s']:.3f}", f"{r['stats_s']:.3f}", f"{r['last20']:.3f}",
-         "-" if r["reached"] is None else f"{r['reached']:.0f}"]
+         f"{r['sync_s']:.3f}", f"{r['batch_s']:.3f}", f"{r['other_s']:.3f}", f"{r['stats_s']:.3f}",
+         str(r["stale"]), f"{r['last20']:.3f}", "-" if r["reached"] is None else f"{r['reached']:.0f}"]
         for r in rows
     ])  # fmt: skip
 
