@@ -50,13 +50,23 @@ def run(out: Path, mode: str, seed: int, steps: int, extra: list[str]) -> float:
     return time.monotonic() - start
 
 
-def stats_seconds(run_dir: Path) -> list[float]:
-    """Seconds of the trainer's `stats` span per step, from the event trace (empty when none was written)."""
+def from_trace(run_dir: Path) -> tuple[list[float], float]:
+    """From the event trace (nothing when none was written): the seconds of the trainer's `stats` span per step, and
+    the seconds of the trainer's waits for a batch that fell while the engines were paused for a sync (the rollouter's
+    `paused` spans), in all."""
     try:
         spans, _ = load(run_dir)
     except (OSError, ValueError):
-        return []
-    return [s.dur for s in spans if s.lane == "trainer" and s.name == "stats"]
+        return [], float("nan")
+    trainer = [s for s in spans if s.lane == "trainer"]
+    paused = [(s.start, s.start + s.dur) for s in spans if s.lane == "rollouter" and s.name == "paused"]
+    overlap = sum(
+        max(0.0, min(w.start + w.dur, end) - max(w.start, start))
+        for w in trainer
+        if w.name == "wait_for_batch"
+        for start, end in paused
+    )
+    return [s.dur for s in trainer if s.name == "stats"], overlap
 
 
 def summarize(run_dir: Path) -> dict:
@@ -65,7 +75,7 @@ def summarize(run_dir: Path) -> dict:
     step = [m["timing_s/step"] - m.get("timing_s/save_checkpoint", 0.0) for m in rest]
     update = [m["timing_s/update"] for m in rest]
     curve = learning_curve(run_dir)
-    stats = stats_seconds(run_dir)
+    stats, paused = from_trace(run_dir)
     sync = [m.get("timing_s/param_sync", 0.0) for m in rest]
     batch = [m["timing_s/wait_for_batch"] for m in rest]
     return {
@@ -76,6 +86,7 @@ def summarize(run_dir: Path) -> dict:
         "ratio": sum(step) / sum(update),
         "sync_s": statistics.mean(sync),
         "batch_s": statistics.mean(batch),
+        "paused_s": paused / len(metrics),
         "other_s": (sum(step) - sum(update) - sum(sync) - sum(batch)) / len(rest),
         "stale": metrics[-1].get("fully_async/count/dropped_stale", 0),
         "stats_s": statistics.mean(stats) if stats else float("nan"),
@@ -90,13 +101,16 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def per_run(rows: list[dict]) -> str:
-    """Where each step's time went besides the update: held by syncs, waiting for a batch, the rest (stats, logging,
-    the step's own bookkeeping); and the groups the queue dropped as too stale (each one regenerated)."""
+    """Where each step's time went besides the update: held by syncs, waiting for a batch (and how much of that wait
+    fell while the engines were paused for a sync), the rest (stats, logging, the step's own bookkeeping); and the
+    groups the queue dropped as too stale (each one regenerated)."""
     columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "wait for batch, s",
-               "other, s", "stats, s", "stale drops", "last 20", f"{LEVEL} reached, s"]  # fmt: skip
+               "of it engines paused, s", "other, s", "stats, s", "stale drops", "last 20",
+               f"{LEVEL} reached, s"]  # fmt: skip
     return markdown(columns, [
         [r["name"], str(r["steps"]), f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{r['ratio']:.2f}",
-         f"{r['sync_s']:.3f}", f"{r['batch_s']:.3f}", f"{r['other_s']:.3f}", f"{r['stats_s']:.3f}",
+         f"{r['sync_s']:.3f}", f"{r['batch_s']:.3f}", f"{r['paused_s']:.3f}", f"{r['other_s']:.3f}",
+         f"{r['stats_s']:.3f}",
          str(r["stale"]), f"{r['last20']:.3f}", "-" if r["reached"] is None else f"{r['reached']:.0f}"]
         for r in rows
     ])  # fmt: skip
