@@ -69,7 +69,10 @@ def test_sigkill_while_a_background_sync_holds_the_engines_paused_then_resume_tr
         while time.monotonic() < deadline and proc.poll() is None and not marker.exists():
             time.sleep(0.1)
         assert marker.exists(), f"the sync of version 5 never reached its hold (exit {proc.poll()})"
-        time.sleep(1.0)  # the trainer meanwhile: step 6's update, then its wait for the held sync
+        logged = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline and len(read_jsonl(logged)) < 5:  # step 5 logs after its sync started
+            time.sleep(0.1)
+        time.sleep(1.0)  # the trainer meanwhile: step 6's batch and update, then its wait for the held sync
         assert proc.poll() is None
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
