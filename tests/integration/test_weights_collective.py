@@ -252,8 +252,8 @@ class _GatedPause(ServersRollouter):
 def test_background_a_server_restarted_between_stage_and_send_rejoins_and_gets_the_staged_copy(
     pool, models, reference, tmp_path
 ):
-    """sync_mode=background: the trainer stages version 5 (models[1]) and moves on (its tensors change); server 1
-    restarts (on its start-up weights, models[0]) before the engines' part of the sync begins. The send re-forms
+    """sync_mode=background: after version 4, the trainer stages version 5 (models[1]) and moves on (its tensors
+    change); server 1 restarts (on its start-up weights, models[0]) before the engines' part of the sync begins. The send re-forms
     the group with the new worker and broadcasts the staged copy again: both servers equal the fresh server on
     models[1], at version 5."""
     servers, _ = pool
@@ -265,6 +265,10 @@ def test_background_a_server_restarted_between_stage_and_send_rejoins_and_gets_t
     sync = ParamSync(handle, backend, tmp_path / "w", "float32", SYNC_TIMEOUT_S, transport=transport,
                      mode="background")  # fmt: skip
     try:
+        rollouter.gate.set()
+        sync.sync(4)  # the servers on version 4 (the pool's version moves past its start-up weights)
+        sync.wait()
+        rollouter.gate.clear()
         assert "timing_s/param_sync/stage" in sync.sync(5)
         group = transport._group
         for t in backend.state.values():  # the trainer's next step: the staged copy is what must arrive
