@@ -262,7 +262,8 @@ def test_background_a_server_restarted_between_stage_and_send_rejoins_and_gets_t
     backend = StateDictBackend(models[1])
     transport = CollectiveTransport(handle, backend, tmp_path / "w", "float32", bucket_mb=1,
                                     sync_timeout_s=SYNC_TIMEOUT_S)  # fmt: skip
-    sync = ParamSync(handle, backend, tmp_path / "w", "float32", SYNC_TIMEOUT_S, transport=transport,
+    # The held pause waits out a server start-up: ParamSync's phases get the start-up's bound, the group keeps its own.
+    sync = ParamSync(handle, backend, tmp_path / "w", "float32", CFG.startup_timeout_s, transport=transport,
                      mode="background")  # fmt: skip
     try:
         rollouter.gate.set()
