@@ -289,8 +289,9 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
             try:
                 for r in range(args.rounds + 1):  # round 0 warms up (and runs the collective's connect)
                     got: dict[str, float] = {**peers.broadcast_s(), "shm": shm_write_s(backend, work)}
+                    collectives = [kind for kind in syncs if kind.startswith("collective")]
                     for kind, sync in syncs.items():
-                        if kind.startswith("collective-"):  # the servers' workers are in one group at a time
+                        if kind in collectives and len(collectives) > 1:  # the servers' workers: one group at a time
                             sync.transport.prepare(handle)
                         timings = timed_sync(sync, r + 1)
                         got[kind] = timings["timing_s/param_sync"]
