@@ -331,7 +331,7 @@ class CollectiveSender:
             self.buffers = []  # the abandoned send may still read the send buffers: this one packs into fresh ones
         pg, staging, stats, outcome = self.pg, list(self.staging), dict(self._staged_stats), {}
         buckets, dtype = self._staged_layout
-        buffers = self.buffers
+        buffers, kind = self.buffers, self._staging_kind
         device = "cuda" if self.device == "cuda" else "cpu"
 
         def broadcast(flat: Any) -> Any:
@@ -340,7 +340,7 @@ class CollectiveSender:
         def run() -> None:
             start = time.monotonic()
             try:
-                if self._staging_kind == "device":
+                if kind == "device":
                     for flat in staging:  # one at a time: engines load bucket k while k + 1 is on the wire
                         broadcast(flat).wait()
                 else:
