@@ -169,7 +169,8 @@ class Job:
             self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
         self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
                               transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
-                              device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync)  # fmt: skip
+                              device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync,
+                              staging=at.staging)  # fmt: skip
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
         start_kwargs: dict[str, Any] = {}
         if (ckpt := self.trainer.find_checkpoint()) is not None:

@@ -22,6 +22,7 @@ Two modes (async_training.sync_mode):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,11 @@ from fully_async.weights.disk import default_weights_root
 from fully_async.weights.verify import VERIFIED_METRIC
 
 __all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "default_weights_root"]
+
+HOLD_ENV = "FULLY_ASYNC_TEST_HOLD_SYNC"
+"""Tests only: "VERSION:PATH" makes the background sync of VERSION, once the engines are paused, create PATH and hold
+still (a phase of its own, `test_hold`, under the sync timeout) until PATH is removed, so that a test can kill the
+run exactly between pause and resume (tests/integration/test_background_sync.py)."""
 
 
 class ParamSync:
@@ -53,12 +59,14 @@ class ParamSync:
         device: str = "cpu",
         mode: str = "blocking",
         verify: bool = True,
+        staging: str = "device",
     ) -> None:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
         built WeightTransport, or an async_training.weight_transport value (disk | collective | auto);
-        `bucket_mb` and `device` (cpu | cuda): for the collective transport. `mode`: an async_training.sync_mode
-        value (blocking | background, see the module docstring). `verify`: async_training.verify_sync."""
+        `bucket_mb`, `device` (cpu | cuda) and `staging` (async_training.staging): for the collective transport.
+        `mode`: an async_training.sync_mode value (blocking | background, see the module docstring). `verify`:
+        async_training.verify_sync."""
         if mode not in SYNC_MODES:
             from fully_async.config import ConfigError
 
@@ -69,7 +77,7 @@ class ParamSync:
         self.timeout_s = timeout_s
         if isinstance(transport, str):
             transport = build_transport(transport, rollouter, backend, weights_root, dtype, verify, bucket_mb=bucket_mb,
-                                        sync_timeout_s=timeout_s, device=device)  # fmt: skip
+                                        sync_timeout_s=timeout_s, device=device, staging=staging)  # fmt: skip
         self.transport = transport
         self._prepared = False
         self.syncs = 0
@@ -129,7 +137,7 @@ class ParamSync:
             mine, engines = self.transport.background_phases(version)
             for name, fn in mine:
                 self._phase(name, t, fn)
-            self._start_background(version, engines)
+            self._start_background(version, hold_phase(version) + engines)
         else:
             self._run_engine_phases(t, self.transport.phases(version))
             self.syncs += 1
@@ -197,3 +205,19 @@ class ParamSync:
         if thread is not None:  # a background sync still reading the files: give it its phases' time, at most
             thread.join(min(self.timeout_s, 30.0))
         self.transport.close(remove)
+
+
+def hold_phase(version: int) -> list:
+    """The `test_hold` phase HOLD_ENV asks for at `version` ([] when it names no hold, or another version)."""
+    spec = os.environ.get(HOLD_ENV, "")
+    held, _, path = spec.partition(":")
+    if not spec or int(held) != version:
+        return []
+    marker = Path(path)
+
+    def hold() -> None:
+        marker.touch()
+        while marker.exists():
+            time.sleep(0.05)
+
+    return [("test_hold", hold)]

@@ -160,8 +160,11 @@ class WeightSender:
     def send(self, buckets: list, dtype: str) -> dict:
         return self._rank0("weights_send", json.dumps(buckets), dtype)
 
-    def stage(self, buckets: list, dtype: str) -> dict:
-        return self._rank0("weights_stage", json.dumps(buckets), dtype)
+    def stage(self, buckets: list, dtype: str, staging: str = "device") -> dict:
+        return self._rank0("weights_stage", json.dumps(buckets), dtype, staging)
+
+    def send_staged(self) -> None:
+        self._rank0("weights_send_staged")
 
     def close(self) -> None:
         if "policy" in self.ranks:

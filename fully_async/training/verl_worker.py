@@ -224,23 +224,29 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         if self._rank0():
             self._sender().form(group, world, backend, timeout_s)
 
-    def _packing(self, method: str, buckets_json: str, dtype: str) -> dict | None:
+    def _packing(self, method: str, buckets_json: str, dtype: str, *args: str) -> dict | None:
         """The sender's `method` (send | stage) on rank 0; the other ranks take part in the gathers its iterator
         needs."""
         if not self._rank0():
             for _ in self._policy_tensors():
                 pass
             return None
-        return getattr(self._sender(), method)(json.loads(buckets_json), dtype)
+        return getattr(self._sender(), method)(json.loads(buckets_json), dtype, *args)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_send(self, buckets_json: str, dtype: str) -> dict | None:
         return self._packing("send", buckets_json, dtype)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weights_stage(self, buckets_json: str, dtype: str) -> dict | None:
+    def weights_stage(self, buckets_json: str, dtype: str, staging: str = "device") -> dict | None:
         """Background syncs: rank 0 copies the weights into its staging buffers and starts their broadcast."""
-        return self._packing("stage", buckets_json, dtype)
+        return self._packing("stage", buckets_json, dtype, staging)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_send_staged(self) -> None:
+        """Rank 0 broadcasts its staged copy again, into the group re-formed since (a server restarted)."""
+        if self._rank0():
+            self._sender().send_staged()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_close(self) -> None:

@@ -27,6 +27,12 @@ A server restarted between syncs comes back on its start-up weights: the engine 
 (its slot is STALE, engines/slots.py) and bumps its epoch; the next sync re-forms the group and sends it the current version like
 every other server (weights already in memory on the trainer; nothing is written to disk).
 
+Background syncs (async_training.sync_mode=background): the trainer's thread runs only `stage`, a copy of the weights
+into one staging buffer per bucket (async_training.staging: `device`, a second copy on the trainer's device, or
+`pinned`, pinned host memory copied through the two send buffers as it goes out; on CPU both are host memory), whose
+broadcast starts at once; ParamSync's thread then runs `send` (the engines receive it) and `set_version`. A server
+restarted between `stage` and `send` makes `send` re-form the group and broadcast the staged copy again.
+
 `export` still writes safetensors (checkpoints and resume) through the backend.
 """
 
@@ -43,6 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from fully_async.config.sections.async_training import STAGINGS
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, WeightTransport
 from fully_async.weights.verify import SyncVerifier
@@ -204,6 +211,37 @@ def staging_bytes(plan: list[list], dtype: str) -> int:
     return sum(numel(shape) for _, shape in plan) * DTYPE_BYTES[dtype]
 
 
+def staging_buffers(buckets: list[dict], dtype: str, staging: str, device: str) -> list:
+    """One flat buffer per bucket for a background sync's copy of the weights (async_training.staging): `device`: on
+    the sender's `device`; `pinned`: pinned host memory when `device` is cuda, plain host memory on cpu (pinning
+    needs an accelerator; the send path is the same)."""
+    import torch
+
+    if staging not in STAGINGS:
+        raise TransportError(f"staging must be one of {list(STAGINGS)}, got {staging!r}")
+    target = _torch_dtype(dtype)
+    if staging == "device":
+        return [torch.empty(k["numel"], dtype=target, device=device) for k in buckets]
+    pin = device == "cuda"
+    return [torch.empty(k["numel"], dtype=target, device="cpu", pin_memory=pin) for k in buckets]
+
+
+def staging_place(staging: str, device: str) -> str:
+    """Where `staging_buffers` puts the copy, in words (the message a background sync prints once)."""
+    if staging == "device":
+        return f"a second copy on the trainer's device ({device})"
+    if device == "cuda":
+        return "pinned host memory (sent through the two bucket buffers on the device)"
+    return "host memory (staging=pinned on cpu: plain host memory, sent through the two bucket buffers like on GPUs)"
+
+
+def staged_tensors(buckets: list[dict], staging: list) -> Iterator[tuple[str, Any]]:
+    """The staged copy as (name, view into its bucket) in plan order: what `pack_and_send` packs from."""
+    for bucket, flat in zip(buckets, staging):
+        for name, shape, offset, n in bucket["tensors"]:
+            yield name, flat[offset : offset + n].view(shape)
+
+
 # ---- the sending side --------------------------------------------------------------------------------------------
 class CollectiveSender:
     """Rank 0 of the weight group, in the process that holds the full tensors. `named_tensors()` gives a fresh
@@ -219,6 +257,9 @@ class CollectiveSender:
         """The two pack buffers, kept from one send to the next (see pack_and_send)."""
         self.staging: list = []
         """Background syncs: one flat buffer per bucket holding a copy of the weights, kept from one sync to the next."""
+        self._staging_kind: str | None = None
+        self._staged_layout: tuple[list[dict], str] | None = None
+        self._staged_stats: dict[str, float] = {}
         self._staged: threading.Thread | None = None
         self._staged_outcome: dict[str, Any] = {}
 
@@ -262,49 +303,77 @@ class CollectiveSender:
         return pack_and_send(iter(self.named_tensors()), buckets, dtype, device, lambda flat: pg.broadcast(flat, 0),
                              self.buffers)  # fmt: skip
 
-    def stage(self, buckets: list[dict], dtype: str) -> dict[str, float]:
+    def stage(self, buckets: list[dict], dtype: str, staging: str = "device") -> dict[str, float]:
         """async_training.sync_mode=background: copy the weights into the staging buffers (packed and cast as `send`
-        packs them; the next optimizer step does not touch them), then start broadcasting them in a thread of this
-        process and return. The broadcast waits in the group for the engines, which join it when ParamSync's
-        background thread asks them to receive (after its pause). The previous staged send must have finished:
-        its failure is raised here (TransportError). Returns bytes, seconds spent packing and digesting, and the
-        digest of the staged tensors (as `send`)."""
+        packs them, where `staging` says: see `staging_buffers`; the next optimizer step does not touch them), then
+        start their broadcast (`send_staged`) and return. The broadcast waits in the group for the engines, which
+        join it when ParamSync's background thread asks them to receive (after its pause). The previous staged send
+        must have finished: its failure is raised here (TransportError). Returns bytes, seconds spent packing and
+        digesting, and the digest of the staged tensors (as `send`)."""
         import torch
 
         self.staged_result()
         if self.pg is None:
             raise TransportError("no weight group formed (connect first)")
         target = _torch_dtype(dtype)
-        device = "cuda" if self.device == "cuda" else "cpu"
-        fits = len(self.staging) == len(buckets) and all(
-            b.dtype == target and b.numel() == k["numel"] for b, k in zip(self.staging, buckets)
+        fits = (
+            self._staging_kind == staging
+            and len(self.staging) == len(buckets)
+            and all(b.dtype == target and b.numel() == k["numel"] for b, k in zip(self.staging, buckets))
         )
         if not fits:
-            self.staging = [torch.empty(k["numel"], dtype=target, device=device) for k in buckets]
+            self.staging = staging_buffers(buckets, dtype, staging, self.device)
+            self._staging_kind = staging
         t0 = time.monotonic()
         it = iter(self.named_tensors())
         for bucket, flat in zip(buckets, self.staging):
             pack_bucket(it, bucket, flat)
         no_more_tensors(it)
-        if device == "cuda":
+        if self.device == "cuda":
             torch.cuda.current_stream().synchronize()  # the copies are done before the optimizer may run
         t1 = time.monotonic()
         digest = _new_digest()
         for bucket, flat in zip(buckets, self.staging):
             digest_bucket(digest, bucket, flat)
-        stats = {
+        self._staged_layout = (buckets, dtype)
+        self._staged_stats = {
             "bytes": float(sum(b.numel() * b.element_size() for b in self.staging)),
             "pack_s": t1 - t0,
             "digest": digest.hexdigest(),
             "digest_s": time.monotonic() - t1,
         }
-        pg, staging, outcome = self.pg, list(self.staging), {}
+        self.send_staged()
+        return self._staged_stats
+
+    def send_staged(self) -> None:
+        """Start broadcasting the staged copy over the group formed last, in a thread of this process, and return.
+        `stage` calls it; the transport calls it again after re-forming the group (an engine server restarted
+        between the stage and the send): a broadcast still waiting in the old group is left to that group's timeout
+        and its outcome dropped. `device` staging broadcasts the staging buffers as they are; `pinned` copies each
+        bucket into the two send buffers on the sender's device first (nccl sends device memory only; on CPU the
+        same code copies host to host)."""
+        if self.pg is None:
+            raise TransportError("no weight group formed (connect first)")
+        if self._staged_layout is None:
+            raise TransportError("nothing staged to send (stage first)")
+        if self._staged is not None and self._staged.is_alive():
+            self.buffers = []  # the abandoned send may still read the send buffers: this one packs into fresh ones
+        pg, staging, stats, outcome = self.pg, list(self.staging), dict(self._staged_stats), {}
+        buckets, dtype = self._staged_layout
+        buffers, kind = self.buffers, self._staging_kind
+        device = "cuda" if self.device == "cuda" else "cpu"
+
+        def broadcast(flat: Any) -> Any:
+            return pg.broadcast(flat, 0)
 
         def run() -> None:
             start = time.monotonic()
             try:
-                for flat in staging:  # one at a time: engines load bucket k while k + 1 is on the wire
-                    pg.broadcast(flat, 0).wait()
+                if kind == "device":
+                    for flat in staging:  # one at a time: engines load bucket k while k + 1 is on the wire
+                        broadcast(flat).wait()
+                else:
+                    pack_and_send(staged_tensors(buckets, staging), buckets, dtype, device, broadcast, buffers)
                 outcome["stats"] = {**stats, "wait_s": time.monotonic() - start}
             except BaseException as e:  # handed to the next stage() / staged_result()
                 outcome["error"] = e
@@ -312,7 +381,6 @@ class CollectiveSender:
         self._staged_outcome = outcome
         self._staged = threading.Thread(target=run, name="weight-sender-staged", daemon=True)
         self._staged.start()
-        return stats
 
     def staged_result(self, timeout_s: float | None = None) -> dict[str, float] | None:
         """Wait for the staged send in flight (None when there is none); TransportError if it failed or is still
@@ -351,11 +419,17 @@ class CollectiveTransport(WeightTransport):
         sync_timeout_s: float = 300.0,
         device: str = "cpu",
         verify: bool = True,
+        staging: str = "device",
     ) -> None:
         """`verify`: async_training.verify_sync (a `verify` phase after `send`, weights/verify.py)."""
         if dtype not in DTYPE_BYTES:
             raise TransportError(f"engine dtype {dtype!r} cannot be sent collectively; one of {sorted(DTYPE_BYTES)}")
+        if staging not in STAGINGS:
+            from fully_async.config import ConfigError
+
+            raise ConfigError(f"async_training.staging must be one of {list(STAGINGS)}, got {staging!r}")
         self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
+        self.device, self.staging = device, staging
         self.root = Path(weights_root)
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
         self.group_timeout_s = max(1.0, sync_timeout_s * GROUP_TIMEOUT_FRACTION)
@@ -372,7 +446,6 @@ class CollectiveTransport(WeightTransport):
         """Server URL -> its workers' answers to joining the group formed last (rank, pid)."""
         self._staging_shown = False
         self._staged_stats: dict[str, float] = {}
-        self._staged_epoch: int | None = None
         self.verifier = SyncVerifier(rollouter, verify)
 
     # -- engine calls -----------------------------------------------------------------------------------------------
@@ -466,35 +539,40 @@ class CollectiveTransport(WeightTransport):
         ]
 
     def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
-        """`stage` (the trainer's: a copy of the weights into the sender's staging buffers, whose broadcast starts
-        at once and waits for the engines), then `send` (the engines receive the staged version) and
-        `set_version`. A server restarted between the two fails the sync, and so the run (the staged broadcast
-        went to the group formed before it); blocking mode re-forms the group instead."""
-        return [("stage", self._stage)], [("send", self._receive_staged), *self._verify_phase(version),
+        """`stage` (the trainer's: a copy of the weights into the sender's staging buffers, async_training.staging,
+        whose broadcast starts at once and waits for the engines), then `send` (the engines receive the staged
+        version) and `set_version`. A server restarted between the two: `send` re-forms the group with the pool as
+        it is and broadcasts the staged copy again into the new one, as blocking mode's `send` re-forms it."""
+        return [("stage", self._stage)], [("send", self._send_staged), *self._verify_phase(version),
                                           ("set_version", lambda: self._set_version(version))]  # fmt: skip
 
     def _buckets(self) -> list[dict]:
         return layout_buckets(self._plan, self.dtype, self.bucket_bytes)
 
-    def _reconnect_if_changed(self) -> None:
-        if resolve(self.rollouter.engine_layout.remote())["epoch"] != self._epoch:
-            self._connect()  # a server restarted (or the pool changed) since the group was formed
+    def _reconnect_if_changed(self) -> bool:
+        """Re-form the group when the pool changed (a server restarted) since it was formed; True when it did."""
+        if resolve(self.rollouter.engine_layout.remote())["epoch"] == self._epoch:
+            return False
+        self._connect()
+        return True
 
     def _stage(self) -> None:
-        self._reconnect_if_changed()
+        # No re-form here, even when the pool changed since the last sync: the staged broadcast then goes to the old
+        # group and `send` re-forms it in ParamSync's thread, so the trainer never waits for a group to form.
         if not self._staging_shown:
             size = staging_bytes(self._plan, self.dtype)
             print(f"fully_async: background weight sync: the collective transport stages a copy of the weights, "
-                  f"{size / (1 << 20):.1f} MiB ({size} bytes, {self.dtype}) on the sender's device, kept for the run",
-                  flush=True)  # fmt: skip
+                  f"{size / (1 << 20):.1f} MiB ({size} bytes, {self.dtype}) in {staging_place(self.staging, self.device)}"
+                  f", kept for the run (async_training.staging={self.staging})", flush=True)  # fmt: skip
             self._staging_shown = True
-        self._staged_stats = self.sender.stage(self._buckets(), self.dtype)
-        self._staged_epoch = self._epoch
+        self._staged_stats = self.sender.stage(self._buckets(), self.dtype, self.staging)
 
-    def _receive_staged(self) -> None:
+    def _send_staged(self) -> None:
         try:
-            if resolve(self.rollouter.engine_layout.remote())["epoch"] != self._staged_epoch:
-                raise TransportError("the engine pool changed between staging and sending (a server restarted)")
+            if self._reconnect_if_changed():  # the staged broadcast went to the old group: send it into the new one
+                logger.warning("the engine pool changed between staging and sending the weights: group re-formed, "
+                               "staged copy sent again")  # fmt: skip
+                self.sender.send_staged()
             spec = {"group": self._group, "dtype": self.dtype, "buckets": self._buckets(),
                     "timeout_s": self.group_timeout_s}  # fmt: skip
             answers = self._collect("receiving weights", self._rpc_all("fa_receive", spec, self.group_timeout_s * 2),

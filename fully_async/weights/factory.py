@@ -22,7 +22,7 @@ def build_transport(
     """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
     `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport). `collective`:
     the collective transport's options, with their defaults there (CollectiveTransport: bucket_mb, sync_timeout_s,
-    of which its group timeout is a share, and device, cpu: gloo, cuda: nccl); the disk transport takes none.
+    of which its group timeout is a share, device, cpu: gloo, cuda: nccl, and staging); the disk transport takes none.
     `verify`: async_training.verify_sync (every sync proven by the engines' digests, weights/verify.py).
     `kind` "adapter" (not a weight_transport value: the job picks it when model.lora syncs adapters,
     weights/lora.py `adapter_sync_plan`): the LoRA adapter transport."""

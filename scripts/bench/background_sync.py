@@ -9,7 +9,8 @@ drift of the machine's load does not favour one mode). From each run's metrics.j
 (the first waits for the engine's warm-up) and leaving out checkpoint writes: seconds per step, the update's seconds
 (log-probs + train + prepare), their ratio (1.0 = the trainer never waits for anything but its own update), the
 seconds per step the trainer was held by weight syncs (`timing_s/param_sync`: background = its export and any wait
-for the previous sync) and by its per-step stats calls (from the trace, when written), the last-20 mean reward and
+for the previous sync), waited for a batch, and spent otherwise (the rest of the step), by its per-step stats calls
+(from the trace, when written), the groups dropped as too stale, the last-20 mean reward and
 the training seconds until the 20-step mean reward first reached 0.8. Prints Markdown tables.
 """
 
@@ -49,13 +50,23 @@ def run(out: Path, mode: str, seed: int, steps: int, extra: list[str]) -> float:
     return time.monotonic() - start
 
 
-def stats_seconds(run_dir: Path) -> list[float]:
-    """Seconds of the trainer's `stats` span per step, from the event trace (empty when none was written)."""
+def from_trace(run_dir: Path) -> tuple[list[float], float]:
+    """From the event trace (nothing when none was written): the seconds of the trainer's `stats` span per step, and
+    the seconds of the trainer's waits for a batch that fell while the engines were paused for a sync (the rollouter's
+    `paused` spans), in all."""
     try:
         spans, _ = load(run_dir)
     except (OSError, ValueError):
-        return []
-    return [s.dur for s in spans if s.lane == "trainer" and s.name == "stats"]
+        return [], float("nan")
+    trainer = [s for s in spans if s.lane == "trainer"]
+    paused = [(s.start, s.start + s.dur) for s in spans if s.lane == "rollouter" and s.name == "paused"]
+    overlap = sum(
+        max(0.0, min(w.start + w.dur, end) - max(w.start, start))
+        for w in trainer
+        if w.name == "wait_for_batch"
+        for start, end in paused
+    )
+    return [s.dur for s in trainer if s.name == "stats"], overlap
 
 
 def summarize(run_dir: Path) -> dict:
@@ -64,14 +75,20 @@ def summarize(run_dir: Path) -> dict:
     step = [m["timing_s/step"] - m.get("timing_s/save_checkpoint", 0.0) for m in rest]
     update = [m["timing_s/update"] for m in rest]
     curve = learning_curve(run_dir)
-    stats = stats_seconds(run_dir)
+    stats, paused = from_trace(run_dir)
+    sync = [m.get("timing_s/param_sync", 0.0) for m in rest]
+    batch = [m["timing_s/wait_for_batch"] for m in rest]
     return {
         "name": run_dir.name,
         "steps": len(metrics),
         "step_s": statistics.mean(step),
         "update_s": statistics.mean(update),
         "ratio": sum(step) / sum(update),
-        "sync_s": statistics.mean(m.get("timing_s/param_sync", 0.0) for m in rest),
+        "sync_s": statistics.mean(sync),
+        "batch_s": statistics.mean(batch),
+        "paused_s": paused / len(metrics),
+        "other_s": (sum(step) - sum(update) - sum(sync) - sum(batch)) / len(rest),
+        "stale": metrics[-1].get("fully_async/count/dropped_stale", 0),
         "stats_s": statistics.mean(stats) if stats else float("nan"),
         "last20": curve["last20"],
         "reached": reached(curve, LEVEL),
@@ -84,12 +101,17 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def per_run(rows: list[dict]) -> str:
-    columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "stats, s", "last 20",
+    """Where each step's time went besides the update: held by syncs, waiting for a batch (and how much of that wait
+    fell while the engines were paused for a sync), the rest (stats, logging, the step's own bookkeeping); and the
+    groups the queue dropped as too stale (each one regenerated)."""
+    columns = ["run", "steps", "s per step", "update s", "step / update", "held by sync, s", "wait for batch, s",
+               "of it engines paused, s", "other, s", "stats, s", "stale drops", "last 20",
                f"{LEVEL} reached, s"]  # fmt: skip
     return markdown(columns, [
         [r["name"], str(r["steps"]), f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{r['ratio']:.2f}",
-         f"{r['sync_s']:.3f}", f"{r['stats_s']:.3f}", f"{r['last20']:.3f}",
-         "-" if r["reached"] is None else f"{r['reached']:.0f}"]
+         f"{r['sync_s']:.3f}", f"{r['batch_s']:.3f}", f"{r['paused_s']:.3f}", f"{r['other_s']:.3f}",
+         f"{r['stats_s']:.3f}",
+         str(r["stale"]), f"{r['last20']:.3f}", "-" if r["reached"] is None else f"{r['reached']:.0f}"]
         for r in rows
     ])  # fmt: skip
 

@@ -5,7 +5,7 @@
 
 For each seed, the default job (`python -m fully_async.runner`, its default steps and sync mode, jsonl logger only)
 runs once in full fine-tuning and once with `model.lora.rank=8` plus `--lora` overrides (default: the adapter's
-documented learning rate and `model.lora.sync=merged`, the sync every transport takes), one after the other, the
+documented learning rate; the adapter sync, model.lora.sync=auto), one after the other, the
 order alternating by seed so a drift of the machine's load does not favour one. From each run's metrics.jsonl (the
 same reading as background_sync.py): the last-20 mean reward, the training seconds until the 20-step mean reward
 first reached 0.8, seconds per step and the trainer's seconds held by weight syncs per step. Prints Markdown tables.
@@ -22,7 +22,7 @@ from background_sync import LEVEL, markdown, per_run, run, summarize  # scripts/
 from fully_async.config.sections import AsyncTrainingConfig
 
 KINDS = ("full", "lora")
-LORA = ["model.lora.rank=8", "model.lora.lr=3e-3", "model.lora.sync=merged"]
+LORA = ["model.lora.rank=8", "model.lora.lr=3e-3"]
 
 
 def per_kind(rows: list[dict]) -> str:

@@ -19,6 +19,12 @@ measures of the same round, then the median):
     .venv/bin/python scripts/bench/weights.py --sizes tiny,100m,500m --rounds 5
     .venv/bin/python scripts/bench/weights.py --sizes 100m --servers 1 --bucket-mb 16,64,256 --transports collective
 
+With --sync-modes blocking,background each transport also runs with the sync in the background (rows ending in "-bg"):
+its `held` column is the trainer's part (disk: export; collective: stage, a copy into the staging buffers), the
+engines' phases follow in ParamSync's thread (`background`); for blocking rows `held` is the whole sync.
+
+    .venv/bin/python scripts/bench/weights.py --sizes 100m --servers 1,2 --sync-modes blocking,background
+
 With several --bucket-mb values, each collective bucket size is its own transport row ("collective-<mb>mb"); the
 raw broadcast uses the first. The collective rows also break the send phase down from what the transport reports:
 the sender's pack (copy + cast into the flat buckets) and wait (on the wire, not overlapped), and per engine worker
@@ -286,10 +292,11 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
             try:
                 for r in range(args.rounds + 1):  # round 0 warms up (and runs the collective's connect)
                     got: dict[str, float] = {**peers.broadcast_s(), "shm": shm_write_s(backend, work)}
+                    collectives = [kind for kind in syncs if kind.startswith("collective")]
                     for kind, sync in syncs.items():
-                        if kind.startswith("collective-"):  # the servers' workers are in one group at a time
+                        if kind in collectives and len(collectives) > 1:  # the servers' workers: one group at a time
                             sync.transport.prepare(handle)
-                        timings = sync.sync(r + 1)
+                        timings = timed_sync(sync, r + 1)
                         got[kind] = timings["timing_s/param_sync"]
                         for k, v in timings.items():
                             if k.startswith("timing_s/param_sync/") and not k.endswith("/connect"):
@@ -321,12 +328,28 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
 
 
 def _variants(kind: str, args) -> list[tuple[str, dict[str, Any]]]:
-    """(row label, ParamSync kwargs) per transport: one per --bucket-mb value for the collective one."""
+    """(row label, ParamSync kwargs) per transport: one per --bucket-mb value for the collective one, each once per
+    --sync-modes value (background rows end in "-bg")."""
     if kind != "collective":
-        return [(kind, {})]
-    if len(args.bucket_mb) == 1:
-        return [(kind, {"bucket_mb": args.bucket_mb[0]})]
-    return [(f"collective-{mb}mb", {"bucket_mb": mb}) for mb in args.bucket_mb]
+        sized = [(kind, {})]
+    elif len(args.bucket_mb) == 1:
+        sized = [(kind, {"bucket_mb": args.bucket_mb[0]})]
+    else:
+        sized = [(f"collective-{mb}mb", {"bucket_mb": mb}) for mb in args.bucket_mb]
+    return [(label + ("-bg" if mode == "background" else ""), {**kwargs, "mode": mode})
+            for mode in args.sync_modes for label, kwargs in sized]  # fmt: skip
+
+
+def timed_sync(sync: Any, version: int) -> dict[str, float]:
+    """One sync's phase timings, with `held`: the seconds the caller (the trainer) was held. Background mode: the
+    sync returns once the trainer's phases ran (export or stage) and `wait` then collects the engines' phases, which
+    a trainer would overlap with its next step; the sync's total is held + background."""
+    timings = sync.sync(version)
+    held = timings["timing_s/param_sync"]
+    if sync.mode == "background":
+        timings.update(sync.wait())
+        timings["timing_s/param_sync"] = held + timings["timing_s/param_sync/background"]
+    return {**timings, "timing_s/param_sync/held": held}
 
 
 def send_breakdown(transport: Any) -> dict[str, float]:
@@ -386,10 +409,14 @@ def main() -> None:
     ap.add_argument(
         "--bucket-mb", default="16", help="collective bucket sizes, comma-separated (the raw broadcast uses the first)"
     )
+    ap.add_argument("--sync-modes", default="blocking",
+                    help="async_training.sync_mode values, comma-separated: each transport runs once per mode "
+                    "(background rows end in -bg; their `held` column is what the trainer waits for)")  # fmt: skip
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache per server (GiB, whole: vLLM-CPU rounds down)")
     args = ap.parse_args()
     args.servers = [int(s) for s in args.servers.split(",")]
     args.bucket_mb = [int(s) for s in args.bucket_mb.split(",")]
+    args.sync_modes = args.sync_modes.split(",")
 
     import ray
 

@@ -100,8 +100,11 @@ def test_nccl_sync_equals_a_fresh_server_then_a_dead_sender_fails_in_time_then_a
     assert [r[0] for r in asyncio.run(_outputs(servers, 0))] == [r[0] for r in reference]
 
 
-def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_its_weights(setup, tmp_path):
-    """The GPU twin of tests/unit/test_weights_collective.py's staged-copy test: the staging buffers on cuda:0."""
+@pytest.mark.parametrize("staging", ["device", "pinned"])
+def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_its_weights(setup, tmp_path, staging):
+    """The GPU twin of tests/unit/test_weights_collective.py's staged-copy test: the staging buffers on cuda:0
+    (`device`), or in pinned host memory copied through the two bucket buffers on cuda:0 as they go out (`pinned`:
+    nccl sends device memory only)."""
     models, reference, servers, handle = setup
     sync = _sync(handle, StateDictBackend(models[0], device="cuda"), tmp_path)  # the servers off the reference first
     try:
@@ -110,7 +113,7 @@ def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_it
         sync.close(remove=False)
     backend = StateDictBackend(models[1], device="cuda")
     transport = CollectiveTransport(handle, backend, tmp_path / "w", "bfloat16", bucket_mb=1,
-                                    sync_timeout_s=SYNC_TIMEOUT_S, device="cuda")  # fmt: skip
+                                    sync_timeout_s=SYNC_TIMEOUT_S, device="cuda", staging=staging)  # fmt: skip
     sync = ParamSync(handle, backend, tmp_path / "w", "bfloat16", SYNC_TIMEOUT_S, transport=transport,
                      mode="background")  # fmt: skip
     try:
@@ -119,6 +122,12 @@ def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_it
         for t in backend.state.values():  # the next optimizer step, while the engines receive the staged copy
             t.add_(1.0)
         assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(sync.wait())
+        staged = backend.sender.staging
+        if staging == "pinned":
+            assert all(b.device.type == "cpu" and b.is_pinned() for b in staged)
+            assert [b.device.type for b in backend.sender.buffers] == ["cuda", "cuda"]
+        else:
+            assert all(b.device.type == "cuda" for b in staged)
     finally:
         sync.close(remove=False)
     got = asyncio.run(_outputs(servers, 0))

@@ -399,10 +399,12 @@ def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2
         assert torch.equal(loaded[name], t), name
 
 
-def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_broadcast_waits(be2, tmp_path):
+@pytest.mark.parametrize("staging", ["device", "pinned"])
+def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_broadcast_waits(be2, tmp_path, staging):
     """async_training.sync_mode=background with the collective transport at 2 FSDP2 ranks: `stage` returns once
-    rank 0 holds a copy and its broadcast has started; the next update runs on the same ranks while that broadcast
-    waits for the engine, and the engine then receives the weights as they were at the stage."""
+    rank 0 holds a copy (async_training.staging) and its broadcast has started; the next update runs on the same
+    ranks while that broadcast waits for the engine, and the engine then receives the weights as they were at the
+    stage. After a re-formed group (an engine server restarted), `send_staged` sends the same copy into it."""
     from fully_async.weights.collective import layout_buckets
 
     _reset(be2)
@@ -410,14 +412,18 @@ def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_bro
     sender = be2.weight_sender()
     worker, loaded, plan = _engine_in_a_thread(tmp_path / "ref", sender, "staged")
     buckets = layout_buckets(plan, "float32", 64 << 10)
-    stats = sender.stage(buckets, "float32")
+    stats = sender.stage(buckets, "float32", staging)
     assert stats["bytes"] == sum(t.numel() * 4 for t in ref.values())
     be2.update(make_groups(2, 4, seed=26))  # the next optimizer step, while rank 0's broadcast waits
     receiving = _receive(worker, "staged", buckets)
     receiving.join(timeout=120)
+    restarted, loaded_again, _ = _engine_in_a_thread(tmp_path / "ref", sender, "staged-again")
+    sender.send_staged()
+    _receive(restarted, "staged-again", buckets).join(timeout=120)
     sender.close()
     after = _weights(be2, tmp_path / "after")
     assert any(not torch.equal(after[k], ref[k]) for k in ref), "the update changed no weight"
-    assert sorted(loaded) == sorted(ref)
-    for name, t in ref.items():
-        assert torch.equal(loaded[name], t), name
+    for got in (loaded, loaded_again):
+        assert sorted(got) == sorted(ref)
+        for name, t in ref.items():
+            assert torch.equal(got[name], t), name

@@ -289,3 +289,55 @@ def test_every_sync_is_proven_by_each_servers_digest_and_a_server_that_loaded_so
         astray.close()
     finally:
         disk.close(remove=False)
+
+
+class _GatedPause(ServersRollouter):
+    """Holds a background sync's pause until `gate` is set: the window between the trainer's `stage` and the
+    engines' `send`, where the test restarts a server."""
+
+    def __init__(self, servers) -> None:
+        super().__init__(servers)
+        self.gate = threading.Event()
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self.gate.wait, 600)
+        await super().pause()
+
+
+def test_background_a_server_restarted_between_stage_and_send_rejoins_and_gets_the_staged_copy(
+    pool, models, reference, tmp_path
+):
+    """sync_mode=background: after version 4, the trainer stages version 5 (models[1]) and moves on (its tensors
+    change); server 1 restarts (on its start-up weights, models[0]) before the engines' part of the sync begins. The send re-forms
+    the group with the new worker and broadcasts the staged copy again: both servers equal the fresh server on
+    models[1], at version 5."""
+    servers, _ = pool
+    rollouter = _GatedPause(servers)
+    handle = LocalActor(rollouter)
+    backend = StateDictBackend(models[1])
+    transport = CollectiveTransport(handle, backend, tmp_path / "w", "float32", bucket_mb=1,
+                                    sync_timeout_s=SYNC_TIMEOUT_S)  # fmt: skip
+    # The held pause waits out a server start-up: ParamSync's phases get the start-up's bound, the group keeps its own.
+    sync = ParamSync(handle, backend, tmp_path / "w", "float32", CFG.startup_timeout_s, transport=transport,
+                     mode="background")  # fmt: skip
+    try:
+        rollouter.gate.set()
+        sync.sync(4)  # the servers on version 4 (the pool's version moves past its start-up weights)
+        sync.wait()
+        rollouter.gate.clear()
+        assert "timing_s/param_sync/stage" in sync.sync(5)
+        group = transport._group
+        for t in backend.state.values():  # the trainer's next step: the staged copy is what must arrive
+            t.add_(1.0)
+        servers.restart(1)
+        assert servers.stale == {1}
+        rollouter.gate.set()
+        assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(sync.wait())
+        assert transport._group != group and len(transport.members) == 2
+    finally:
+        rollouter.gate.set()
+        sync.close(remove=False)
+        handle.close()
+    assert servers.stale == set()
+    for i in range(2):
+        _same(asyncio.run(_outputs(servers, i)), reference, version=5)

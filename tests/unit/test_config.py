@@ -84,6 +84,7 @@ BAD = [
     (["engine=sim", "async_training.weight_transport=collective"], "weight_transport=collective", "engine.kind=vllm"),
     (["async_training.bucket_mb=0"], "async_training.bucket_mb", ">= 1"),
     (["async_training.sync_mode=later"], "async_training.sync_mode", "one of ['blocking', 'background']"),
+    (["async_training.staging=host"], "async_training.staging", "one of ['device', 'pinned']"),
     (["rollout.temperature=0"], "rollout.temperature", "> 0"),
     (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
     (["engine.dtype=fp8"], "engine.dtype", "one of"),

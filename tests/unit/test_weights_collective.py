@@ -451,7 +451,12 @@ class _SlowPauseEngines(_ThreadEngines):
         await asyncio.sleep(0.3)  # the engines' part starts late: the trainer has moved on by then
 
 
-def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_its_weights(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("staging", ["device", "pinned"])
+def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_its_weights(
+    checkpoint, tmp_path, capsys, staging
+):
+    """Both staging places (async_training.staging) run here on CPU: `device` broadcasts the staging buffers,
+    `pinned` copies them through the two send buffers (the nccl path's code; host memory on CPU)."""
     model_dir, state = checkpoint
     live = {k: v.clone() for k, v in state.items()}  # the trainer's parameters, changed in place by its next step
     readers: set[str] = set()
@@ -469,7 +474,7 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
     engines = _SlowPauseEngines([worker])
     handle = LocalActor(engines)
     transport = CollectiveTransport(handle, Reading(live), tmp_path / "w", "float32", bucket_mb=1e-4,
-                                    sync_timeout_s=20)  # fmt: skip
+                                    sync_timeout_s=20, staging=staging)  # fmt: skip
     sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport, mode="background")
     try:
         for version in (1, 2):
@@ -492,5 +497,53 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
     shown = [line for line in capsys.readouterr().out.splitlines() if "stages a copy of the weights" in line]
     size = sum(t.numel() for t in state.values()) * 4
     assert len(shown) == 1 and f"({size} bytes, float32)" in shown[0]  # once per run, with its size
+    assert f"async_training.staging={staging}" in shown[0]
+    assert ("plain host memory" in shown[0]) == (staging == "pinned")  # and where: on CPU pinned is not pinned
+    sender = transport.sender
+    assert all(b.device.type == "cpu" and not b.is_pinned() for b in sender.staging)
+    # pinned sends through the two bucket buffers; device sends the staging buffers themselves and packs none
+    assert len(sender.buffers) == (2 if staging == "pinned" else 0)
     # The weights were read only by the phases the trainer waits for (each runs in a watchdog thread of its own).
     assert readers == {"param-sync-connect", "param-sync-stage"}
+
+
+@pytest.mark.parametrize("restart", ["before_stage", "after_stage"])
+def test_background_a_server_restarted_before_the_send_gets_the_staged_copy_in_a_group_re_formed_off_the_trainer(
+    checkpoint, tmp_path, restart
+):
+    """The pool changes (epoch bumped, as a restart does) between two syncs, or after the trainer staged version 2
+    and before the engines receive it: the trainer's `stage` does not wait for a re-form (its broadcast goes to the
+    old group); `send`, in ParamSync's thread, re-forms the group and broadcasts the staged copy again, and every
+    worker gets it."""
+    model_dir, state = checkpoint
+    live = {k: v.clone() for k, v in state.items()}
+    workers = [_Worker(model_dir), _Worker(model_dir)]
+    engines = _SlowPauseEngines(workers)
+    handle = LocalActor(engines)
+    transport = CollectiveTransport(handle, _Backend(live), tmp_path / "w", "float32", bucket_mb=1e-4,
+                                    sync_timeout_s=20)  # fmt: skip
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport, mode="background")
+    try:
+        sync.sync(1)
+        sync.wait()
+        group = transport._group
+        if restart == "before_stage":
+            engines.epoch = 1
+        expected = {k: v + 1.0 for k, v in live.items()}
+        for t in live.values():
+            t.add_(1.0)
+        sync.sync(2)  # staged; the engines' part starts after the slow pause
+        assert transport._group == group  # the trainer's phase formed nothing
+        if restart == "after_stage":
+            engines.epoch = 1
+        for t in live.values():
+            t.add_(100.0)  # the trainer's next step
+        done = sync.wait()
+        assert transport._group != group  # re-formed, and the staged copy (not the changed tensors) sent
+        assert "timing_s/param_sync/send" in done and engines.received == [(1, 0), (2, 1)]
+        for w in workers:
+            for name, t in expected.items():
+                assert torch.equal(w.model_runner.loaded[name], t), name
+    finally:
+        sync.close(remove=False)
+        handle.close()

@@ -10,6 +10,9 @@ from fully_async.config.base import require
 SYNC_MODES = ("blocking", "background")
 """Values of async_training.sync_mode."""
 
+STAGINGS = ("device", "pinned")
+"""Values of async_training.staging."""
+
 
 @dataclass
 class AsyncTrainingConfig:
@@ -35,6 +38,8 @@ class AsyncTrainingConfig:
     """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: it waits only for the phases that read its weights (disk: export; collective: a copy into a staging buffer), and the engines' phases run in ParamSync's thread while the next step computes (docs/architecture.md)."""
     verify_sync: bool = True
     """Prove every full-weight sync landed: each engine server's digest of the tensors it loaded must equal the trainer's of what it wrote or sent, else the sync fails naming the server (vLLM; engine=sim and SGLang skip it, saying so once). Measured: 7-42 ms per sync in the default job; at 101 M parameters into 2 servers ~2 % of a collective sync, ~7-10 % of a disk one (docs/weight-transports.md, "The proof that a sync landed")."""
+    staging: Literal["device", "pinned"] = "device"
+    """Where a background sync's collective transport keeps its copy of the weights (one model's size in the engine dtype, printed at the first sync): device (a second buffer on the trainer's device, sent as it is) or pinned (pinned host memory, copied into the two send buckets on the device as it goes out; costs no device memory). On CPU both are plain host memory; pinned runs the same copy-through code there."""
     bucket_mb: int = 16
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
 
@@ -61,4 +66,5 @@ class AsyncTrainingConfig:
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
         require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
+        require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
         require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
