@@ -8,9 +8,9 @@ only then), then unloads old names (`unload`). Loading a name does not disturb r
 sync does not pause the engines: a request in flight finishes on the adapter it named, and its tokens carry that
 adapter's version (the client labels them; the servers' /update_weight_version spans would label them with the newest).
 
-The unload rule: the newest `keep` names (engine.max_staleness + 2: the versions a request inside the staleness bound
-can still name, and the one being activated) stay; an older one goes only once no request names it (`in_use`, counted
-by the client per request in flight, a request frozen by a pause included). A server that (re)starts or joins loads
+The unload rule: the newest `keep` names (async_training.max_staleness + 2: the versions a request inside the
+staleness bound can still name, and the one being activated) stay; an older one goes only once no request names it
+(`in_use`, counted by the client per request in flight, a request frozen by a pause included). A server that (re)starts or joins loads
 the current adapter (and any loaded but not yet activated) before it serves (`bring_current`).
 """
 

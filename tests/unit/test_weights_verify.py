@@ -8,6 +8,7 @@ one line."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.weights.disk import files_digest
-from fully_async.weights.verify import VERIFIED_METRIC, verify_engines
+from fully_async.weights.verify import VERIFIED_METRIC, check_answers, verify_engines
 from tests.fakes import FakeEngine, ServersRollouter, StateDictBackend
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,3 +112,12 @@ def test_an_engine_kind_without_a_digest_fails_the_check_and_the_transport_skips
     assert "timing_s/param_sync/verify" not in timings and VERIFIED_METRIC not in timings
     out = capsys.readouterr().out
     assert out.count("weight syncs are not verified by a digest: engine=sim holds no weights") == 1
+
+
+def test_a_sync_during_which_every_server_was_set_aside_has_nothing_to_prove_and_goes_on(caplog):
+    """A node lost mid-sync sets its servers aside (the reload goes on without them); when that leaves no serving
+    server, the verify phase has nothing to ask: it says so and the run goes on (the servers that come back are
+    brought to the current version before they serve), instead of failing a run the elastic pool would save."""
+    with caplog.at_level(logging.WARNING, logger="fully_async.weights.verify"):
+        assert check_answers(None, {}, "d" * 32, "weights v7") == {}
+    assert "weights v7: no serving engine server to verify the sync on" in caplog.text
