@@ -10,8 +10,9 @@ adapter's version (the client labels them; the servers' /update_weight_version s
 
 The unload rule: the newest `keep` names (async_training.max_staleness + 2: the versions a request inside the
 staleness bound can still name, and the one being activated) stay; an older one goes only once no request names it
-(`in_use`, counted by the client per request in flight, a request frozen by a pause included). A server that (re)starts or joins loads
-the current adapter (and any loaded but not yet activated) before it serves (`bring_current`).
+(`in_use`, counted by the client per request in flight, a request frozen by a pause included). A server that
+(re)starts or joins loads the current adapter (and any loaded but not yet activated) before it serves
+(`bring_current`).
 """
 
 from __future__ import annotations

@@ -105,6 +105,16 @@ def _merged_greedy(backend: AdapterBackend, prompt: list[int], tokens: int) -> t
     return out, logprobs
 
 
+def _running(servers) -> int:
+    """Requests the (one) server is generating now, from its Prometheus metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(servers.addresses[0] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running")))  # fmt: skip
+
+
 def test_outputs_under_a_loaded_adapter_equal_the_merged_model_and_change_with_the_next_sync(pool, sync):
     servers, _ = pool
     assert "--enable-lora" in servers.command(0, 1) and "--max-loras" in servers.command(0, 1)
@@ -146,6 +156,11 @@ def test_an_old_version_in_flight_finishes_on_its_own_adapter_while_newer_ones_a
     while servers.adapters.in_use.get("policy-v11", 0) < len(long_prompts) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert servers.adapters.in_use["policy-v11"] == len(long_prompts)
+    # The client counts a request from the moment it picks its adapter; wait until the server runs all of them (a
+    # request that reached the server only after the pause below would not be frozen mid-generation).
+    while _running(servers) < len(long_prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _running(servers) == len(long_prompts)
     # Frozen where they are (a pause that keeps them; the syncs themselves never pause), so that they are surely
     # still in flight, naming v11, while v12 and v13 are activated.
     asyncio.run(servers.pause("keep"))
