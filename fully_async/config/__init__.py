@@ -189,6 +189,10 @@ class FullyAsyncConfig:
             )
         if self.model.lora.enabled and self.trainer.backend == "sim":
             out.append(lora_on_sim(self.model.lora.rank))
+        if self.model.lora.enabled and self.model.lora.sync == "adapter" and self.engine.kind == "sim":
+            # Known before Ray starts; the device-dependent reasons are weights/lora.py adapter_sync_plan's.
+            out.append("model.lora.sync=adapter cannot work with engine.kind=sim (it emulates full-weight syncs "
+                       "only); use model.lora.sync=auto or merged")  # fmt: skip
         out += task_problems(self)
         return out
 

@@ -321,3 +321,11 @@ def test_runner_reads_a_verl_command_line(tmp_path):
     printed = yaml.safe_load(out.stdout)
     assert printed["data"]["train_files"] == "~/data/gsm8k/train.parquet" and printed["rollout"]["n"] == 8
     assert "verl key actor_rollout_ref.rollout.n read as rollout.n" in out.stderr
+
+
+def test_lora_adapter_sync_with_the_emulated_engines_is_refused_before_anything_starts():
+    from fully_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.lora.sync=adapter cannot work with engine.kind=sim"):
+        compose(["engine=sim", "model.lora.rank=8", "model.lora.sync=adapter"])
+    compose(["engine=sim", "model.lora.rank=8"])  # auto: the merged fallback, said at start
