@@ -104,6 +104,15 @@ class Admission:
             return True
         return (len(self.ledger.running) + 1) * self.n <= max(self.start_concurrent, self.n)
 
+    def next_batch_ready(self) -> bool:
+        """At a weight sync (before the ledger moves to the version being synced): whether the groups finished so far
+        hold the trainer's next batch. The trainer has trained the groups of every version up to the one it syncs,
+        (ledger version + 1) x groups per version, and takes groups_per_step more next. Groups dropped as stale and
+        not collected yet still count, so it can say ready a little early: it only decides whether a sync lets
+        requests finish before it pauses them (Rollouter.pause)."""
+        ledger = self.ledger
+        return ledger.accepted >= (ledger.version + 1) * ledger.groups_per_version + self.groups_per_step
+
     def admit_next(self) -> PromptRef:
         """Admit the next prompt (a re-issue first, else the cursor's next); the caller checked `may_admit`."""
         prompt = self.ledger.next_reissue() or self.cursor.next()

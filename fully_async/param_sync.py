@@ -10,14 +10,17 @@ phases are pause, export, distribute, reload, resume; the first sync starts with
 
 Two modes (async_training.sync_mode):
 - blocking: `sync` runs every phase in the caller's (the trainer's) thread, as listed above.
-- background: `sync` runs in the trainer's thread only the phases that read the trainer's weights (the transport's
+- background: ParamSync's own thread runs the phases that read the trainer's weights (the transport's
   `background_phases`: disk: export into a new directory; collective: `stage`, a copy into a staging buffer that the
-  next optimizer step does not touch), then hands pause, the rest of the transport's phases and resume to a thread of
-  its own and returns; the trainer computes its next step meanwhile. At most one sync is in flight: the next `sync`
-  (and `wait`, which the trainer calls before a checkpoint) first waits for the last one, a phase of its own
-  (`wait`). A background phase that fails or passes the timeout is raised, naming it, by the trainer's next call
-  (`sync`, `wait` or `check`). The engines take a version only when its reload finished (the rollouter's ledger
-  moves then), so admission never counts on weights that are not being served.
+  next optimizer step does not touch), then pause, the rest of the transport's phases and resume; the trainer
+  computes its next step meanwhile. The trainer calls `start` after its update and `weights_read` just before the
+  next one (the only point where it must not go on: the next optimizer step would change the weights being read),
+  so the export overlaps the rest of its step (stats, logging, waiting for its batch); `sync` is the two at once.
+  At most one sync is in flight: the next `start` (and `wait`, which the trainer calls before a checkpoint) first
+  waits for the last one, a phase of its own (`wait`). A background phase that fails or passes the timeout is
+  raised, naming it, by the trainer's next call (`start`, `weights_read`, `wait` or `check`). The engines take a
+  version only when its reload finished (the rollouter's ledger moves then), so admission never counts on weights
+  that are not being served.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ class ParamSync:
         """The background sync's phase timings, filled by its thread."""
         self._failed: ParamSyncError | None = None
         """Why a background sync failed; raised by every later sync / wait / check."""
+        self._read: threading.Event | None = None
+        """Set once the background sync in flight has read the backend's weights (None: nothing to wait for)."""
+        self._read_timings: dict[str, float] = {}
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
         """Run one phase in a daemon thread and wait at most timeout_s for it. A phase that hangs (a peer that never
@@ -124,8 +130,17 @@ class ParamSync:
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings and
         `timing_s/param_sync`, the seconds the caller was held. Background mode: returns once the weights are
-        read (after waiting for the previous sync); the engines' phases are reported by the `wait` that collects
-        them."""
+        read (`start`, then `weights_read`); the engines' phases are reported by the `wait` that collects them."""
+        t = self.start(version)
+        add_timings(t, self.weights_read())
+        return t
+
+    def start(self, version: int) -> dict[str, float]:
+        """Begin the sync of `version`; returns the timings of what held the caller (`timing_s/param_sync`).
+        Blocking mode: the whole sync (as `sync`). Background mode: after waiting for the previous sync (`wait`),
+        returns at once; ParamSync's thread reads the weights (the transport's first phases), then runs the engines'
+        phases. The caller must not change the backend's weights before `weights_read` returned: the trainer
+        calls it just before its next update, so the export overlaps the rest of its step."""
         t: dict[str, float] = {}
         start = time.monotonic()
         if self.mode == "background":
@@ -135,13 +150,32 @@ class ParamSync:
             self._prepared = True
         if self.mode == "background":
             mine, engines = self.transport.background_phases(version)
-            for name, fn in mine:
-                self._phase(name, t, fn)
-            self._start_background(version, hold_phase(version) + engines)
+            self._start_background(version, mine, hold_phase(version) + engines)
         else:
             self._run_engine_phases(t, self.transport.phases(version))
             self.syncs += 1
         t["timing_s/param_sync"] = time.monotonic() - start
+        return t
+
+    @property
+    def reading(self) -> bool:
+        """Whether a background sync started by `start` has phases reading the weights not collected by
+        `weights_read` yet."""
+        return self._read is not None
+
+    def weights_read(self) -> dict[str, float]:
+        """Wait until the sync in flight has read the backend's weights (background mode; at once otherwise, or
+        when they were read already); returns the reading phases' timings (reported once) and
+        `timing_s/param_sync`, the seconds waited. Raises ParamSyncError when a reading phase failed. Bounded:
+        every phase is (by timeout_s)."""
+        read = self._read
+        if read is None:
+            return {}
+        start = time.monotonic()
+        read.wait()
+        self._read = None
+        t = {**self._read_timings, "timing_s/param_sync": time.monotonic() - start}
+        self.check()
         return t
 
     def _run_engine_phases(self, t: dict[str, float], phases: list) -> None:
@@ -155,24 +189,37 @@ class ParamSync:
         if pauses:
             self._phase("resume", t, lambda: resolve(self.rollouter.resume.remote()))
 
-    def _start_background(self, version: int, phases: list) -> None:
+    def _start_background(self, version: int, reading: list, phases: list) -> None:
+        """ParamSync's thread for one sync: the `reading` phases (the backend's weights; `weights_read` returns
+        when they are done), then pause, `phases`, resume."""
         timings: dict[str, float] = {}
+        read_timings: dict[str, float] = {}
+        read = threading.Event()
+
+        def fail(e: BaseException) -> None:
+            if isinstance(e, ParamSyncError):
+                self._failed = ParamSyncError(f"background sync of version {version}: {e}")
+                self._failed.__cause__ = e.__cause__
+            else:
+                self._failed = ParamSyncError(f"background sync of version {version} failed: {type(e).__name__}: {e}")
 
         def run() -> None:
             start = time.monotonic()
             try:
+                try:
+                    for name, fn in reading:
+                        self._phase(name, read_timings, fn)
+                finally:
+                    read.set()
                 self._run_engine_phases(timings, phases)
                 self.syncs += 1
-            except ParamSyncError as e:
-                self._failed = ParamSyncError(f"background sync of version {version}: {e}")
-                self._failed.__cause__ = e.__cause__
-            except BaseException as e:  # noqa: BLE001 - anything else is a failure of the sync too, kept for the trainer
-                self._failed = ParamSyncError(f"background sync of version {version} failed: {type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - any failure is the sync's, kept for the trainer
+                fail(e)
             finally:
                 timings["timing_s/param_sync/background"] = time.monotonic() - start
                 self._done = timings
 
-        self._done = {}
+        self._done, self._read_timings, self._read = {}, read_timings, read
         self._inflight = threading.Thread(target=run, name=f"param-sync-v{version}", daemon=True)
         self._inflight.start()
 
@@ -180,13 +227,15 @@ class ParamSync:
         """Wait for the background sync in flight (nothing to do in blocking mode or with none in flight); returns
         its phase timings and `timing_s/param_sync/wait`, the seconds waited. Raises ParamSyncError naming the phase
         when it (or any earlier one) failed. The wait is bounded: every phase of the sync is (by timeout_s)."""
+        start = time.monotonic()
+        read = self.weights_read()  # its reading phases' timings, when not collected yet
+        read.pop("timing_s/param_sync", None)  # the caller times its wait
         thread, self._inflight = self._inflight, None
         if thread is None:
             self.check()
-            return {}
-        start = time.monotonic()
+            return read
         thread.join()
-        t = {**self._done, "timing_s/param_sync/wait": time.monotonic() - start}
+        t = {**read, **self._done, "timing_s/param_sync/wait": time.monotonic() - start}
         self.check()
         return t
 
@@ -205,6 +254,12 @@ class ParamSync:
         if thread is not None:  # a background sync still reading the files: give it its phases' time, at most
             thread.join(min(self.timeout_s, 30.0))
         self.transport.close(remove)
+
+
+def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:
+    """Add a sync's timings into `m`, summing a key met twice (the seconds held, a phase of two syncs)."""
+    for key, value in timings.items():
+        m[key] = m.get(key, 0.0) + value
 
 
 def hold_phase(version: int) -> list:

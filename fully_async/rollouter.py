@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 RAY_GET_WARNING_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
 """Ray's switch for its "blocking ray.get inside async actor" warning (see Rollouter.__init__)."""
 
+FINISH_POLL_S = 0.002
+"""While a sync lets the trainer's next batch finish, how often the rollouter looks again (a few ms per sync)."""
+
 
 class Rollouter:
     def __init__(
@@ -94,6 +97,10 @@ class Rollouter:
         self._val_results: deque[dict[str, Any]] = deque()
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
         self._paused_at: float | None = None
+        self._held_at = time.monotonic()
+        """When the last pause began to hold requests (after letting the trainer's next batch finish)."""
+        self._last_hold_s = 0.0
+        """How long the last sync held requests, pause to resume: what aborting one costs it (`pause`)."""
         self.engine_service: EngineService | None = None
         """The engine pool's calls (engines/service.py), once `start` has started the pool and its client."""
 
@@ -214,7 +221,10 @@ class Rollouter:
     # -- weight sync -------------------------------------------------------------------------------------------
     async def pause(self) -> None:
         """Stop admitting and pause the engines; validation at the current version finishes first. With
-        async_training.drain_on_sync the groups already generating finish first too (nothing is aborted)."""
+        async_training.drain_on_sync the groups already generating finish first too (nothing is aborted); without,
+        requests of the trainer's next batch may still finish (`_let_next_batch_finish`). The servers themselves are
+        paused only when a request is still in flight (engines/control.py `pause`); otherwise only the client holds
+        new requests until the resume."""
         self._admitting.clear()
         self._paused_at = time.time()
         if self._validation is not None:
@@ -222,7 +232,23 @@ class Rollouter:
             self._validation = None
         while self.cfg.async_training.drain_on_sync and self.ledger.running and self._error is None:
             await asyncio.sleep(0.005)
-        await self.servers.pause("abort")
+        await self._let_next_batch_finish()
+        self._held_at = time.monotonic()
+        await self.servers.pause("abort", idle=self.client.idle)
+
+    async def _let_next_batch_finish(self) -> None:
+        """A request aborted by a sync waits for the whole hold (from the pause to the resume) and then prefills its
+        tokens again; the trainer, which waits for its next batch, would wait for it the longer. So while requests
+        are in flight and the finished groups do not hold the trainer's next batch yet, they get up to the last
+        sync's hold to finish (the first sync aborts at once: no hold measured yet)."""
+        deadline = time.monotonic() + self._last_hold_s
+        while (
+            not self.client.idle()
+            and not self.admission.next_batch_ready()
+            and self._error is None
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(FINISH_POLL_S)
 
     async def load_weights(self, weights_dir: str, version: int, node_dirs: dict[str, str] | None = None) -> None:
         """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`."""
@@ -276,6 +302,7 @@ class Rollouter:
 
     async def resume(self) -> None:
         await self.servers.resume()
+        self._last_hold_s = time.monotonic() - self._held_at
         self._admitting.set()
         if self._paused_at is not None:
             self.tracer.record("rollouter", "paused", self._paused_at, time.time(), version=self.ledger.version)

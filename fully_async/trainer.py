@@ -30,7 +30,7 @@ from fully_async.metrics import (
     trajectory_records,
     truncate_jsonl,
 )
-from fully_async.param_sync import ParamSync
+from fully_async.param_sync import ParamSync, add_timings
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -171,9 +171,10 @@ class Trainer:
 
     def train_step(self, prefetched: Any = None, last_step_s: float = 0.0) -> tuple[dict[str, Any], Any]:
         """One step: wait for a batch, update, sync the weights every sync_every steps (async_training.sync_mode=
-        background: start the sync, which finishes while the next step computes), checkpoint when due (with no sync
-        in flight), read the rollouter's and queue's counters. Returns (this step's metrics, including its window's from `step_window`;
-        the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
+        background: start the sync, which reads the weights while this step ends and finishes while the next one
+        computes; the next update waits only until the weights were read), checkpoint when due (with no sync in
+        flight), read the rollouter's and queue's counters. Returns (this step's metrics, including its window's
+        from `step_window`; the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
         step's window, which bounds how long the prefetched get waits before the health-polling path takes over.
         The first call's window starts at the call (or at run()'s start)."""
         cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
@@ -196,20 +197,28 @@ class Trainer:
         next_version = self.version + (self.step % at.sync_every == 0)
         wait = POLL_S + last_step_s
         prefetched = None if saves else self.queue.get.remote(at.groups_per_step, next_version, wait)
-        m: dict[str, Any] = {"step": self.step, "version": self.version}
+        m: dict[str, Any] = {"step": self.step, "version": self.version, "timing_s/param_sync": 0.0}
         m.update(batch_metrics(groups, self.version))
+        if self.sync.reading:  # the background sync the last step started may still read the weights this changes
+            with tr.span("trainer", "param_sync", version=self.version, read=True):
+                add_timings(m, self.sync.weights_read())
         t1 = time.time()
         update = self.backend.update(groups, version=self.version)
         t2 = time.time()
         self._trace_update(t1, t2, update)
         m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
         m["timing_s/update"] = t2 - t1
+        # One call for the rollouter's counters, dynamic sampling's filtered groups and finished validations, one for
+        # the queue's, both in flight at once. On a checkpoint step they go after save(), which writes the filtered
+        # groups the snapshot counts (later ones wait for the next step: a resume from here re-runs them); in
+        # background mode otherwise now, so that they overlap the step's last work (its sync is a thread's start).
+        early = not saves and self.sync.mode == "background"
+        refs = self._step_report(take_filtered=True) if early else None
         self._trajs_out.write(trajectory_records(groups, self.step, self.version))
-        m["timing_s/param_sync"] = 0.0
         if self.step % at.sync_every == 0:
             self.version += 1
             with tr.span("trainer", "param_sync", version=self.version):
-                add_timings(m, self.sync.sync(self.version))
+                add_timings(m, self.sync.start(self.version))
         if saves and self.sync.mode == "background":
             # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
             # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
@@ -223,14 +232,7 @@ class Trainer:
                 self.save()
                 m["timing_s/save_checkpoint"] = time.monotonic() - t3
         with tr.span("trainer", "stats"):
-            # One call for the rollouter's counters, dynamic sampling's filtered groups and finished validations. On
-            # a checkpoint step save() already wrote the filtered groups the snapshot counts, and later ones wait for
-            # the next step (a resume from here re-runs them).
-            # Both calls in flight at once: the trainer waits for the slower one, not for their sum.
-            report_ref, queue_ref = (
-                self.rollouter.step_report.remote(take_filtered=not saves),
-                self.queue.stats.remote(),
-            )
+            report_ref, queue_ref = refs or self._step_report(take_filtered=not saves)
             report, queue_stats = resolve(report_ref), resolve(queue_ref)
             now = report["stats"]
             self._trajs_out.write([{**r, "step": self.step} for r in report["filtered"]])
@@ -239,6 +241,10 @@ class Trainer:
             m.update({k: x for k, x in v.items() if k != "version"})
         self._last_stats = now
         return m, prefetched
+
+    def _step_report(self, take_filtered: bool) -> tuple[Any, Any]:
+        """The rollouter's step_report and the queue's stats, both sent (references, resolved by the caller)."""
+        return self.rollouter.step_report.remote(take_filtered=take_filtered), self.queue.stats.remote()
 
     def run(self) -> dict[str, Any]:
         """Train to trainer.total_steps. Each step's window runs from the previous step's end to this step's end, both
@@ -260,13 +266,6 @@ class Trainer:
             self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final
-
-
-def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:
-    """Add ParamSync's timings into a step's metrics, summing a phase met twice (a background sync's `wait` before
-    a checkpoint and the next sync's)."""
-    for key, value in timings.items():
-        m[key] = m.get(key, 0.0) + value
 
 
 def step_window(

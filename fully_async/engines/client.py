@@ -181,6 +181,11 @@ class EngineClient:
         self._next = (best + 1) % n
         return best
 
+    def idle(self) -> bool:
+        """Whether no request of this client is in flight on any server (counted from just before it is sent until
+        its answer)."""
+        return not any(self.outstanding)
+
     # ---- generation ------------------------------------------------------------------------------------------------
     async def generate(
         self, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(), continue_on_abort: bool = True

@@ -43,7 +43,7 @@ async def join(pool: Any, count: int) -> list[int]:
             if pool.adapters is not None:
                 await pool.adapters.bring_current(started)
             await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
-            if pool.state.paused:  # joined during a sync: paused like the others until its resume
+            if pool.state.paused and not pool.state.clients_only:  # joined during a sync: paused like the others
                 await pool.control.call_all("pause", pool.pause_call("abort"), urls)
         # The current weights in no directory (collective transport): it serves from the next sync on, which
         # re-forms the weight group with it (the epoch says the members changed).
@@ -126,7 +126,7 @@ async def bring_current(pool: Any, indices) -> None:
     if pool.adapters is not None:  # the current adapter, from its node's copy where there is one
         await pool.adapters.bring_current([pool.procs[i] for i in indices])
     await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
-    if pool.state.paused:  # back during a sync: paused like the others until its resume
+    if pool.state.paused and not pool.state.clients_only:  # back during a sync: paused like the others
         await pool.control.call_all("pause", pool.pause_call("abort"), urls)
 
 

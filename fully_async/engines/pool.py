@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +231,10 @@ class EngineServers(EngineKind):
             self._membership = asyncio.Lock()
         return self._membership
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        await self.control.pause(mode)
+    async def pause(self, mode: PauseMode = "abort", idle: Callable[[], bool] | None = None) -> bool:
+        """Hold the clients and pause the servers, unless `idle` says nothing is in flight (control.py `pause`);
+        returns whether the servers were paused."""
+        return await self.control.pause(mode, idle)
 
     async def resume(self) -> None:
         await self.control.resume()

@@ -82,6 +82,10 @@ class EngineState:
     def __init__(self) -> None:
         self.version = 0
         self.paused = False
+        """Whether the clients in this process hold their requests (a weight sync is under way)."""
+        self.clients_only = False
+        """Whether the pause in effect holds only the clients, not the servers: it met no request in flight
+        (control.py `pause`)."""
         self._resumed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 

@@ -119,3 +119,15 @@ async def test_stale_drops_are_taken_from_the_queue_and_reissued():
         assert (await call("stats"))["pending_reissue"] == 0 and list(adm.ledger.reissue) == again
     finally:
         handle.close()
+
+
+def test_at_a_sync_the_next_batch_is_ready_once_the_groups_past_the_synced_version_fill_a_step():
+    # 2 steps of 2 groups per version; the engines serve version 1 and the trainer syncs version 2: it has trained
+    # (1 + 1) * 4 = 8 groups and takes 2 more next.
+    adm = make(eta=1, per_version=4, per_step=2)
+    adm.ledger.on_sync(1)
+    prompts = [adm.admit_next() for _ in range(adm.ledger.headroom())]
+    adm.pushed(prompts[:9])
+    assert not adm.next_batch_ready()
+    adm.pushed(prompts[9:10])
+    assert adm.next_batch_ready()

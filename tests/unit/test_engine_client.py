@@ -131,6 +131,46 @@ async def test_abort_continue_keeps_budget_and_splits_versions(fakes, tmp_path, 
     assert servers.state.version == 1 and servers.weights_dir == tmp_path.resolve()
 
 
+async def test_a_pause_that_meets_no_request_in_flight_holds_only_the_client_and_a_new_request_waits(fakes, tmp_path):
+    fake = await fakes(token_delay_s=0.01)
+    client = make([fake.url])
+    servers = client.servers
+    await servers.set_version(0)
+    assert client.idle()
+    assert await servers.pause("abort", idle=client.idle) is False
+    assert not fake.paused  # nothing ran to abort: the server was not called
+    task = asyncio.create_task(client.generate([5], 6))
+    await asyncio.sleep(0.1)
+    assert not task.done() and fake.generate_calls == 0  # held by the client until the resume
+    await servers.load_weights(tmp_path, 1)
+    await servers.resume()
+    out = await asyncio.wait_for(task, 5)
+    await client.close()
+    assert out.versions == [1] * 6 and out.num_aborts == 0 and fake.reloads == [str(tmp_path.resolve())]
+
+
+async def test_a_pause_that_meets_a_request_in_flight_pauses_the_servers_and_it_continues_after(fakes, tmp_path):
+    fake = await fakes(token_delay_s=0.01)
+    client = make([fake.url])
+    servers = client.servers
+    await servers.set_version(0)
+    task = asyncio.create_task(client.generate([5], 30))
+    while not fake.prompts:  # until the server generates it
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert not client.idle()
+    assert await servers.pause("abort", idle=client.idle) is True
+    assert fake.paused
+    await asyncio.sleep(0.05)  # the fake sees the pause between two tokens
+    await servers.load_weights(tmp_path, 1)
+    await servers.resume()
+    out = await asyncio.wait_for(task, 5)
+    await client.close()
+    k = out.versions.count(0)
+    assert 0 < k < 30
+    assert out.versions == [0] * k + [1] * (30 - k) and out.num_aborts == 1 and not fake.paused
+
+
 async def test_abort_from_a_control_plane_elsewhere_waits_for_the_server_to_resume(fakes):
     fake = await fakes(token_delay_s=0.01)
     client = make([fake.url])

@@ -164,3 +164,38 @@ async def test_a_request_that_exhausts_its_retries_reads_the_server_log_off_the_
     finally:
         await client.close()
     assert threads and threads[0] is not threading.current_thread()
+
+
+async def test_a_sync_pauses_no_idle_server_and_lets_the_trainers_next_batch_finish_for_up_to_the_last_hold(tmp_path):
+    # eta=1, 4 groups a step: 8 groups fit at version 0, 4 more at version 1 (the trainer's next batch at the sync of
+    # version 2). 20-token samples at 10 ms a token: a group is in flight for about 0.2 s.
+    overrides = ["async_training.max_staleness=1", "async_training.groups_per_step=4", "data.synthetic_size=64",
+                 "engine.sim.decode_step_s=0.01"]  # fmt: skip
+    async with running(tmp_path, overrides) as (rollouter, queue):
+        client, state = rollouter.client, rollouter.servers.state
+        await until(lambda: rollouter.ledger.accepted == 8 and client.idle(), "version 0's groups")
+        await rollouter.pause()  # nothing in flight: the servers are not paused, only the client holds
+        assert state.paused and state.clients_only
+        await rollouter.load_weights(str(tmp_path), 1)
+        await rollouter.resume()
+        assert not state.paused and not state.clients_only
+        for _ in range(2):  # the trainer takes version 0's groups: the queue has room for what comes next
+            await queue("get", 4, 1, 5)
+        # Version 1's groups are in flight when the next sync begins: with a long last hold they finish first.
+        await until(lambda: not client.idle(), "version 1's groups in flight")
+        rollouter._last_hold_s, aborts = 30.0, client.stats.aborts
+        start = time.monotonic()
+        await rollouter.pause()
+        assert client.idle() and client.stats.aborts == aborts and state.clients_only  # finished, not aborted
+        assert time.monotonic() - start < 5.0  # until the batch was in, not the whole bound
+        await rollouter.load_weights(str(tmp_path), 2)
+        await rollouter.resume()
+        # With no hold to spare (the first sync's case) a request in flight is aborted and the servers paused.
+        await until(lambda: not client.idle(), "version 2's groups in flight")
+        rollouter._last_hold_s = 0.0
+        await rollouter.pause()
+        assert not state.clients_only
+        await asyncio.sleep(0.05)
+        await rollouter.load_weights(str(tmp_path), 3)
+        await rollouter.resume()
+        await until(lambda: client.stats.aborts > aborts, "the aborted requests to come back")

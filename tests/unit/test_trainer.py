@@ -232,3 +232,31 @@ def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the
     with pytest.raises(ParamSyncError, match="background sync of version 1: weight sync phase 'reload' failed"):
         trainer.run()
     assert time.monotonic() - start < 2.0 and trainer.step == 1
+
+
+class _SlowExport(SimBackend):
+    """Export takes EXPORT_S and reads the backend's step only at its end, as a real export reads the parameters
+    while it writes them."""
+
+    EXPORT_S = 0.3
+
+    def export_weights(self, out_dir, dtype="float32"):
+        time.sleep(self.EXPORT_S)
+        return super().export_weights(out_dir, dtype)
+
+
+def test_background_the_export_overlaps_the_step_and_the_next_update_waits_until_the_weights_were_read(roles, tmp_path):
+    q, _, stub, _ = roles
+    for i in range(2):
+        resolve(q.put.remote([make_group(i)]))
+    cfg = _cfg(total_steps=2)
+    trainer = _trainer(cfg, roles, tmp_path, backend=_SlowExport(cfg.trainer, AlgorithmConfig()), mode="background")
+    trainer.run()
+    # Each version's files hold the weights of the update that made it, not those of the update after it.
+    for v in (1, 2):
+        assert json.loads((tmp_path / "weights" / f"v{v}" / "sim_weights.json").read_text())["step"] == v
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # Step 1 started the sync of v1 and went on; step 2's update waited for its export (reported there).
+    assert lines[0]["timing_s/param_sync"] < _SlowExport.EXPORT_S / 2 and "timing_s/param_sync/export" not in lines[0]
+    assert lines[1]["timing_s/param_sync/export"] >= _SlowExport.EXPORT_S
+    assert lines[1]["timing_s/param_sync"] >= _SlowExport.EXPORT_S * 0.8
