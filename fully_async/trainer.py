@@ -214,11 +214,12 @@ class Trainer:
         # background mode otherwise now, so that they overlap the step's last work (its sync is a thread's start).
         early = not saves and self.sync.mode == "background"
         refs = self._step_report(take_filtered=True) if early else None
-        self._trajs_out.write(trajectory_records(groups, self.step, self.version))
+        trained_at = self.version
         if self.step % at.sync_every == 0:
             self.version += 1
             with tr.span("trainer", "param_sync", version=self.version):
                 add_timings(m, self.sync.start(self.version))
+        self._trajs_out.write(trajectory_records(groups, self.step, trained_at))  # while the export runs
         if saves and self.sync.mode == "background":
             # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
             # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.

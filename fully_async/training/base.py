@@ -9,7 +9,7 @@ weights for the inference engines and saves / restores its full state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,17 @@ class TrainingBackend(ABC):
         """Write the current weights as Hugging Face safetensors (plus the model's config and tokenizer files) into
         `out_dir`, cast to `dtype`; returns the weight files written. With LoRA, the merged model (base + adapter,
         Hugging Face names), so every full-weight transport serves it unchanged; `weight_sender()` sends the same."""
+
+    stages_exports: bool = False
+    """Whether `stage_weights` leaves the writing to a later call (then the disk transport's background sync has a
+    `write` phase that waits for it)."""
+
+    def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
+        """`export_weights` in two halves: take what it needs of the current weights (they may change as soon as this
+        returns) and return a call that finishes writing `out_dir` (waiting for the writing where it runs
+        elsewhere). Default: the whole export now, nothing left to finish."""
+        self.export_weights(out_dir, dtype)
+        return lambda: None
 
     def export_adapter(self, out_dir: str | Path, dtype: str = "float32") -> str:
         """With LoRA, write the adapter as a PEFT adapter directory (`adapter_model.safetensors` under PEFT's tensor

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -80,6 +81,43 @@ def write_safetensors(
     metadata = {"total_size": total, DIGEST_KEY: digest.hexdigest()}
     (out / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=1))
     return files
+
+
+FAILED_SUFFIX = ".failed"
+"""Beside a staged export's directory `D`, the file `D.failed` holds why writing it failed (`write_staged`)."""
+
+STAGED_POLL_S = 0.001
+"""How often `wait_for_staged` looks for the directory (a staged export of the default job writes in ~5 ms)."""
+
+
+def write_staged(tensors: list[tuple[str, torch.Tensor]], out_dir: str | Path, dtype: str, bucket_bytes: int) -> None:
+    """`write_safetensors` of tensors copied out of the model, into a hidden directory beside `out_dir` renamed to
+    it when complete, so `out_dir` appears whole or not at all. Run in a thread while training goes on; a failure
+    is written to `out_dir` + FAILED_SUFFIX for `wait_for_staged`, never raised into nothing."""
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.partial"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_safetensors(tensors, tmp, dtype, bucket_bytes)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException as e:  # noqa: BLE001 - reported through the file, the thread has no caller
+        shutil.rmtree(tmp, ignore_errors=True)
+        Path(str(out) + FAILED_SUFFIX).write_text(f"{type(e).__name__}: {e}")
+
+
+def wait_for_staged(out_dir: str | Path, timeout_s: float) -> None:
+    """Wait until `write_staged` has put `out_dir` in place; RuntimeError with the writer's reason when it failed,
+    TimeoutError after `timeout_s`."""
+    out = Path(out_dir)
+    failed = Path(str(out) + FAILED_SUFFIX)
+    deadline = time.monotonic() + timeout_s
+    while not out.is_dir():
+        if failed.is_file():
+            raise RuntimeError(f"writing the weights into {out} failed: {failed.read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the weights were not written into {out} within {timeout_s:g} s")
+        time.sleep(STAGED_POLL_S)
 
 
 def copy_model_files(sources: Iterable[str | Path], out_dir: str | Path) -> list[str]:

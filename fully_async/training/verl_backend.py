@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -297,6 +297,21 @@ class VerlBackend(TrainingBackend):
         files = next(f for f in answers if f is not None)
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]
+
+    stages_exports = True
+
+    def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
+        """The policy's ranks copy the weights into host memory and return; rank 0 writes `out_dir` from the copy in
+        a thread of its own while the next update runs. The returned call waits for the directory (at most
+        trainer.call_timeout_s, raising rank 0's reason when the write failed) and adds the model's files."""
+        out = Path(out_dir)
+        self.ranks.call_all("policy", "stage_export", str(out), dtype, self.trainer.weight_bucket_mb << 20)
+
+        def finish() -> None:
+            hf_files.wait_for_staged(out, self.ranks.timeout)
+            hf_files.copy_model_files([self.model_path], out)
+
+        return finish
 
     def export_adapter(self, out_dir: str | Path, dtype: str = "float32") -> str:
         if self.lora is None:

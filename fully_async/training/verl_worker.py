@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import timedelta
 from functools import partial
 
@@ -159,6 +160,20 @@ class FullyAsyncTrainingWorker(TrainingWorker):
                 pass
             return None
         return hf_files.write_safetensors(params, out_dir, dtype, bucket_bytes)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stage_export(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> bool | None:
+        """`export_weights` in two halves: copy the full weights into host memory now (every rank gathers; rank 0
+        keeps the copy) and write them from that copy in a thread of this process, while the next update already
+        changes the parameters. `out_dir` appears complete or not at all (hf_files.write_staged). True on rank 0,
+        None on the other ranks."""
+        params = [(name, t.detach().to("cpu", copy=True)) for name, t in self._policy_tensors()]
+        if not self._rank0():
+            return None
+        writer = threading.Thread(target=hf_files.write_staged, args=(params, out_dir, dtype, bucket_bytes),
+                                  name="fa-staged-export", daemon=True)  # fmt: skip
+        writer.start()
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint_resharded(self, local_path: str) -> None:

@@ -233,17 +233,25 @@ class DiskTransport(WeightTransport):
     def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
         """Export into the version's own directory (new at every version: the engines still serving the previous
         one never see a half-written file); distribute, reload and verify read only that directory, not the
-        backend."""
+        backend. A backend that stages its exports (`stages_exports`: the verl backend copies the weights into host
+        memory and writes them in a thread of its own) reads them in `export` and writes them during `write`, the
+        engines' first phase."""
         out = self.root / f"v{version}"
+        staged = getattr(self.backend, "stages_exports", False)
+        finish: list = []
 
         def reload() -> None:
             resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
             prune(self.root, keep={out.name, f"v{version - 1}"})
 
         engines = [("distribute", lambda: self.distribute(version)), ("reload", reload)]
+        if staged:
+            engines.insert(0, ("write", lambda: finish[0]()))
         if self.verifier.active():  # every server's digest of what its loader took equals that of the files
             engines.append(("verify", lambda: self.verifier(lambda: files_digest(out), "fa_loaded_digest",
                                                              f"weights v{version}")))  # fmt: skip
+        if staged:
+            return [("export", lambda: finish.append(self.backend.stage_weights(out, dtype=self.dtype)))], engines
         return [("export", lambda: self.export(version))], engines
 
     def export(self, version: int) -> Path:

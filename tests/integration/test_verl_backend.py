@@ -60,8 +60,10 @@ def _reset(be, **algo):
     be.trainer = dataclasses.replace(be.trainer, max_token_len_per_gpu=512)
 
 
-def _weights(be, out):
-    be.export_weights(out)
+def _weights(be, out, export: bool = True):
+    """The tensors of an export into `out` (`export=False`: of the one already there)."""
+    if export:
+        be.export_weights(out)
     tensors = {}
     for f in sorted(out.glob("model-*.safetensors")):
         tensors.update(load_file(f))
@@ -427,3 +429,35 @@ def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_bro
         assert sorted(got) == sorted(ref)
         for name, t in ref.items():
             assert torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_staged_export_writes_the_weights_of_its_stage_while_the_next_update_runs(be1, be2, tmp_path, ranks):
+    """The disk transport's background sync with the verl backend at 1 and 2 FSDP2 ranks: `stage_weights` returns
+    once rank 0 holds a copy; the next update runs while rank 0's thread writes it, and the directory, which appears
+    whole, holds the weights as they were at the stage, with the model's files, and its recorded digest."""
+    from fully_async.weights.disk import files_digest
+
+    be2 = be1 if ranks == 1 else be2
+    _reset(be2)
+    ref = _weights(be2, tmp_path / "ref")
+    finish = be2.stage_weights(tmp_path / "v1")
+    be2.update(make_groups(2, 4, seed=27))  # the next optimizer step, while rank 0 writes
+    finish()
+    after = _weights(be2, tmp_path / "after")
+    assert any(not torch.equal(after[k], ref[k]) for k in ref), "the update changed no weight"
+    staged = _weights(be2, tmp_path / "v1", export=False)
+    assert sorted(staged) == sorted(ref)
+    for name, t in ref.items():
+        assert torch.equal(staged[name], t), name
+    assert (tmp_path / "v1" / "config.json").is_file() and files_digest(tmp_path / "v1") == files_digest(
+        tmp_path / "ref"
+    )
+    assert not list(tmp_path.glob(".v1.partial"))
+
+
+def test_a_staged_export_that_cannot_be_written_fails_with_the_writers_reason(be1, tmp_path):
+    (tmp_path / "v1").write_text("")  # a file where the directory should appear
+    finish = be1.stage_weights(tmp_path / "v1")
+    with pytest.raises(RuntimeError, match=r"writing the weights into .*v1 failed: NotADirectoryError"):
+        finish()

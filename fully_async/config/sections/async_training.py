@@ -31,11 +31,11 @@ class AsyncTrainingConfig:
     sync_timeout_s: float = 300.0
     """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
     drain_on_sync: bool = False
-    """At a weight sync let in-flight samples finish instead of aborting them (one-step-off and synchronous schedules)."""
+    """At a weight sync let every in-flight sample finish instead of aborting it (one-step-off and synchronous schedules). Without it a sync still lets requests of the trainer's next batch finish for up to the last sync's hold, and pauses the servers only if a request is still in flight (docs/architecture.md, "The pause")."""
     weight_transport: Literal["disk", "collective", "auto"] = "auto"
     """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
     sync_mode: Literal["blocking", "background"] = "background"
-    """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: it waits only for the phases that read its weights (disk: export; collective: a copy into a staging buffer), and the engines' phases run in ParamSync's thread while the next step computes (docs/architecture.md)."""
+    """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: ParamSync's thread reads the weights (disk: export; collective: a copy into a staging buffer) while the trainer ends its step, the trainer's next update waits only until they were read, and the engines' phases run in that thread while the next step computes (docs/architecture.md)."""
     verify_sync: bool = True
     """Prove every full-weight sync landed: each engine server's digest of the tensors it loaded must equal the trainer's of what it wrote or sent, else the sync fails naming the server (vLLM; engine=sim and SGLang skip it, saying so once). Measured: 7-42 ms per sync in the default job; at 101 M parameters into 2 servers ~2 % of a collective sync, ~7-10 % of a disk one (docs/weight-transports.md, "The proof that a sync landed")."""
     staging: Literal["device", "pinned"] = "device"
