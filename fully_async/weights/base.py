@@ -41,6 +41,9 @@ class WeightTransport(abc.ABC):
 
     name: str = "?"
     pauses_engines: bool = True
+    before_pause: frozenset[str] = frozenset()
+    """Names of phases that touch no engine server: when `phases` (or the engines' part of `background_phases`)
+    starts with them, ParamSync runs them before its pause, so the engines are held only for the rest."""
     """Whether ParamSync pauses the engines around `phases` (False: the phases never disturb running requests)."""
 
     @abc.abstractmethod

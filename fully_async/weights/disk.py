@@ -202,6 +202,9 @@ def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict
 
 class DiskTransport(WeightTransport):
     name = "disk"
+    before_pause = frozenset({"export", "write", "distribute"})
+    """Writing the version's directory and copying it to other nodes need no engine: the engines are held from the
+    reload on."""
 
     def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str, verify: bool = True) -> None:
         """`verify`: async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""
