@@ -37,6 +37,21 @@ def resolve(ref: Any, timeout: float | None = None) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
+def resolve_ahead(ref: Any) -> concurrent.futures.Future:
+    """Start resolving `ref` in a daemon thread (Ray's transfer and deserialisation of the result happen there);
+    `resolve` of the returned future gives its result or raises its exception."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(resolve(ref))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever resolves the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="resolve-ahead", daemon=True).start()
+    return future
+
+
 def one_line(e: BaseException) -> str:
     """`Type: first line of the message`, for a log line: Ray's errors carry the remote traceback and the actor's
     details on the lines after."""

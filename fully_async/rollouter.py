@@ -250,10 +250,14 @@ class Rollouter:
         ):
             await asyncio.sleep(FINISH_POLL_S)
 
-    async def load_weights(self, weights_dir: str, version: int, node_dirs: dict[str, str] | None = None) -> None:
-        """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`."""
-        await self.servers.load_weights(weights_dir, version, node_dirs)
+    async def load_weights(
+        self, weights_dir: str, version: int, node_dirs: dict[str, str] | None = None
+    ) -> dict[str, Any] | None:
+        """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`;
+        returns their answers to the reload (the disk transport's proof reads the digests in them)."""
+        answers = await self.servers.load_weights(weights_dir, version, node_dirs)
         self.ledger.on_sync(version)
+        return answers
 
     def engine_nodes(self) -> list[dict[str, Any]]:
         """Per engine server that a weight copy must reach: its node (the disk transport; `EngineService.nodes`)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
-from fully_async.handles import resolve
+from fully_async.handles import resolve, resolve_ahead
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import (
@@ -196,7 +196,8 @@ class Trainer:
         )
         next_version = self.version + (self.step % at.sync_every == 0)
         wait = POLL_S + last_step_s
-        prefetched = None if saves else self.queue.get.remote(at.groups_per_step, next_version, wait)
+        # Resolved in a thread: the batch is transferred and deserialised while this step computes.
+        prefetched = None if saves else resolve_ahead(self.queue.get.remote(at.groups_per_step, next_version, wait))
         m: dict[str, Any] = {"step": self.step, "version": self.version, "timing_s/param_sync": 0.0}
         m.update(batch_metrics(groups, self.version))
         if self.sync.reading:  # the background sync the last step started may still read the weights this changes

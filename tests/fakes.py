@@ -36,9 +36,9 @@ class FakeEngine:
     "bad_shape" (JSON without choices); "never_healthy" (/health answers 503); "fail_first" (the first
     `fail_count` generates answer 503, then ok); "silent" (accepts every request and answers none, /health included:
     a server on a stopped node). `reload_delay_s`: a weight reload takes this long (/health still answers: a big
-    model loading). Reloads go through the worker extension's `fa_reload` and `fa_loaded_digest` answers the digest
-    of the directory reloaded last, as vLLM's extension does; `lie_digest` makes it answer another (a load gone
-    astray).
+    model loading). Reloads go through the worker extension's `fa_reload`, which answers the digest of what it
+    loaded, and `fa_loaded_digest` answers that of the directory reloaded last, as vLLM's extension does;
+    `lie_digest` makes both answer another (a load gone astray).
     """
 
     def __init__(
@@ -62,6 +62,7 @@ class FakeEngine:
         self.weights_step = 0
         self.loaded_digest: str | None = None
         self.lie_digest: str | None = None
+        self.digest_queries = 0
         self._pause_event = asyncio.Event()
         self._resume_event = asyncio.Event()
         self._resume_event.set()
@@ -167,6 +168,7 @@ class FakeEngine:
         body = await request.json()
         method, spec = body["method"], json.loads(body["kwargs"].get("spec") or "{}")
         if method == "fa_loaded_digest":
+            self.digest_queries += 1
             return web.json_response({"results": [{"digest": self.lie_digest or self.loaded_digest, "tensors": 0,
                                                    "source": self.reloads[-1] if self.reloads else None}]})  # fmt: skip
         if method != "fa_reload":
@@ -179,7 +181,7 @@ class FakeEngine:
         if (path / "sim_weights.json").is_file():
             self.weights_step = int(json.loads((path / "sim_weights.json").read_text())["step"])
         self.loaded_digest = await asyncio.to_thread(_files_digest, path)  # its first call imports torch
-        return web.json_response({"results": [{"digest": self.loaded_digest}]})
+        return web.json_response({"results": [{"digest": self.lie_digest or self.loaded_digest, "source": str(path)}]})
 
     async def _reset(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
@@ -573,8 +575,8 @@ class ServersRollouter:
     async def resume(self) -> None:
         await self.servers.resume()
 
-    async def load_weights(self, weights_dir, version: int, node_dirs=None) -> None:
-        await self.servers.load_weights(weights_dir, version, node_dirs)
+    async def load_weights(self, weights_dir, version: int, node_dirs=None):
+        return await self.servers.load_weights(weights_dir, version, node_dirs)
 
     def engine_nodes(self) -> list[dict]:
         """Every server is a child of this process: on the trainer's node, so the disk transport copies nothing."""

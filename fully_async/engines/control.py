@@ -128,15 +128,17 @@ class ControlPlane:
     # ---- weight syncs ------------------------------------------------------------------------------------------------
     async def load_weights(
         self, weights_dir: str | Path, version: int, node_dirs: dict[str, str | None] | None = None
-    ) -> None:
+    ) -> dict[str, Any]:
         """`EngineServers.load_weights`: every serving server reloads (stale ones included, so they serve again), the
         prefix caches are reset and the version set, all under the pool's membership lock. A node mapped to None in
-        `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside."""
+        `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside.
+        Returns {url: its workers' answers to the reload} of the servers that reloaded (vLLM: each worker's digest
+        of what its loader took, the proof of the sync without another round trip, weights/verify.py)."""
         pool = self.pool
         weights_dir = Path(weights_dir).resolve()
         async with pool.membership:
             routed = await self.route_copies("reload weights", node_dirs)
-            await self._reload_serving(weights_dir, routed)
+            answers = await self._reload_serving(weights_dir, routed)
             pool.weights_dir, pool.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
             pool.slots.sync_reached()  # every server in the pool, stale ones included, holds this version now
@@ -148,6 +150,7 @@ class ControlPlane:
             await self.set_version(version)
             if rejoin:
                 await pool.sync_router_async()
+        return answers
 
     async def route_copies(self, what: str, node_dirs: dict[str, str | None] | None) -> dict[str, Path]:
         """Before a pool-wide load from files (weights, an adapter): {node: its copy} of the nodes in `node_dirs`
@@ -178,13 +181,15 @@ class ControlPlane:
             pool.slots.sync_reached()
             await pool.sync_router_async()
 
-    async def _reload_serving(self, weights_dir: Path, node_dirs: dict[str, Path]) -> None:
+    async def _reload_serving(self, weights_dir: Path, node_dirs: dict[str, Path]) -> dict[str, Any]:
         """Reload every serving server, pool-wide (after `route_copies`, which set aside those on lost nodes): one that
-        stops answering is set aside, one that died meanwhile is dropped."""
+        stops answering is set aside, one that died meanwhile is dropped. {url: its answer's `results`} of the rest."""
         indices = self.pool.serving
         nodes = [self.pool.node_of(i)["node_id"] if node_dirs else None for i in indices]
-        calls = self._reload_calls(weights_dir, node_dirs, [self.pool.address(i) for i in indices], nodes)
-        await self.fan_out("reload weights", calls, self.timeout_s, slow=True, pool_wide=True)
+        urls = [self.pool.address(i) for i in indices]
+        calls = self._reload_calls(weights_dir, node_dirs, urls, nodes)
+        bodies = await self.fan_out("reload weights", calls, self.timeout_s, slow=True, pool_wide=True)
+        return {url: (b or {}).get("results", b) for url, b in zip(urls, bodies) if b is not None}
 
     async def reload_indices(self, weights_dir: Path, node_dirs: dict[str, Path], indices: list[int]) -> None:
         """Reload the pool's servers `indices`, each from its node's copy in `node_dirs` when it has one, else

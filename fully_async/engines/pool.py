@@ -256,16 +256,17 @@ class EngineServers(EngineKind):
     # ---- weights (control.py) ----------------------------------------------------------------------------------------
     async def load_weights(
         self, weights_dir: str | Path, version: int, node_dirs: dict[str, str | None] | None = None
-    ) -> None:
+    ) -> dict[str, Any] | None:
         """Reload weights from a directory of safetensors (checkpoint names) on every server, then set the version.
         `node_dirs`: Ray node id -> a copy of that directory on that node, which the node's servers reload instead;
         None for a node whose copy was abandoned (its servers are set aside, control.py). Call between pause and
         resume. With adapters, a directory that holds one (a resumed run's first weights) is loaded and activated as
-        the adapter of `version` beside the base model instead."""
+        the adapter of `version` beside the base model instead. Returns the servers' answers to the reload
+        (control.py `load_weights`; None for an adapter)."""
         if self.adapters is not None and (Path(weights_dir) / "adapter_config.json").is_file():
             await self.adapters.resume(weights_dir, version, node_dirs)
-            return
-        await self.control.load_weights(weights_dir, version, node_dirs)
+            return None
+        return await self.control.load_weights(weights_dir, version, node_dirs)
 
     async def weights_received(self, version: int, epoch: int) -> None:
         """Every server received `version` through a weight group formed at `epoch` (collective transport): reset

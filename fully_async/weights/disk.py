@@ -243,8 +243,14 @@ class DiskTransport(WeightTransport):
         staged = getattr(self.backend, "stages_exports", False)
         finish: list = []
 
+        reloaded: dict = {}
+
         def reload() -> None:
-            resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
+            # vLLM's workers answer the reload with their digests of what the loader took: the proof needs no
+            # other round trip (an engine that answers none, a fake's older protocol, is asked in `verify`).
+            answers = resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
+            if answers and all(isinstance(a, list) and a and "digest" in (a[0] or {}) for a in answers.values()):
+                reloaded["answers"] = answers
             prune(self.root, keep={out.name, f"v{version - 1}"})
 
         engines = [("distribute", lambda: self.distribute(version)), ("reload", reload)]
@@ -252,7 +258,8 @@ class DiskTransport(WeightTransport):
             engines.insert(0, ("write", lambda: finish[0]()))
         if self.verifier.active():  # every server's digest of what its loader took equals that of the files
             engines.append(("verify", lambda: self.verifier(lambda: files_digest(out), "fa_loaded_digest",
-                                                             f"weights v{version}")))  # fmt: skip
+                                                             f"weights v{version}",
+                                                             answers=reloaded.get("answers"))))  # fmt: skip
         if staged:
             return [("export", lambda: finish.append(self.backend.stage_weights(out, dtype=self.dtype)))], engines
         return [("export", lambda: self.export(version))], engines

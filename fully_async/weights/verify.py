@@ -102,12 +102,17 @@ class SyncVerifier:
                 print(f"fully_async: weight syncs are not verified by a digest: {why}", flush=True)
         return self.enabled
 
-    def __call__(self, expected: Any, method: str, what: str, spec: dict | None = None) -> dict[str, str]:
-        """Verify one sync: `expected` is the trainer side's digest, or a function computing it (timed apart)."""
+    def __call__(
+        self, expected: Any, method: str, what: str, spec: dict | None = None, answers: dict[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Verify one sync: `expected` is the trainer side's digest, or a function computing it (timed apart).
+        `answers`: the servers' digests already in hand ({url: the workers' answers}, the disk transport's reload
+        answers them), else asked for with `method(spec)`."""
         t0 = time.monotonic()
         expected = expected() if callable(expected) else expected
         t1 = time.monotonic()
-        answers = ask_engines(self.rollouter, method, spec or {})
+        if answers is None:
+            answers = ask_engines(self.rollouter, method, spec or {})
         self.last_s = {"trainer_digest_s": t1 - t0, "engines_s": time.monotonic() - t1}
         workers = [w for a in (answers or {}).values() if isinstance(a, list) for w in a if isinstance(w, dict)]
         self.last_s["engine_digest_s"] = max((float(w.get("digest_s") or 0.0) for w in workers), default=0.0)

@@ -85,6 +85,7 @@ async def test_a_disk_sync_into_a_server_whose_load_went_astray_fails_its_verify
     try:
         timings = await asyncio.to_thread(sync.sync, 1)
         assert timings[VERIFIED_METRIC] == 2 and "timing_s/param_sync/verify" in timings
+        assert ok.digest_queries == liar.digest_queries == 0  # the reload's own answers carried the digests
         liar.lie_digest = "f" * 32
         with pytest.raises(ParamSyncError, match=r"phase 'verify' failed.*weights v2 did not land on 1 of 2") as e:
             await asyncio.to_thread(sync.sync, 2)
