@@ -6,8 +6,8 @@
 Each phase is timed (timing_s/param_sync/<phase>, and a span on the event trace's `sync` lane) and bounded by
 async_training.sync_timeout_s; a phase that passes it fails the run with a ParamSyncError naming the phase, instead
 of hanging. How the bytes move is the transport's business (fully_async/weights/): with the disk transport the
-phases are export, distribute (work that needs no engine runs before the pause: the transport's `before_pause`),
-pause, reload, verify, resume; the first sync starts with `connect` (the transport's prepare).
+phases are export (work that needs no engine runs before the pause: the transport's `before_pause`), pause,
+distribute, reload, verify, resume; the first sync starts with `connect` (the transport's prepare).
 
 Two modes (async_training.sync_mode):
 - blocking: `sync` runs every phase in the caller's (the trainer's) thread, as listed above.
@@ -182,8 +182,8 @@ class ParamSync:
 
     def _run_engine_phases(self, t: dict[str, float], phases: list) -> None:
         """pause, `phases`, resume; the leading phases the transport names in `before_pause` (work that touches no
-        engine: the disk transport's export, write and copies to other nodes) run before the pause, so the engines
-        are held only for what needs them."""
+        engine: the disk transport's export and write) run before the pause, so the engines are held only for what
+        needs them."""
         pauses = self.transport.pauses_engines  # the adapter transport does not pause (weights/lora.py)
         ahead = list(itertools.takewhile(lambda p: p[0] in self.transport.before_pause, phases))
         for name, fn in ahead:

@@ -202,9 +202,10 @@ def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict
 
 class DiskTransport(WeightTransport):
     name = "disk"
-    before_pause = frozenset({"export", "write", "distribute"})
-    """Writing the version's directory and copying it to other nodes need no engine: the engines are held from the
-    reload on."""
+    before_pause = frozenset({"export", "write"})
+    """Writing the version's directory needs no engine: the engines are held from `distribute` on. (The copy to
+    other nodes needs none either, but it stays inside the pause: a hung node costs the pause its deadline and is
+    set aside there, so the copy then skips it; copied first, a hung node would cost a sync the deadline twice.)"""
 
     def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str, verify: bool = True) -> None:
         """`verify`: async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""

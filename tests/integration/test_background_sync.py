@@ -32,14 +32,17 @@ def test_background_sync_at_bound_one_keeps_the_bound_and_the_trainer_waits_for_
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 6))
-    for m in metrics:
-        # The trainer's part: the export, and (from step 2) the wait for the previous sync; the engines' phases of
-        # the previous sync are reported by the step that collected them.
-        assert "timing_s/param_sync/export" in m
-        blocked = m["timing_s/param_sync"]
-        assert blocked >= m["timing_s/param_sync/export"]
+    # The export of the sync a step started runs in ParamSync's thread while the step ends; the next step's update
+    # waits for what is left of it, and that step reports it (with the verl backend a copy into host memory; rank 0
+    # writes the files during the engines' `write` phase). The engines' phases of the previous sync are reported by
+    # the step that collected them.
+    assert "timing_s/param_sync/export" not in metrics[0]
+    assert all("timing_s/param_sync/export" in m for m in metrics[1:])
     later = metrics[1:-1]  # not the first (nothing to collect) nor the last (its checkpoint waits for its own sync)
-    assert all("timing_s/param_sync/reload" in m and "timing_s/param_sync/wait" in m for m in later)
+    assert all(
+        "timing_s/param_sync/reload" in m and "timing_s/param_sync/wait" in m and "timing_s/param_sync/write" in m
+        for m in later
+    )
     # Apart from waiting for the previous sync, the trainer was held far less than the engines' phases took.
     held = sum(m["timing_s/param_sync"] - m["timing_s/param_sync/wait"] for m in later)
     assert held < sum(m["timing_s/param_sync/background"] for m in later) / 2, later

@@ -39,7 +39,7 @@ def test_a_sync_runs_its_phases_in_order_times_and_traces_each(backend, tmp_path
     assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
     assert stub.calls[1] == ("load_weights", str(tmp_path / "weights" / "v1"), 1)
     assert (tmp_path / "weights" / "v1" / "sim_weights.json").is_file()
-    phases = ["export", "distribute", "pause", "reload", "resume"]  # the engines are held from the reload on
+    phases = ["export", "pause", "distribute", "reload", "resume"]  # the export runs before the pause
     for t, names in ((first, ["connect", *phases]), (second, phases)):  # the transport is prepared once
         assert sorted(k for k in t if k.startswith("timing_s/param_sync/")) == sorted(
             f"timing_s/param_sync/{p}" for p in names
@@ -128,8 +128,8 @@ def test_background_the_trainer_waits_for_the_export_only_and_for_the_last_sync_
     assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] * 2
     assert [c[2] for c in stub.calls if c[0] == "load_weights"] == [1, 2] and stub.version == 2
     spans, _ = load(tmp_path)
-    assert [s.name for s in spans if s.lane == "sync"] == ["connect", "export", "distribute", "pause", "reload",
-                                                           "resume", "export", "distribute", "pause", "reload",
+    assert [s.name for s in spans if s.lane == "sync"] == ["connect", "export", "pause", "distribute", "reload",
+                                                           "resume", "export", "pause", "distribute", "reload",
                                                            "resume"]  # fmt: skip
 
 
