@@ -26,6 +26,7 @@ Two modes (async_training.sync_mode):
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import threading
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config.sections.async_training import SYNC_MODES
-from fully_async.handles import resolve
+from fully_async.handles import CallThread, resolve
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.base import ParamSyncError
@@ -86,7 +87,11 @@ class ParamSync:
         self.transport = transport
         self._prepared = False
         self.syncs = 0
-        self._inflight: threading.Thread | None = None
+        self._phases = CallThread("param-sync-phase")
+        """Runs each phase (`_phase`), so that the caller can stop waiting for one that hangs."""
+        self._worker = CallThread("param-sync")
+        """Runs the background syncs, one at a time."""
+        self._inflight: concurrent.futures.Future | None = None
         """The background sync in flight (or finished and not yet collected by `wait`)."""
         self._done: dict[str, float] = {}
         """The background sync's phase timings, filled by its thread."""
@@ -97,37 +102,43 @@ class ParamSync:
         self._read_timings: dict[str, float] = {}
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
-        """Run one phase in a daemon thread and wait at most timeout_s for it. A phase that hangs (a peer that never
-        answers) is left behind in its thread: a daemon thread, so it can never hold the interpreter's exit (a pool
-        thread would: Python joins those at exit, and a CI run once waited out its time limit on one)."""
+        """Run one phase in ParamSync's phase thread and wait at most timeout_s for it. A phase that hangs (a peer
+        that never answers) is left behind in that thread, and later phases get a new one: daemon threads, so one
+        can never hold the interpreter's exit (a pool thread would: Python joins those at exit, and a CI run once
+        waited out its time limit on one)."""
         start, wall = time.monotonic(), time.time()
-        outcome: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome["value"] = fn()
-            except BaseException as e:  # re-raised in the caller's thread below
-                outcome["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"param-sync-{name}", daemon=True).start()
+        future = self._phases.submit(fn)
         try:
-            if not done.wait(self.timeout_s):
+            done, _ = concurrent.futures.wait([future], self.timeout_s)
+            if not done:
+                self._phases = CallThread("param-sync-phase")
                 waiting = self.transport.pending()
                 raise ParamSyncError(
                     f"weight sync phase '{name}' did not finish within async_training.sync_timeout_s="
                     f"{self.timeout_s:g}s" + (f" ({waiting})" if waiting else "")
                 )
-            if "error" in outcome:
-                e = outcome["error"]
+            e = future.exception()
+            if e is not None:
                 raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
-            return outcome.get("value")
+            return future.result()
         finally:
-            timings[f"timing_s/param_sync/{name}"] = time.monotonic() - start
-            if self.tracer is not None:
-                self.tracer.record("sync", name, wall, time.time())
+            self._timed(name, timings, start, wall)
+
+    def _inline(self, name: str, timings: dict[str, float], fn) -> Any:
+        """Run one phase that only hands work over (it cannot block: the transport says so with `quick_reads`) in the
+        caller's thread, timed and named on failure like the others."""
+        start, wall = time.monotonic(), time.time()
+        try:
+            return fn()
+        except Exception as e:
+            raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._timed(name, timings, start, wall)
+
+    def _timed(self, name: str, timings: dict[str, float], start: float, wall: float) -> None:
+        timings[f"timing_s/param_sync/{name}"] = time.monotonic() - start
+        if self.tracer is not None:
+            self.tracer.record("sync", name, wall, time.time())
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings and
@@ -152,6 +163,10 @@ class ParamSync:
             self._prepared = True
         if self.mode == "background":
             mine, engines = self.transport.background_phases(version)
+            if self.transport.quick_reads:  # they only queue the reading ahead of the backend's next call: run here
+                for name, fn in mine:
+                    self._inline(name, t, fn)
+                mine = []
             self._start_background(version, mine, hold_phase(version) + engines)
         else:
             self._run_engine_phases(t, self.transport.phases(version))
@@ -228,9 +243,10 @@ class ParamSync:
                 timings["timing_s/param_sync/background"] = time.monotonic() - start
                 self._done = timings
 
-        self._done, self._read_timings, self._read = {}, read_timings, read
-        self._inflight = threading.Thread(target=run, name=f"param-sync-v{version}", daemon=True)
-        self._inflight.start()
+        if not reading:
+            read.set()
+        self._done, self._read_timings, self._read = {}, read_timings, (read if reading else None)
+        self._inflight = self._worker.submit(run)
 
     def wait(self) -> dict[str, float]:
         """Wait for the background sync in flight (nothing to do in blocking mode or with none in flight); returns
@@ -239,11 +255,11 @@ class ParamSync:
         start = time.monotonic()
         read = self.weights_read()  # its reading phases' timings, when not collected yet
         read.pop("timing_s/param_sync", None)  # the caller times its wait
-        thread, self._inflight = self._inflight, None
-        if thread is None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
             self.check()
             return read
-        thread.join()
+        inflight.result()  # run() keeps its failure for check()
         t = {**read, **self._done, "timing_s/param_sync/wait": time.monotonic() - start}
         self.check()
         return t
@@ -259,10 +275,12 @@ class ParamSync:
         return self._phase("export", {}, lambda: self.transport.export(version))
 
     def close(self, remove: bool = True) -> None:
-        thread = self._inflight
-        if thread is not None:  # a background sync still reading the files: give it its phases' time, at most
-            thread.join(min(self.timeout_s, 30.0))
+        inflight = self._inflight
+        if inflight is not None:  # a background sync still reading the files: give it its phases' time, at most
+            concurrent.futures.wait([inflight], min(self.timeout_s, 30.0))
         self.transport.close(remove)
+        self._worker.close()
+        self._phases.close()
 
 
 def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:

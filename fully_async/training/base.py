@@ -52,10 +52,15 @@ class TrainingBackend(ABC):
     """Whether `stage_weights` leaves the writing to a later call (then the disk transport's background sync has a
     `write` phase that waits for it)."""
 
+    queues_exports: bool = False
+    """Whether `stage_weights` only queues the copy of the weights ahead of this backend's later calls and returns at
+    once (then a background sync's trainer need not wait for the copy before its next update)."""
+
     def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
-        """`export_weights` in two halves: take what it needs of the current weights (they may change as soon as this
-        returns) and return a call that finishes writing `out_dir` (waiting for the writing where it runs
-        elsewhere). Default: the whole export now, nothing left to finish."""
+        """`export_weights` in two halves: take what it needs of the current weights, or queue the taking ahead of any
+        later call on this backend (`queues_exports`): the weights may change as soon as this returns; and return a
+        call that finishes writing `out_dir` (waiting for the writing where it runs elsewhere). Default: the whole
+        export now, nothing left to finish."""
         self.export_weights(out_dir, dtype)
         return lambda: None
 

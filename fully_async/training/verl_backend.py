@@ -299,15 +299,19 @@ class VerlBackend(TrainingBackend):
         return [out / f for f in files]
 
     stages_exports = True
+    queues_exports = True
 
     def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
-        """The policy's ranks copy the weights into host memory and return; rank 0 writes `out_dir` from the copy in
-        a thread of its own while the next update runs. The returned call waits for the directory (at most
-        trainer.call_timeout_s, raising rank 0's reason when the write failed) and adds the model's files."""
+        """Sends the policy's ranks the copy of the weights into host memory and returns at once: each rank runs it
+        before any call sent after it (the next update's), so the copy holds the weights as they are now; rank 0 then
+        writes `out_dir` from the copy in a thread of its own while the next update runs. The returned call waits
+        for the copy and the directory (each at most trainer.call_timeout_s, raising rank 0's reason when the write
+        failed) and adds the model's files."""
         out = Path(out_dir)
-        self.ranks.call_all("policy", "stage_export", str(out), dtype, self.trainer.weight_bucket_mb << 20)
+        refs = self.ranks.send_all("policy", "stage_export", str(out), dtype, self.trainer.weight_bucket_mb << 20)
 
         def finish() -> None:
+            self.ranks.wait_all(refs, "policy.stage_export")
             hf_files.wait_for_staged(out, self.ranks.timeout)
             hf_files.copy_model_files([self.model_path], out)
 

@@ -108,7 +108,17 @@ class RankGroups:
 
     def call_all(self, role: str, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank of `role`; the answers in rank order."""
-        return self._wait(self._groups[role].execute_all_async(method, *args, **kwargs), f"{role}.{method}")
+        return self._wait(self.send_all(role, method, *args, **kwargs), f"{role}.{method}")
+
+    def send_all(self, role: str, method: str, *args, **kwargs) -> list:
+        """`method(*args, **kwargs)` sent to every rank of `role` without waiting (`wait_all` takes the references).
+        Each rank runs its calls one at a time in the order this process sent them (Ray's rule for an actor
+        without concurrency), so any call sent after this one runs after it on every rank."""
+        return self._groups[role].execute_all_async(method, *args, **kwargs)
+
+    def wait_all(self, refs: list, what: str) -> list:
+        """The answers of `send_all`'s references, bounded by trainer.call_timeout_s like every call."""
+        return self._wait(refs, what)
 
     def data_call(self, role: str, method: str, td) -> tuple[list, list]:
         """Split `td` evenly over data-parallel ranks (its size must be a multiple of the DP size; `dp_layout`

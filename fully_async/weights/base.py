@@ -41,10 +41,14 @@ class WeightTransport(abc.ABC):
 
     name: str = "?"
     pauses_engines: bool = True
+    """Whether ParamSync pauses the engines around `phases` (False: the phases never disturb running requests)."""
     before_pause: frozenset[str] = frozenset()
     """Names of phases that touch no engine server: when `phases` (or the engines' part of `background_phases`)
     starts with them, ParamSync runs them before its pause, so the engines are held only for the rest."""
-    """Whether ParamSync pauses the engines around `phases` (False: the phases never disturb running requests)."""
+    quick_reads: bool = False
+    """Whether the reading phases of `background_phases` only queue the reading ahead of the backend's later calls
+    (they return at once): ParamSync then runs them in the caller's thread, and the caller's next update need not
+    wait for anything."""
 
     @abc.abstractmethod
     def prepare(self, rollouter: Any) -> None:

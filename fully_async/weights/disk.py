@@ -224,6 +224,10 @@ class DiskTransport(WeightTransport):
         self.abandoned: list[Any] = []
         """Copies abandoned because their node stopped answering (close() lets a node that came back finish first)."""
 
+    @property
+    def quick_reads(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.backend, "stages_exports", False) and getattr(self.backend, "queues_exports", False))
+
     def node_root_name(self, node_id: str) -> str:
         return f"{ROOT_PREFIX}{self.run_tag}{NODE_INFIX}{node_id[:12]}"
 
@@ -239,7 +243,8 @@ class DiskTransport(WeightTransport):
         one never see a half-written file); distribute, reload and verify read only that directory, not the
         backend. A backend that stages its exports (`stages_exports`: the verl backend copies the weights into host
         memory and writes them in a thread of its own) reads them in `export` and writes them during `write`, the
-        engines' first phase."""
+        engines' first phase; one that also `queues_exports` only queues the copy in `export` (its ranks run it
+        before the next update) and `write` waits for the copy too (`quick_reads`)."""
         out = self.root / f"v{version}"
         staged = getattr(self.backend, "stages_exports", False)
         finish: list = []

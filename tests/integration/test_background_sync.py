@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from fully_async.param_sync import HOLD_ENV
+from fully_async.trace import load
 from tests.integration.test_end_to_end import (
     REPO,
     command,
@@ -32,12 +33,14 @@ def test_background_sync_at_bound_one_keeps_the_bound_and_the_trainer_waits_for_
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 6))
-    # The export of the sync a step started runs in ParamSync's thread while the step ends; the next step's update
-    # waits for what is left of it, and that step reports it (with the verl backend a copy into host memory; rank 0
-    # writes the files during the engines' `write` phase). The engines' phases of the previous sync are reported by
-    # the step that collected them.
-    assert "timing_s/param_sync/export" not in metrics[0]
-    assert all("timing_s/param_sync/export" in m for m in metrics[1:])
+    # With the verl backend the export of the sync a step started only sends the ranks the copy into host memory
+    # (each rank runs it before the next update's calls; rank 0 writes the files during the engines' `write` phase,
+    # which waits for the copy), so the step that started it reports it and the next update waits for nothing. The
+    # engines' phases of the previous sync are reported by the step that collected them.
+    assert all("timing_s/param_sync/export" in m for m in metrics)
+    spans, _ = load(tmp_path)
+    assert not [s for s in spans if s.lane == "trainer" and s.name == "param_sync" and s.args.get("read")]
+    assert len([s for s in spans if s.lane == "sync" and s.name == "export"]) == 5
     later = metrics[1:-1]  # not the first (nothing to collect) nor the last (its checkpoint waits for its own sync)
     assert all(
         "timing_s/param_sync/reload" in m and "timing_s/param_sync/wait" in m and "timing_s/param_sync/write" in m

@@ -434,8 +434,9 @@ def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_bro
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_staged_export_writes_the_weights_of_its_stage_while_the_next_update_runs(be1, be2, tmp_path, ranks):
     """The disk transport's background sync with the verl backend at 1 and 2 FSDP2 ranks: `stage_weights` returns
-    once rank 0 holds a copy; the next update runs while rank 0's thread writes it, and the directory, which appears
-    whole, holds the weights as they were at the stage, with the model's files, and its recorded digest."""
+    once the copy is sent (each rank runs it before the next update's calls); the next update runs while rank 0's
+    thread writes the copy, and the directory, which appears whole, holds the weights as they were at the stage,
+    with the model's files, and its recorded digest."""
     from fully_async.weights.disk import files_digest
 
     be2 = be1 if ranks == 1 else be2

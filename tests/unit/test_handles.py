@@ -1,5 +1,5 @@
-"""handles.resolve_ahead: a reference resolved in a thread, its result or exception handed to whoever resolves the
-future (the trainer's prefetched batch)."""
+"""handles.CallThread: calls run in one kept thread, in the order given, each result or exception handed to whoever
+resolves its future (the trainer's prefetched batch, its step report and writes; ParamSync's syncs and phases)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fully_async.handles import resolve, resolve_ahead
+from fully_async.handles import CallThread, resolve
 from fully_async.message_queue import QueueTimeout
 
 
@@ -27,14 +27,36 @@ def _later(outcome, after_s: float = 0.2) -> concurrent.futures.Future:
     return ref
 
 
-def test_resolve_ahead_returns_at_once_and_hands_over_the_result():
+def test_submit_returns_at_once_and_hands_over_the_result():
+    calls = CallThread("test")
     start = time.monotonic()
-    ahead = resolve_ahead(_later([1, 2, 3]))
+    ahead = calls.submit(resolve, _later([1, 2, 3]))
     assert time.monotonic() - start < 0.1 and not ahead.done()
     assert resolve(ahead) == [1, 2, 3]
+    calls.close()
 
 
-def test_resolve_ahead_hands_over_the_exception_with_its_type():
-    ahead = resolve_ahead(_later(QueueTimeout("get(4) waited 5.0s")))
+def test_submit_hands_over_the_exception_with_its_type():
+    calls = CallThread("test")
+    ahead = calls.submit(resolve, _later(QueueTimeout("get(4) waited 5.0s")))
     with pytest.raises(QueueTimeout, match="waited 5.0s"):
         resolve(ahead)
+    calls.close()
+
+
+def test_calls_run_in_order_in_one_kept_thread_and_close_ends_it():
+    calls = CallThread("test-order")
+    seen: list = []
+
+    def note(i: int, pause: float) -> str:
+        time.sleep(pause)
+        seen.append(i)
+        return threading.current_thread().name
+
+    futures = [calls.submit(note, i, 0.05 if i == 0 else 0.0) for i in range(5)]
+    names = {f.result(5) for f in futures}
+    assert seen == [0, 1, 2, 3, 4] and names == {"test-order"}
+    thread = calls._thread
+    calls.close()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -14,6 +14,7 @@ from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.trace import Tracer, load
 from fully_async.training.sim_backend import SimBackend
+from fully_async.weights.disk import DiskTransport
 from tests.fakes import StubRollouter
 
 
@@ -90,8 +91,10 @@ def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interprete
     try:
         with pytest.raises(ParamSyncError, match="phase 'pause' did not finish"):
             sync.sync(1)
-        hung = [t for t in threading.enumerate() if t.name == "param-sync-pause" and t.is_alive()]
+        hung = [t for t in threading.enumerate() if t.name == "param-sync-phase" and t.is_alive()]
         assert hung and all(t.daemon for t in hung)
+        # Later phases get a thread of their own: they do not queue behind the hung one (3 s against 0.1 s).
+        assert sync._phase("probe", {}, lambda: 7) == 7
     finally:
         handle.close()
         sync.close()
@@ -160,3 +163,47 @@ def test_an_unknown_sync_mode_is_a_config_error_naming_the_key(backend, tmp_path
 
     with pytest.raises(ConfigError, match="async_training.sync_mode must be one of"):
         _sync(StubRollouter(), backend, tmp_path, mode="later")
+
+
+class _QueuingTransport(DiskTransport):
+    """The disk transport over a backend whose export only queues the copy (as the verl backend's ranks do): here
+    the sim backend's export, run whole, stands for the queuing call; where each phase ran is noted."""
+
+    quick_reads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ran_in: dict[str, str] = {}
+
+    def background_phases(self, version):
+        mine, engines = super().background_phases(version)
+
+        def noted(name, fn):
+            def run():
+                self.ran_in[name] = threading.current_thread().name
+                return fn()
+
+            return name, run
+
+        return [noted(n, f) for n, f in mine], [noted(n, f) for n, f in engines]
+
+
+def test_background_reading_phases_that_only_queue_run_in_the_callers_thread_and_leave_nothing_to_wait_for(
+    backend, tmp_path
+):
+    stub = StubRollouter(delays={"load_weights": 0.3})
+    handle = LocalActor(stub)
+    transport = _QueuingTransport(handle, backend, tmp_path / "weights", "float32")
+    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", 5.0, transport=transport, mode="background")
+    try:
+        started = sync.start(1)
+        assert transport.ran_in["export"] == threading.current_thread().name  # before start returned
+        assert "timing_s/param_sync/export" in started
+        assert not sync.reading and sync.weights_read() == {}  # the next update goes on at once
+        done = sync.wait()
+        assert done["timing_s/param_sync/reload"] >= 0.3 and "timing_s/param_sync/export" not in done
+        assert transport.ran_in["reload"] == "param-sync-phase"
+    finally:
+        handle.close()
+        sync.close()
+    assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] and stub.version == 1
