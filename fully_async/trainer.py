@@ -10,6 +10,7 @@ trained by step N exactly once: logs past step N are cut back to it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
-from fully_async.handles import resolve, resolve_ahead
+from fully_async.handles import CallThread, one_line, resolve
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import (
@@ -72,7 +73,15 @@ class Trainer:
         self.version = 0
         self._trajs_out: JsonlWriter | None = None
         self._last_stats: dict[str, Any] | None = None
-        """The rollouter's stats() at the end of the previous step (the start of the next step's window)."""
+        """The rollouter's stats() at the end of the previous step's window (the start of the next one's)."""
+        self._ahead = CallThread("trainer-ahead")
+        """While the update computes: reads the counters that close the step's window, and sends and resolves the
+        next step's get (the batch's transfer and deserialisation happen there)."""
+        self._writes = CallThread("trainer-writes")
+        """Writes trajectories.jsonl and the loggers' lines in the order the steps hand them over (and computes the
+        batch's metrics)."""
+        self._written: list = []
+        """The writes handed to `_writes` and not yet seen done."""
 
     # -- resume ------------------------------------------------------------------------------------------------
     def find_checkpoint(self) -> Path | None:
@@ -171,12 +180,19 @@ class Trainer:
 
     def train_step(self, prefetched: Any = None, last_step_s: float = 0.0) -> tuple[dict[str, Any], Any]:
         """One step: wait for a batch, update, sync the weights every sync_every steps (async_training.sync_mode=
-        background: start the sync, which reads the weights while this step ends and finishes while the next one
-        computes; the next update waits only until the weights were read), checkpoint when due (with no sync in
-        flight), read the rollouter's and queue's counters. Returns (this step's metrics, including its window's
-        from `step_window`; the next step's prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous
-        step's window, which bounds how long the prefetched get waits before the health-polling path takes over.
-        The first call's window starts at the call (or at run()'s start)."""
+        background: start the sync, which reads the weights (or queues their copy ahead of the next update on the
+        training ranks) while this step ends and finishes while the next one computes; the next update waits only
+        until the weights were read), checkpoint when due (with no sync in flight), read the rollouter's and queue's
+        counters. Returns (this step's metrics, including its window's from `step_window`; the next step's
+        prefetched get or None). `prefetched` is the previous call's; `last_step_s` the previous step's window,
+        which bounds how long the prefetched get waits before the health-polling path takes over. The first call's
+        window starts at the call (or at run()'s start).
+
+        What needs no result of the update runs in the trainer's helper threads while the update computes (the
+        trainer's own thread then only waits for the training ranks): the next batch's get, the trajectory records,
+        and, on a step that writes no checkpoint, the counters that close this step's window (so a window runs from
+        one update's start to the next's; on a checkpoint step it closes after the checkpoint, whose snapshot takes
+        the filtered groups)."""
         cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
         if self._last_stats is None:
             self._last_stats = resolve(self.rollouter.stats.remote())
@@ -187,19 +203,24 @@ class Trainer:
         wait_s = time.time() - t0
         tr.record("trainer", "wait_for_batch", t0, t0 + wait_s)
         self.step += 1
+        saves = (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
+            self.step == cfg.trainer.total_steps
+        )
         # Ask for the next batch now, so the queue's serialisation and the transfer overlap this update (at scale they
         # cost ~10% of a step otherwise). The next step's version is known: one more after a sync. Not before a
         # checkpoint: groups in flight to the trainer would be in no snapshot. Its wait is bounded by about one step,
         # after which _next_batch polls the rollouter's health as usual.
-        saves = (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
-            self.step == cfg.trainer.total_steps
-        )
         next_version = self.version + (self.step % at.sync_every == 0)
-        wait = POLL_S + last_step_s
-        # Resolved in a thread: the batch is transferred and deserialised while this step computes.
-        prefetched = None if saves else resolve_ahead(self.queue.get.remote(at.groups_per_step, next_version, wait))
+        prefetched: concurrent.futures.Future | None = None
+        report: concurrent.futures.Future | None = None
+        if not saves:  # one hand-over for both (each wakes a thread, which costs the trainer on shared cores)
+            prefetched, report = concurrent.futures.Future(), concurrent.futures.Future()
+            get = (at.groups_per_step, next_version, POLL_S + last_step_s)
+            self._ahead.submit(self._ahead_of_update, get, prefetched, report)
+        trained_at = self.version
+        self._write(self._write_trajectories, groups, self.step, trained_at)
+        metrics_of_batch = self._writes.submit(batch_metrics, groups, self.version)
         m: dict[str, Any] = {"step": self.step, "version": self.version, "timing_s/param_sync": 0.0}
-        m.update(batch_metrics(groups, self.version))
         if self.sync.reading:  # the background sync the last step started may still read the weights this changes
             with tr.span("trainer", "param_sync", version=self.version, read=True):
                 add_timings(m, self.sync.weights_read())
@@ -209,18 +230,10 @@ class Trainer:
         self._trace_update(t1, t2, update)
         m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
         m["timing_s/update"] = t2 - t1
-        # One call for the rollouter's counters, dynamic sampling's filtered groups and finished validations, one for
-        # the queue's, both in flight at once. On a checkpoint step they go after save(), which writes the filtered
-        # groups the snapshot counts (later ones wait for the next step: a resume from here re-runs them); in
-        # background mode otherwise now, so that they overlap the step's last work (its sync is a thread's start).
-        early = not saves and self.sync.mode == "background"
-        refs = self._step_report(take_filtered=True) if early else None
-        trained_at = self.version
         if self.step % at.sync_every == 0:
             self.version += 1
             with tr.span("trainer", "param_sync", version=self.version):
                 add_timings(m, self.sync.start(self.version))
-        self._trajs_out.write(trajectory_records(groups, self.step, trained_at))  # while the export runs
         if saves and self.sync.mode == "background":
             # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
             # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
@@ -231,27 +244,67 @@ class Trainer:
         if saves:
             with tr.span("trainer", "save_checkpoint"):
                 t3 = time.monotonic()
+                self._flush_writes()  # the records handed over so far are in the files the snapshot keeps
                 self.save()
                 m["timing_s/save_checkpoint"] = time.monotonic() - t3
         with tr.span("trainer", "stats"):
-            report_ref, queue_ref = refs or self._step_report(take_filtered=not saves)
-            report, queue_stats = resolve(report_ref), resolve(queue_ref)
+            # On a checkpoint step the counters are read after save(), which wrote the filtered groups the snapshot
+            # counts (later ones wait for the next step: a resume from here re-runs them).
+            report, queue_stats = report.result() if report is not None else self._step_report(take_filtered=False)
             now = report["stats"]
-            self._trajs_out.write([{**r, "step": self.step} for r in report["filtered"]])
+            self._write(self._trajs_out.write, [{**r, "step": self.step} for r in report["filtered"]])
+        m.update(metrics_of_batch.result())
         m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
         for v in report["validation"]:
             m.update({k: x for k, x in v.items() if k != "version"})
         self._last_stats = now
         return m, prefetched
 
-    def _step_report(self, take_filtered: bool) -> tuple[Any, Any]:
-        """The rollouter's step_report and the queue's stats, both sent (references, resolved by the caller)."""
-        return self.rollouter.step_report.remote(take_filtered=take_filtered), self.queue.stats.remote()
+    def _ahead_of_update(self, get: tuple, batch: concurrent.futures.Future, report: concurrent.futures.Future) -> None:
+        """In the helper thread `_ahead`, while the update computes: send the next step's get (`get`: its
+        arguments), read this step's counters into `report` (`_step_report`), then wait for the batch into
+        `batch`."""
+        try:
+            ref = self.queue.get.remote(*get)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread through both futures
+            batch.set_exception(e)
+            _settle(report, self._step_report, True)
+            return
+        _settle(report, self._step_report, True)
+        _settle(batch, resolve, ref)
+
+    def _write(self, fn, *args) -> None:
+        """Hand a write to the writer thread; a write that failed (a full disk) is raised here at the next one."""
+        self._written.append(self._writes.submit(fn, *args))
+        done = [f for f in self._written[:-1] if f.done()]
+        self._written = [f for f in self._written if not f.done() or f is self._written[-1]]
+        for f in done:
+            f.result()  # raises the failed write's exception (the writes handed over still run)
+
+    def _flush_writes(self, quiet: bool = False) -> None:
+        """Wait for the writes handed over so far; raise the first that failed (`quiet`: log it instead, when another
+        failure is on its way out)."""
+        written, self._written = self._written, []
+        for f in written:
+            if not quiet:
+                f.result()
+            elif f.exception() is not None:
+                log.error("trainer: a write failed: %s", one_line(f.exception()))
+
+    def _write_trajectories(self, groups: list, step: int, trained_at: int) -> None:
+        self._trajs_out.write(trajectory_records(groups, step, trained_at))
+
+    def _step_report(self, take_filtered: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The rollouter's step_report and the queue's stats, both sent before either is awaited."""
+        report = self.rollouter.step_report.remote(take_filtered=take_filtered)
+        queue_stats = self.queue.stats.remote()
+        return resolve(report), resolve(queue_stats)
 
     def run(self) -> dict[str, Any]:
-        """Train to trainer.total_steps. Each step's window runs from the previous step's end to this step's end, both
-        read on the rollouter's clock (its stats() call), so windows tile the run and the idle ratios logged per
-        step are exact shares of them (definitions in fully_async/metrics.py and docs/metrics.md)."""
+        """Train to trainer.total_steps. Each step's window runs from the previous step's reading of the counters to
+        this step's (at its update's start, or after its checkpoint; train_step), both read on the rollouter's clock
+        (its stats() call), so windows tile the run and the idle ratios logged per step are exact shares of them
+        (definitions in fully_async/metrics.py and docs/metrics.md)."""
         cfg = self.cfg
         loggers = build_loggers(cfg.logger, self.run_dir, cfg.trainer.total_steps, self.step, to_dict(cfg))
         self._trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
@@ -261,13 +314,27 @@ class Trainer:
         try:
             while self.step < cfg.trainer.total_steps:
                 final, prefetched = self.train_step(prefetched, final.get("timing_s/step", 0.0))
-                loggers.log(self.step, final)
+                self._write(loggers.log, self.step, final)  # in the writer thread, while the next step computes
+            self._flush_writes()
         finally:
-            loggers.close()
-            self._trajs_out.close()
+            try:
+                self._flush_writes(quiet=True)  # after a failure: what was handed over still reaches the files
+            finally:
+                loggers.close()
+                self._trajs_out.close()
+                for thread in (self._ahead, self._writes):
+                    thread.close()
             self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final
+
+
+def _settle(future: concurrent.futures.Future, fn, *args) -> None:
+    """Give `future` the result of `fn(*args)`, or its exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to whoever resolves the future
+        future.set_exception(e)
 
 
 def step_window(

@@ -5,6 +5,7 @@ the loop on what it logs, checkpoints on their atomicity and round trip."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -260,3 +261,18 @@ def test_background_the_export_overlaps_the_step_and_the_next_update_waits_until
     assert lines[0]["timing_s/param_sync"] < _SlowExport.EXPORT_S / 2 and "timing_s/param_sync/export" not in lines[0]
     assert lines[1]["timing_s/param_sync/export"] >= _SlowExport.EXPORT_S
     assert lines[1]["timing_s/param_sync"] >= _SlowExport.EXPORT_S * 0.8
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose every write fails)")
+def test_a_write_that_fails_in_the_writer_thread_fails_the_run(roles, tmp_path):
+    """The trajectory records are written in the trainer's writer thread while the update computes: a write that
+    fails (here into /dev/full: no space left) still fails the run, at the trainer's next hand-over."""
+    q, _, _, _ = roles
+    for i in range(6):
+        resolve(q.put.remote([make_group(i)]))
+    trainer = _trainer(_cfg(total_steps=6, sync_every=10), roles, tmp_path)
+    (tmp_path / "run").mkdir(parents=True)
+    (tmp_path / "run" / "trajectories.jsonl").symlink_to("/dev/full")
+    with pytest.raises(OSError, match="No space left"):
+        trainer.run()
+    assert trainer.step <= 3  # raised by a hand-over soon after, not only when the file is closed at the end
