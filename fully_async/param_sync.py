@@ -102,12 +102,12 @@ class ParamSync:
         self._read_timings: dict[str, float] = {}
 
     def _phase(self, name: str, timings: dict[str, float], fn) -> Any:
-        """Run one phase in ParamSync's phase thread and wait at most timeout_s for it. A phase that hangs (a peer
-        that never answers) is left behind in that thread, and later phases get a new one: daemon threads, so one
-        can never hold the interpreter's exit (a pool thread would: Python joins those at exit, and a CI run once
-        waited out its time limit on one)."""
+        """Run one phase in ParamSync's phase thread (named after the phase while it runs) and wait at most timeout_s
+        for it. A phase that hangs (a peer that never answers) is left behind in that thread, and later phases get a
+        new one: daemon threads, so one can never hold the interpreter's exit (a pool thread would: Python joins
+        those at exit, and a CI run once waited out its time limit on one)."""
         start, wall = time.monotonic(), time.time()
-        future = self._phases.submit(fn)
+        future = self._phases.submit(_named, f"param-sync-{name}", fn)
         try:
             done, _ = concurrent.futures.wait([future], self.timeout_s)
             if not done:
@@ -281,6 +281,12 @@ class ParamSync:
         self.transport.close(remove)
         self._worker.close()
         self._phases.close()
+
+
+def _named(name: str, fn) -> Any:
+    """Run `fn` in the current thread renamed `name` (the phase's: a stack dump of a hung sync names its phase)."""
+    threading.current_thread().name = name
+    return fn()
 
 
 def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:

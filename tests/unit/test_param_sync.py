@@ -91,7 +91,7 @@ def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interprete
     try:
         with pytest.raises(ParamSyncError, match="phase 'pause' did not finish"):
             sync.sync(1)
-        hung = [t for t in threading.enumerate() if t.name == "param-sync-phase" and t.is_alive()]
+        hung = [t for t in threading.enumerate() if t.name == "param-sync-pause" and t.is_alive()]
         assert hung and all(t.daemon for t in hung)
         # Later phases get a thread of their own: they do not queue behind the hung one (3 s against 0.1 s).
         assert sync._phase("probe", {}, lambda: 7) == 7
@@ -202,7 +202,7 @@ def test_background_reading_phases_that_only_queue_run_in_the_callers_thread_and
         assert not sync.reading and sync.weights_read() == {}  # the next update goes on at once
         done = sync.wait()
         assert done["timing_s/param_sync/reload"] >= 0.3 and "timing_s/param_sync/export" not in done
-        assert transport.ran_in["reload"] == "param-sync-phase"
+        assert transport.ran_in["reload"] == "param-sync-reload"
     finally:
         handle.close()
         sync.close()
