@@ -39,6 +39,14 @@ def resolve(ref: Any, timeout: float | None = None) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
+def settle(future: concurrent.futures.Future, fn: Callable[..., Any], *args: Any) -> None:
+    """Give `future` the result of `fn(*args)`, or its exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to whoever resolves the future
+        future.set_exception(e)
+
+
 class CallThread:
     """One daemon thread that runs the calls handed to it, one after the other in the order given; `submit` returns a
     Future at once. Kept for the life of its owner: starting a thread per call costs the caller a hand-over of the
@@ -66,12 +74,8 @@ class CallThread:
             future, fn, args = self._calls.get()
             if future is None:
                 return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever resolves the future
-                future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                settle(future, fn, *args)
 
     def close(self) -> None:
         """End the thread once the calls already submitted ran (a call submitted after this is never run)."""

@@ -243,8 +243,6 @@ class ParamSync:
                 timings["timing_s/param_sync/background"] = time.monotonic() - start
                 self._done = timings
 
-        if not reading:
-            read.set()
         self._done, self._read_timings, self._read = {}, read_timings, (read if reading else None)
         self._inflight = self._worker.submit(run)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
-from fully_async.handles import CallThread, one_line, resolve
+from fully_async.handles import CallThread, one_line, resolve, settle
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import (
@@ -268,16 +268,17 @@ class Trainer:
             ref = self.queue.get.remote(*get)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread through both futures
             batch.set_exception(e)
-            _settle(report, self._step_report, True)
+            settle(report, self._step_report, True)
             return
-        _settle(report, self._step_report, True)
-        _settle(batch, resolve, ref)
+        settle(report, self._step_report, True)
+        settle(batch, resolve, ref)
 
     def _write(self, fn, *args) -> None:
         """Hand a write to the writer thread; a write that failed (a full disk) is raised here at the next one."""
-        self._written.append(self._writes.submit(fn, *args))
-        done = [f for f in self._written[:-1] if f.done()]
-        self._written = [f for f in self._written if not f.done() or f is self._written[-1]]
+        done, pending = [], []
+        for f in self._written:  # one look at each: a write that ends meanwhile is seen next time
+            (done if f.done() else pending).append(f)
+        self._written = [*pending, self._writes.submit(fn, *args)]
         for f in done:
             f.result()  # raises the failed write's exception (the writes handed over still run)
 
@@ -327,14 +328,6 @@ class Trainer:
             self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final
-
-
-def _settle(future: concurrent.futures.Future, fn, *args) -> None:
-    """Give `future` the result of `fn(*args)`, or its exception."""
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - handed to whoever resolves the future
-        future.set_exception(e)
 
 
 def step_window(
