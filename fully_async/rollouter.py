@@ -42,7 +42,7 @@ from fully_async.production import sample_id as _sample_id
 from fully_async.reward import RewardAgent, RewardFatal
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
-from fully_async.weights.base import resolve_kind
+from fully_async.weights.factory import engine_receiver
 from fully_async.weights.lora import adapter_sync_plan
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Rollouter:
         )
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
-        collective = resolve_kind(self.cfg.async_training.weight_transport) == "collective"
+        collective = engine_receiver(self.cfg.async_training.weight_transport)
         lora, _ = adapter_sync_plan(self.cfg, device)  # the job says once why a LoRA run syncs merged weights
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
                                     weight_receiver=collective, lora=lora)  # fmt: skip

@@ -41,6 +41,7 @@ from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
+from fully_async.weights.base import SyncPlan
 from fully_async.weights.disk import ROOT_PREFIX, DiskTransport
 from tests.fakes import FakeProcessServers
 
@@ -109,12 +110,12 @@ class StoppingTransport(DiskTransport):
     node: Node
     stop_next = False
 
-    def phases(self, version: int):
-        phases = super().phases(version)
+    def plan(self, version: int, background: bool) -> SyncPlan:
+        plan = super().plan(version, background)
         if self.stop_next:
             self.stop_next = False
-            return [("stop node", self.node.stop), *phases]
-        return phases
+            return dataclasses.replace(plan, engines=(("stop node", self.node.stop), *plan.engines))
+        return plan
 
 
 async def generate(servers, index: int) -> dict:

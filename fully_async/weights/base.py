@@ -1,10 +1,11 @@
 """The weight-transport boundary: what ParamSync asks of whatever moves the trainer's weights into the engines.
 
 ParamSync owns the protocol (pause -> transfer -> set version -> resume, each phase timed, traced and under
-async_training.sync_timeout_s); a transport owns the bytes. It lists the phases that move the backend's current
-weights into every engine server and label them with the new version, and ParamSync runs them between its pause
-and its resume. The version is set by the transport's last phase because on some paths the engines take weights and
-label in one control sequence (disk: reload, reset the prefix cache, set the version).
+async_training.sync_timeout_s); a transport owns the bytes. For each version it returns a SyncPlan, the phases that
+move the backend's current weights into every engine server and label them with the new version, as data: which
+read the trainer's weights, which need no engine, which run on the paused engines. The version is set by the
+transport's last phase because on some paths the engines take weights and label in one control sequence (disk:
+reload, reset the prefix cache, set the version).
 
 Transports (`async_training.weight_transport`):
 - disk: the backend writes safetensors under a root (/dev/shm when it exists); every engine reloads that directory,
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TRANSPORTS = ("disk", "collective", "auto")
-"""Values of async_training.weight_transport."""
+from fully_async.config.sections.async_training import WEIGHT_TRANSPORTS as TRANSPORTS
 
 Phase = tuple[str, Callable[[], Any]]
 """(name, blocking call): one timed, traced step of a sync; the name becomes timing_s/param_sync/<name>."""
@@ -35,41 +36,57 @@ class ParamSyncError(RuntimeError):
     re-exports it)."""
 
 
+@dataclass(frozen=True)
+class SyncPlan:
+    """One sync as data: which phases read the trainer's weights, which touch no engine, which need the engines.
+
+    ParamSync runs a plan in this order: `reads`, `ahead`, then (between a pause and a resume of the engines when
+    `pause`) `engines`. In background mode (async_training.sync_mode=background) the trainer's next optimizer step
+    waits only for `reads`; the rest runs in ParamSync's thread while that step computes, so nothing after `reads`
+    may read the backend's parameters. Every phase is timed, traced and bounded by async_training.sync_timeout_s.
+    """
+
+    reads: tuple[Phase, ...] = ()
+    """Phases that read the backend's current weights (export, stage): done before the next update may start."""
+    ahead: tuple[Phase, ...] = ()
+    """Phases that need neither the backend's parameters nor a paused engine (write a directory): run before the
+    pause, so the engines are held only for `engines`."""
+    engines: tuple[Phase, ...] = ()
+    """Phases on the engine servers (distribute, reload, send, verify, set the version)."""
+    pause: bool = True
+    """Whether the engines are paused around `engines` (False: the phases never disturb running requests, as the
+    adapter transport's loads under new names)."""
+    reads_only_queue: bool = False
+    """The `reads` only queue the reading ahead of the backend's later calls and return at once (the verl backend's
+    ranks run one actor's calls in the order sent, so the copy runs before the next update's calls;
+    tests/integration/test_background_sync.py checks that order): ParamSync then runs them in the caller's thread
+    and the next update waits for nothing."""
+
+    def names(self) -> list[str]:
+        """The phase names in the order they run, with the pause and the resume."""
+        held = [n for n, _ in self.engines]
+        return [n for n, _ in self.reads + self.ahead] + (["pause", *held, "resume"] if self.pause else held)
+
+
 class WeightTransport(abc.ABC):
     """Moves versions of one training backend's weights into the engine servers one rollouter runs. Calls come from
-    one thread (ParamSync's), never concurrently."""
+    one thread (ParamSync's), never concurrently. A new transport implements `plan`, `export` and `close` (and
+    `prepare` when it has something to connect); `async_training.weight_transport=pkg.module:Class` runs one
+    written outside this package (weights/factory.py)."""
 
     name: str = "?"
-    pauses_engines: bool = True
-    """Whether ParamSync pauses the engines around `phases` (False: the phases never disturb running requests)."""
-    before_pause: frozenset[str] = frozenset()
-    """Names of phases that touch no engine server: when `phases` (or the engines' part of `background_phases`)
-    starts with them, ParamSync runs them before its pause, so the engines are held only for the rest."""
-    quick_reads: bool = False
-    """Whether the reading phases of `background_phases` only queue the reading ahead of the backend's later calls
-    (they return at once): ParamSync then runs them in the caller's thread, and the caller's next update need not
-    wait for anything."""
+    engine_receiver: bool = False
+    """Whether the engine servers must be started with the weight receiver (the collective group's worker side)."""
 
-    @abc.abstractmethod
-    def prepare(self, rollouter: Any) -> None:
+    def prepare(self, rollouter: Any) -> None:  # noqa: B027 - optional: most transports have nothing to connect
         """Get ready to send to the engine servers that `rollouter` (an actor handle) runs. ParamSync calls it once,
         as the first phase of its first sync ("connect")."""
 
     @abc.abstractmethod
-    def phases(self, version: int) -> list[Phase]:
-        """The blocking steps, in order, that put the backend's current weights into every engine server and label
-        them `version`. Run between pause and resume; each one under the sync timeout."""
-
-    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
-        """async_training.sync_mode=background: (the phases that read the backend's weights, which ParamSync runs in
-        the trainer's thread before it returns; the rest, run in ParamSync's own thread between pause and resume
-        while the trainer's next optimizer step changes the weights). Together they do what `phases` does; the
-        first list must leave nothing that the second reads in the backend's parameters."""
-        from fully_async.config import ConfigError
-
-        raise ConfigError(
-            f"the {self.name} weight transport cannot sync in the background; use async_training.sync_mode=blocking"
-        )
+    def plan(self, version: int, background: bool) -> SyncPlan:
+        """The phases that put the backend's current weights into every engine server and label them `version`.
+        `background`: the plan runs in ParamSync's thread while the trainer's next step computes, so whatever
+        reads the backend must be in `reads` (a transport that cannot split them raises ConfigError)."""
 
     @abc.abstractmethod
     def export(self, version: int) -> Path:

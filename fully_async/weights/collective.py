@@ -51,7 +51,7 @@ from typing import Any
 
 from fully_async.config.sections.async_training import STAGINGS
 from fully_async.handles import resolve
-from fully_async.weights.base import Phase, WeightTransport
+from fully_async.weights.base import Phase, SyncPlan, WeightTransport
 from fully_async.weights.verify import SyncVerifier
 
 logger = logging.getLogger(__name__)
@@ -407,6 +407,7 @@ class CollectiveTransport(WeightTransport):
     listen, form, send and close, run where the full weights are) and `export_weights` (for `export`)."""
 
     name = "collective"
+    engine_receiver = True
 
     def __init__(
         self,
@@ -525,9 +526,17 @@ class CollectiveTransport(WeightTransport):
     def _collect_quietly(self, refs: list) -> None:
         _wait(refs, self.group_timeout_s + 30)
 
-    def phases(self, version: int) -> list[Phase]:
-        return [("send", lambda: self._send()), *self._verify_phase(version),
-                ("set_version", lambda: self._set_version(version))]  # fmt: skip
+    def plan(self, version: int, background: bool) -> SyncPlan:
+        """Blocking: `send` (the engines receive the weights the backend holds now), `verify`, `set_version`, all
+        while the engines are paused. Background: `stage` (the trainer's: a copy of the weights into the sender's
+        staging buffers, async_training.staging, whose broadcast starts at once and waits for the engines), then
+        `send` (the engines receive the staged version), `verify`, `set_version`. A server restarted between stage
+        and send: `send` re-forms the group with the pool as it is and broadcasts the staged copy again into the
+        new one, as blocking mode's `send` re-forms it."""
+        last = (*self._verify_phase(version), ("set_version", lambda: self._set_version(version)))
+        if background:
+            return SyncPlan(reads=(("stage", self._stage),), engines=(("send", self._send_staged), *last))
+        return SyncPlan(engines=(("send", lambda: self._send()), *last))
 
     def _verify_phase(self, version: int) -> list[Phase]:
         """Every server's digest of what it received equals the sender's of what it packed (before the version is
@@ -537,14 +546,6 @@ class CollectiveTransport(WeightTransport):
         return [
             ("verify", lambda: self.verifier(self.last["sender"]["digest"], "fa_loaded_digest", f"weights v{version}"))
         ]
-
-    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
-        """`stage` (the trainer's: a copy of the weights into the sender's staging buffers, async_training.staging,
-        whose broadcast starts at once and waits for the engines), then `send` (the engines receive the staged
-        version) and `set_version`. A server restarted between the two: `send` re-forms the group with the pool as
-        it is and broadcasts the staged copy again into the new one, as blocking mode's `send` re-forms it."""
-        return [("stage", self._stage)], [("send", self._send_staged), *self._verify_phase(version),
-                                          ("set_version", lambda: self._set_version(version))]  # fmt: skip
 
     def _buckets(self) -> list[dict]:
         return layout_buckets(self._plan, self.dtype, self.bucket_bytes)

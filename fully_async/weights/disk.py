@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.handles import dead_nodes, one_line, resolve
-from fully_async.weights.base import Phase, WeightTransport
+from fully_async.weights.base import Phase, SyncPlan, WeightTransport
 from fully_async.weights.verify import SyncVerifier
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,9 @@ def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict
 
 class DiskTransport(WeightTransport):
     name = "disk"
-    before_pause = frozenset({"export", "write"})
-    """Writing the version's directory needs no engine: the engines are held from `distribute` on. (The copy to
-    other nodes needs none either, but it stays inside the pause: a hung node costs the pause its deadline and is
-    set aside there, so the copy then skips it; copied first, a hung node would cost a sync the deadline twice.)"""
+    # Writing the version's directory needs no engine: the engines are held from `distribute` on. (The copy to other
+    # nodes needs none either, but it stays inside the pause: a hung node costs the pause its deadline and is set
+    # aside there, so the copy then skips it; copied first, a hung node would cost a sync the deadline twice.)
 
     def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str, verify: bool = True) -> None:
         """`verify`: async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""
@@ -224,27 +223,19 @@ class DiskTransport(WeightTransport):
         self.abandoned: list[Any] = []
         """Copies abandoned because their node stopped answering (close() lets a node that came back finish first)."""
 
-    @property
-    def quick_reads(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.backend, "stages_exports", False) and getattr(self.backend, "queues_exports", False))
-
     def node_root_name(self, node_id: str) -> str:
         return f"{ROOT_PREFIX}{self.run_tag}{NODE_INFIX}{node_id[:12]}"
 
     def prepare(self, rollouter: Any) -> None:
         """Nothing to set up: which nodes need a copy is decided at every sync (servers may move between syncs)."""
 
-    def phases(self, version: int) -> list[Phase]:
-        mine, engines = self.background_phases(version)
-        return mine + engines
-
-    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
+    def plan(self, version: int, background: bool) -> SyncPlan:
         """Export into the version's own directory (new at every version: the engines still serving the previous
         one never see a half-written file); distribute, reload and verify read only that directory, not the
         backend. A backend that stages its exports (`stages_exports`: the verl backend copies the weights into host
-        memory and writes them in a thread of its own) reads them in `export` and writes them during `write`, the
-        engines' first phase; one that also `queues_exports` only queues the copy in `export` (its ranks run it
-        before the next update) and `write` waits for the copy too (`quick_reads`)."""
+        memory and writes them in a thread of its own) reads them in `export` and writes them in `write`, ahead of
+        the pause; one that also `queues_exports` only queues the copy in `export` (its ranks run it before the
+        next update: `reads_only_queue`) and `write` waits for the copy too. The same plan in both modes."""
         out = self.root / f"v{version}"
         staged = getattr(self.backend, "stages_exports", False)
         finish: list = []
@@ -259,16 +250,17 @@ class DiskTransport(WeightTransport):
                 reloaded["answers"] = answers
             prune(self.root, keep={out.name, f"v{version - 1}"})
 
-        engines = [("distribute", lambda: self.distribute(version)), ("reload", reload)]
-        if staged:
-            engines.insert(0, ("write", lambda: finish[0]()))
+        engines: list[Phase] = [("distribute", lambda: self.distribute(version)), ("reload", reload)]
         if self.verifier.active():  # every server's digest of what its loader took equals that of the files
             engines.append(("verify", lambda: self.verifier(lambda: files_digest(out), "fa_loaded_digest",
                                                              f"weights v{version}",
                                                              answers=reloaded.get("answers"))))  # fmt: skip
         if staged:
-            return [("export", lambda: finish.append(self.backend.stage_weights(out, dtype=self.dtype)))], engines
-        return [("export", lambda: self.export(version))], engines
+            queued = bool(getattr(self.backend, "queues_exports", False))
+            return SyncPlan(reads=(("export", lambda: finish.append(self.backend.stage_weights(out, dtype=self.dtype))),),
+                            ahead=(("write", lambda: finish[0]()),), engines=tuple(engines),
+                            reads_only_queue=queued)  # fmt: skip
+        return SyncPlan(reads=(("export", lambda: self.export(version)),), engines=tuple(engines))
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"

@@ -1,6 +1,11 @@
-"""build_transport: the weight transport named by the config. Kept apart from base.py, which every transport
-imports, so that no module imports one that imports it back (like training/factory.py); each transport is imported
-on demand (the collective one pulls torch.distributed)."""
+"""The one place a weight transport is chosen: `transport_class` for an async_training.weight_transport value (or
+"adapter", the job's choice for a LoRA run that syncs adapters), `build_transport` to make one. Kept apart from
+base.py, which every transport imports, so that no module imports one that imports it back (like
+training/factory.py); each transport is imported on demand (the collective one pulls torch.distributed).
+
+A value `pkg.module:Class` names a transport written outside this package (a WeightTransport subclass, built as
+`Class(rollouter, backend, weights_root, dtype, verify=verify)`): a new transport needs no file of fully_async.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,36 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.weights.base import WeightTransport, resolve_kind
+
+KEY = "async_training.weight_transport"
+
+
+def transport_class(kind: str) -> type[WeightTransport]:
+    """The class that `kind` names: disk | collective | auto, "adapter", or a dotted path 'pkg.module:Class'."""
+    if ":" in kind:
+        from fully_async.config import ConfigError
+        from fully_async.plugins import load
+
+        cls = load(kind, KEY)
+        if not (isinstance(cls, type) and issubclass(cls, WeightTransport)):
+            raise ConfigError(f"{KEY}={kind!r} must name a WeightTransport subclass (fully_async/weights/base.py)")
+        return cls
+    if kind == "adapter":
+        from fully_async.weights.lora import LoraTransport
+
+        return LoraTransport
+    if resolve_kind(kind) == "disk":
+        from fully_async.weights.disk import DiskTransport
+
+        return DiskTransport
+    from fully_async.weights.collective import CollectiveTransport
+
+    return CollectiveTransport
+
+
+def engine_receiver(kind: str) -> bool:
+    """Whether the engine servers must start with the weight receiver for the transport `kind` names."""
+    return transport_class(kind).engine_receiver
 
 
 def build_transport(
@@ -19,22 +54,15 @@ def build_transport(
     verify: bool = True,
     **collective: Any,
 ) -> WeightTransport:
-    """The transport named by async_training.weight_transport, for `backend`'s weights in the engines' `dtype`.
+    """The transport `kind` names (see `transport_class`), for `backend`'s weights in the engines' `dtype`.
     `weights_root`: where disk-based paths write (the disk transport, and `export` of any transport). `collective`:
     the collective transport's options, with their defaults there (CollectiveTransport: bucket_mb, sync_timeout_s,
-    of which its group timeout is a share, device, cpu: gloo, cuda: nccl, and staging); the disk transport takes none.
-    `verify`: async_training.verify_sync (every sync proven by the engines' digests, weights/verify.py).
-    `kind` "adapter" (not a weight_transport value: the job picks it when model.lora syncs adapters,
-    weights/lora.py `adapter_sync_plan`): the LoRA adapter transport."""
-    if kind == "adapter":
-        from fully_async.weights.lora import LoraTransport
-
-        return LoraTransport(rollouter, backend, weights_root, dtype, device=collective.get("device", "cpu"),
-                             verify=verify)  # fmt: skip
-    if resolve_kind(kind) == "disk":
-        from fully_async.weights.disk import DiskTransport
-
-        return DiskTransport(rollouter, backend, weights_root, dtype, verify)
-    from fully_async.weights.collective import CollectiveTransport
-
-    return CollectiveTransport(rollouter, backend, weights_root, dtype, verify=verify, **collective)
+    of which its group timeout is a share, device, cpu: gloo, cuda: nccl, and staging); the adapter transport takes
+    `device`, the others none. `verify`: async_training.verify_sync (every sync proven by the engines' digests,
+    weights/verify.py)."""
+    cls = transport_class(kind)
+    if ":" not in kind and cls.name == "collective":
+        return cls(rollouter, backend, weights_root, dtype, verify=verify, **collective)
+    if ":" not in kind and cls.name == "adapter":
+        return cls(rollouter, backend, weights_root, dtype, device=collective.get("device", "cpu"), verify=verify)
+    return cls(rollouter, backend, weights_root, dtype, verify=verify)

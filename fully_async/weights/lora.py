@@ -19,8 +19,8 @@ that adapter's version (not the servers' version spans, which would call old-ada
 staleness). Staleness is what it is with a pause and partial rollout (a sample's oldest token decides it, and that
 token is the same either way); with partial_rollout=false a request in flight is not restarted under the new version
 but is still one version throughout, which is what that setting guarantees. A continuation after an abort for another
-reason names the newest adapter, so each segment keeps its own version. So the transport says
-`pauses_engines = False` and ParamSync skips its pause and resume.
+reason names the newest adapter, so each segment keeps its own version. So the transport's plan says `pause=False`
+and ParamSync skips its pause and resume.
 
 `lora_serving` decides, once, at start, whether a run syncs adapters or falls back to merged full weights through
 async_training.weight_transport (the backend's export_weights / weight_sender give base + adapter merged).
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.handles import resolve
-from fully_async.weights.base import Phase, WeightTransport
+from fully_async.weights.base import Phase, SyncPlan, WeightTransport
 from fully_async.weights.disk import DiskTransport, prune
 from fully_async.weights.verify import SyncVerifier
 
@@ -115,7 +115,6 @@ class LoraTransport(WeightTransport):
     """Versions as PEFT adapters loaded under versioned names (see the module docstring)."""
 
     name = "adapter"
-    pauses_engines = False
 
     def __init__(
         self, rollouter: Any, backend: Any, root: str | Path, dtype: str, device: str = "cpu", verify: bool = True
@@ -138,12 +137,9 @@ class LoraTransport(WeightTransport):
     def prepare(self, rollouter: Any) -> None:
         """Nothing to set up: the servers were started to serve adapters (engines/adapters.py)."""
 
-    def phases(self, version: int) -> list[Phase]:
-        mine, engines = self.background_phases(version)
-        return mine + engines
-
-    def background_phases(self, version: int) -> tuple[list[Phase], list[Phase]]:
-        """The export reads the backend (the trainer's thread); the rest reads only ROOT/vN."""
+    def plan(self, version: int, background: bool) -> SyncPlan:
+        """The export reads the backend; the rest reads only ROOT/vN and needs no pause (new names load beside the
+        served ones). The same plan in both modes."""
         name = adapter_name(version)
         out = self.root / f"v{version}"
         if name is None:
@@ -157,13 +153,14 @@ class LoraTransport(WeightTransport):
                 return {}
             return self.verifier(self.expected[version], "fa_adapter_digest", f"adapter {name}", {"name": name})
 
-        return [("export", lambda: self.export(version))], [
+        engines: tuple[Phase, ...] = (
             ("distribute", lambda: self.disk.distribute(version)),
             ("load", load),
             ("verify", verify),
             ("activate", lambda: resolve(self.rollouter.activate_adapter.remote(name, version))),
             ("unload", self.unload),
-        ]
+        )
+        return SyncPlan(reads=(("export", lambda: self.export(version)),), engines=engines, pause=False)
 
     def export(self, version: int) -> Path:
         """Write version `version`'s adapter into ROOT/v<version> and check the file against the trainer's digest.

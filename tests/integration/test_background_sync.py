@@ -12,7 +12,6 @@ from collections import Counter
 
 import pytest
 
-from fully_async.param_sync import HOLD_ENV
 from fully_async.trace import load
 from tests.integration.test_end_to_end import (
     REPO,
@@ -22,6 +21,7 @@ from tests.integration.test_end_to_end import (
     read_jsonl,
     run,
 )
+from tests.sync_hold import HOLD_ENV, TRANSPORT
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +59,12 @@ def test_background_sync_at_bound_one_keeps_the_bound_and_the_trainer_waits_for_
 def test_sigkill_while_a_background_sync_holds_the_engines_paused_then_resume_trains_every_prompt_exactly_once(
     tmp_path,
 ):
-    """The run is killed exactly between a background sync's pause and its reload (HOLD_ENV stalls the sync of
+    """The run is killed exactly between a background sync's pause and its reload (the test transport stalls the sync of
     version 5 there, after the checkpoint of step 4; the trainer goes on into step 6 and waits for that sync). The
     resumed run starts from step 4: it trains every prompt of the epoch once, nothing twice."""
     prompts, n = 12, 2
     args = [f"data.synthetic_size={prompts}", "trainer.total_steps=9", "trainer.save_every=2", "trainer.resume=auto",
-            "async_training.sync_mode=background"]  # fmt: skip
+            "async_training.sync_mode=background", f"async_training.weight_transport={TRANSPORT}"]  # fmt: skip
     marker = tmp_path / "held"
     proc = subprocess.Popen(
         command(tmp_path, *args), cwd=REPO, env={**env(), HOLD_ENV: f"5:{marker}"}, start_new_session=True,

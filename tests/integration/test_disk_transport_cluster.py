@@ -110,7 +110,8 @@ def run(tag, node, count):
         res["roots"] = sorted(p.name for p in Path("/dev/shm").glob(f"fully_async-weights-{transport.run_tag}-*"))
         # The servers read their node's copy: overwrite the export after the copy; the reload must not see it.
         backend.step = 40
-        for name_, fn in transport.phases(4):
+        plan = transport.plan(4, background=False)
+        for name_, fn in plan.reads + plan.ahead + plan.engines:
             fn()
             if name_ == "distribute" and transport.node_dirs:
                 (root / "v4" / "sim_weights.json").write_text(json.dumps({"step": 999}))

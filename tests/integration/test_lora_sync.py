@@ -204,12 +204,12 @@ def test_an_adapter_that_differs_from_the_trainers_fails_the_verify_phase_naming
     other = AdapterBackend(model, LORA)
     other.step(99)
     other.export_adapter(tmp_path / "other")
-    mine, engines = sync.transport.background_phases(31)
-    (export,) = mine
+    plan = sync.transport.plan(31, background=True)
+    (export,) = plan.reads
     export[1]()
     # The directory the engines load no longer holds what the trainer exported (a stale or corrupted copy).
     shutil.copy(tmp_path / "other" / ADAPTER_FILE, sync.transport.root / "v31" / ADAPTER_FILE)
-    phases = dict(engines)
+    phases = dict(plan.engines)
     phases["distribute"]()
     phases["load"]()
     with pytest.raises(ParamSyncError, match=rf"adapter policy-v31 did not land.*{servers.addresses[0]}"):

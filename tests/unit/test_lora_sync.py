@@ -19,7 +19,7 @@ from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync
 from fully_async.vllm_ext.fa_digest import digest
 from fully_async.vllm_ext.fa_lora import folded, scaling
-from fully_async.weights.base import WeightTransport
+from fully_async.weights.base import SyncPlan, WeightTransport
 from fully_async.weights.lora import LoraServing, adapter_sync_plan
 from tests.fakes import FakeSGLangLora, StubRollouter
 
@@ -157,7 +157,6 @@ class _NoPauseTransport(WeightTransport):
     """A transport whose phases need no pause (as the adapter transport's): records what ran."""
 
     name = "no-pause"
-    pauses_engines = False
 
     def __init__(self) -> None:
         self.ran: list[str] = []
@@ -165,11 +164,11 @@ class _NoPauseTransport(WeightTransport):
     def prepare(self, rollouter) -> None:
         pass
 
-    def phases(self, version: int):
-        return [("load", lambda: self.ran.append(f"load v{version}"))]
-
-    def background_phases(self, version: int):
-        return [("export", lambda: self.ran.append(f"export v{version}"))], self.phases(version)
+    def plan(self, version: int, background: bool) -> SyncPlan:
+        load = (("load", lambda: self.ran.append(f"load v{version}")),)
+        if not background:
+            return SyncPlan(engines=load, pause=False)
+        return SyncPlan(reads=(("export", lambda: self.ran.append(f"export v{version}")),), engines=load, pause=False)
 
     def export(self, version: int):
         raise NotImplementedError

@@ -14,6 +14,7 @@ from fully_async.handles import LocalActor
 from fully_async.param_sync import ParamSync, ParamSyncError
 from fully_async.trace import Tracer, load
 from fully_async.training.sim_backend import SimBackend
+from fully_async.weights.base import SyncPlan
 from fully_async.weights.disk import DiskTransport
 from tests.fakes import StubRollouter
 
@@ -94,7 +95,7 @@ def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interprete
         hung = [t for t in threading.enumerate() if t.name == "param-sync-pause" and t.is_alive()]
         assert hung and all(t.daemon for t in hung)
         # Later phases get a thread of their own: they do not queue behind the hung one (3 s against 0.1 s).
-        assert sync._phase("probe", {}, lambda: 7) == 7
+        assert sync.phases.run("probe", {}, lambda: 7) == 7
     finally:
         handle.close()
         sync.close()
@@ -169,14 +170,12 @@ class _QueuingTransport(DiskTransport):
     """The disk transport over a backend whose export only queues the copy (as the verl backend's ranks do): here
     the sim backend's export, run whole, stands for the queuing call; where each phase ran is noted."""
 
-    quick_reads = True
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ran_in: dict[str, str] = {}
 
-    def background_phases(self, version):
-        mine, engines = super().background_phases(version)
+    def plan(self, version, background):
+        plan = super().plan(version, background)
 
         def noted(name, fn):
             def run():
@@ -185,7 +184,12 @@ class _QueuingTransport(DiskTransport):
 
             return name, run
 
-        return [noted(n, f) for n, f in mine], [noted(n, f) for n, f in engines]
+        return SyncPlan(
+            reads=tuple(noted(n, f) for n, f in plan.reads),
+            ahead=tuple(noted(n, f) for n, f in plan.ahead),
+            engines=tuple(noted(n, f) for n, f in plan.engines),
+            reads_only_queue=True,
+        )
 
 
 def test_background_reading_phases_that_only_queue_run_in_the_callers_thread_and_leave_nothing_to_wait_for(

@@ -55,7 +55,8 @@ def test_disk_phases_export_then_reload_that_directory_as_the_version(backend, t
     try:
         transport = DiskTransport(handle, backend, tmp_path / "w", "float32")
         names = []
-        for name, fn in transport.phases(4):
+        plan = transport.plan(4, background=False)
+        for name, fn in plan.reads + plan.ahead + plan.engines:
             names.append(name)
             fn()
     finally:

@@ -8,6 +8,8 @@ from typing import Literal
 from fully_async.config.base import require
 
 SYNC_MODES = ("blocking", "background")
+WEIGHT_TRANSPORTS = ("disk", "collective", "auto")
+"""The built-in values of weight_transport (fully_async/weights/factory.py builds them)."""
 """Values of async_training.sync_mode."""
 
 STAGINGS = ("device", "pinned")
@@ -32,8 +34,8 @@ class AsyncTrainingConfig:
     """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
     drain_on_sync: bool = False
     """At a weight sync let every in-flight sample finish instead of aborting it (one-step-off and synchronous schedules). Without it a sync still lets requests of the trainer's next batch finish for up to the last sync's hold, and pauses the servers only if a request is still in flight (docs/architecture.md, "The pause")."""
-    weight_transport: Literal["disk", "collective", "auto"] = "auto"
-    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md)."""
+    weight_transport: str = "auto"
+    """How weights reach the engines: disk (safetensors under /dev/shm that every engine reloads), collective (a gloo/nccl broadcast from the trainer into every vLLM worker), auto (= disk for now; see docs/weight-transports.md), or `pkg.module:Class`, a WeightTransport subclass written outside fully_async (docs/weight-transports.md, "A transport of your own")."""
     sync_mode: Literal["blocking", "background"] = "background"
     """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: ParamSync's thread reads the weights (disk: export; collective: a copy into a staging buffer) while the trainer ends its step, the trainer's next update waits only until they were read, and the engines' phases run in that thread while the next step computes (docs/architecture.md)."""
     verify_sync: bool = True
@@ -68,3 +70,9 @@ class AsyncTrainingConfig:
         require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
         require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
         require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
+        require(
+            self.weight_transport in WEIGHT_TRANSPORTS or ":" in self.weight_transport,
+            p + "weight_transport",
+            self.weight_transport,
+            f"one of {list(WEIGHT_TRANSPORTS)} or a dotted path 'pkg.module:Class'",
+        )
