@@ -10,7 +10,6 @@ trained by step N exactly once: logs past step N are cut back to it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
@@ -20,18 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
-from fully_async.handles import CallThread, one_line, resolve, settle
+from fully_async.handles import resolve
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
-from fully_async.metrics import (
-    JsonlWriter,
-    batch_metrics,
-    plot_run,
-    reward_source_metrics,
-    trajectory_records,
-    truncate_jsonl,
-)
+from fully_async.metrics import JsonlWriter, plot_run, reward_source_metrics, truncate_jsonl
 from fully_async.param_sync import ParamSync, add_timings
+from fully_async.step_helpers import StepHelpers
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -71,17 +64,10 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.step = 0
         self.version = 0
-        self._trajs_out: JsonlWriter | None = None
         self._last_stats: dict[str, Any] | None = None
         """The rollouter's stats() at the end of the previous step's window (the start of the next one's)."""
-        self._ahead = CallThread("trainer-ahead")
-        """While the update computes: reads the counters that close the step's window, and sends and resolves the
-        next step's get (the batch's transfer and deserialisation happen there)."""
-        self._writes = CallThread("trainer-writes")
-        """Writes trajectories.jsonl and the loggers' lines in the order the steps hand them over (and computes the
-        batch's metrics)."""
-        self._written: list = []
-        """The writes handed to `_writes` and not yet seen done."""
+        self.helpers = StepHelpers(queue, rollouter, self.run_dir)
+        """The next batch's get, the step's counters and the writer, in two kept threads (fully_async/step_helpers.py)."""
 
     # -- resume ------------------------------------------------------------------------------------------------
     def find_checkpoint(self) -> Path | None:
@@ -188,39 +174,64 @@ class Trainer:
         which bounds how long the prefetched get waits before the health-polling path takes over. The first call's
         window starts at the call (or at run()'s start).
 
-        What needs no result of the update runs in the trainer's helper threads while the update computes (the
-        trainer's own thread then only waits for the training ranks): the next batch's get, the trajectory records,
-        and, on a step that writes no checkpoint, the counters that close this step's window (so a window runs from
-        one update's start to the next's; on a checkpoint step it closes after the checkpoint, whose snapshot takes
-        the filtered groups)."""
-        cfg, at, tr = self.cfg, self.cfg.async_training, self.tracer
+        What needs no result of the update runs in the trainer's helper threads (StepHelpers) while the update
+        computes: the next batch's get, the trajectory records, and, on a step that writes no checkpoint, the
+        counters that close this step's window (so a window runs from one update's start to the next's; on a
+        checkpoint step it closes after the checkpoint, whose snapshot takes the filtered groups)."""
+        at, tr = self.cfg.async_training, self.tracer
         if self._last_stats is None:
             self._last_stats = resolve(self.rollouter.stats.remote())
-        if self._trajs_out is None:
-            self._trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+        self.helpers.open()
         t0 = time.time()
         groups = self._next_batch(prefetched)
         wait_s = time.time() - t0
         tr.record("trainer", "wait_for_batch", t0, t0 + wait_s)
         self.step += 1
-        saves = (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or (
-            self.step == cfg.trainer.total_steps
-        )
-        # Ask for the next batch now, so the queue's serialisation and the transfer overlap this update (at scale they
-        # cost ~10% of a step otherwise). The next step's version is known: one more after a sync. Not before a
-        # checkpoint: groups in flight to the trainer would be in no snapshot. Its wait is bounded by about one step,
-        # after which _next_batch polls the rollouter's health as usual.
-        next_version = self.version + (self.step % at.sync_every == 0)
-        prefetched: concurrent.futures.Future | None = None
-        report: concurrent.futures.Future | None = None
-        if not saves:  # one hand-over for both (each wakes a thread, which costs the trainer on shared cores)
-            prefetched, report = concurrent.futures.Future(), concurrent.futures.Future()
-            get = (at.groups_per_step, next_version, POLL_S + last_step_s)
-            self._ahead.submit(self._ahead_of_update, get, prefetched, report)
-        trained_at = self.version
-        self._write(self._write_trajectories, groups, self.step, trained_at)
-        metrics_of_batch = self._writes.submit(batch_metrics, groups, self.version)
+        saves = self._saves_now()
+        prefetched, report = self._prefetch(saves, last_step_s)
+        self.helpers.write_trajectories(groups, self.step, self.version)
+        metrics_of_batch = self.helpers.batch_metrics(groups, self.version)
         m: dict[str, Any] = {"step": self.step, "version": self.version, "timing_s/param_sync": 0.0}
+        self._update(groups, m)
+        if self.step % at.sync_every == 0:
+            self.version += 1
+            with tr.span("trainer", "param_sync", version=self.version):
+                add_timings(m, self.sync.start(self.version))
+        if saves:
+            self._checkpoint(m)
+        with tr.span("trainer", "stats"):
+            # On a checkpoint step the counters are read after save(), which wrote the filtered groups the snapshot
+            # counts (later ones wait for the next step: a resume from here re-runs them).
+            report, queue_stats = report.result() if report is not None else self.helpers.step_report(False)
+            now = report["stats"]
+            self.helpers.write_records(report["filtered"], self.step)
+        m.update(metrics_of_batch.result())
+        m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
+        for v in report["validation"]:
+            m.update({k: x for k, x in v.items() if k != "version"})
+        self._last_stats = now
+        return m, prefetched
+
+    def _saves_now(self) -> bool:
+        """Whether this step writes a checkpoint (every trainer.save_every steps, and the last step)."""
+        tr = self.cfg.trainer
+        return bool(tr.save_every and self.step % tr.save_every == 0) or self.step == tr.total_steps
+
+    def _prefetch(self, saves: bool, last_step_s: float) -> tuple[Any, Any]:
+        """Ask for the next batch now, so the queue's serialisation and the transfer overlap this update (at scale
+        they cost ~10% of a step otherwise), and read this step's counters meanwhile. The next step's version is
+        known: one more after a sync. Not before a checkpoint: groups in flight to the trainer would be in no
+        snapshot ((None, None) then). Its wait is bounded by about one step, after which _next_batch polls the
+        rollouter's health as usual."""
+        if saves:
+            return None, None
+        at = self.cfg.async_training
+        next_version = self.version + (self.step % at.sync_every == 0)
+        return self.helpers.prefetch((at.groups_per_step, next_version, POLL_S + last_step_s))
+
+    def _update(self, groups: list, m: dict[str, Any]) -> None:
+        """The backend's update of this batch, after the weights a background sync still reads were read."""
+        tr = self.tracer
         if self.sync.reading:  # the background sync the last step started may still read the weights this changes
             with tr.span("trainer", "param_sync", version=self.version, read=True):
                 add_timings(m, self.sync.weights_read())
@@ -230,76 +241,22 @@ class Trainer:
         self._trace_update(t1, t2, update)
         m.update({f"actor/{k}" if "/" not in k else k: v for k, v in update.items()})
         m["timing_s/update"] = t2 - t1
-        if self.step % at.sync_every == 0:
-            self.version += 1
-            with tr.span("trainer", "param_sync", version=self.version):
-                add_timings(m, self.sync.start(self.version))
-        if saves and self.sync.mode == "background":
-            # A checkpoint holds the engines' version (the ledger's) and the trainer's: with no sync in flight they
-            # agree, as in blocking mode, and a resume restarts the engines on the checkpoint's weights.
+
+    def _checkpoint(self, m: dict[str, Any]) -> None:
+        """Write this step's checkpoint. A checkpoint holds the engines' version (the ledger's) and the trainer's:
+        with no sync in flight they agree, as in blocking mode, and a resume restarts the engines on the
+        checkpoint's weights; so a background sync is waited for first."""
+        tr = self.tracer
+        if self.sync.mode == "background":
             with tr.span("trainer", "param_sync", version=self.version, wait=True):
                 t3 = time.monotonic()
                 add_timings(m, self.sync.wait())
                 m["timing_s/param_sync"] += time.monotonic() - t3
-        if saves:
-            with tr.span("trainer", "save_checkpoint"):
-                t3 = time.monotonic()
-                self._flush_writes()  # the records handed over so far are in the files the snapshot keeps
-                self.save()
-                m["timing_s/save_checkpoint"] = time.monotonic() - t3
-        with tr.span("trainer", "stats"):
-            # On a checkpoint step the counters are read after save(), which wrote the filtered groups the snapshot
-            # counts (later ones wait for the next step: a resume from here re-runs them).
-            report, queue_stats = report.result() if report is not None else self._step_report(take_filtered=False)
-            now = report["stats"]
-            self._write(self._trajs_out.write, [{**r, "step": self.step} for r in report["filtered"]])
-        m.update(metrics_of_batch.result())
-        m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
-        for v in report["validation"]:
-            m.update({k: x for k, x in v.items() if k != "version"})
-        self._last_stats = now
-        return m, prefetched
-
-    def _ahead_of_update(self, get: tuple, batch: concurrent.futures.Future, report: concurrent.futures.Future) -> None:
-        """In the helper thread `_ahead`, while the update computes: send the next step's get (`get`: its
-        arguments), read this step's counters into `report` (`_step_report`), then wait for the batch into
-        `batch`."""
-        try:
-            ref = self.queue.get.remote(*get)
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread through both futures
-            batch.set_exception(e)
-            settle(report, self._step_report, True)
-            return
-        settle(report, self._step_report, True)
-        settle(batch, resolve, ref)
-
-    def _write(self, fn, *args) -> None:
-        """Hand a write to the writer thread; a write that failed (a full disk) is raised here at the next one."""
-        done, pending = [], []
-        for f in self._written:  # one look at each: a write that ends meanwhile is seen next time
-            (done if f.done() else pending).append(f)
-        self._written = [*pending, self._writes.submit(fn, *args)]
-        for f in done:
-            f.result()  # raises the failed write's exception (the writes handed over still run)
-
-    def _flush_writes(self, quiet: bool = False) -> None:
-        """Wait for the writes handed over so far; raise the first that failed (`quiet`: log it instead, when another
-        failure is on its way out)."""
-        written, self._written = self._written, []
-        for f in written:
-            if not quiet:
-                f.result()
-            elif f.exception() is not None:
-                log.error("trainer: a write failed: %s", one_line(f.exception()))
-
-    def _write_trajectories(self, groups: list, step: int, trained_at: int) -> None:
-        self._trajs_out.write(trajectory_records(groups, step, trained_at))
-
-    def _step_report(self, take_filtered: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The rollouter's step_report and the queue's stats, both sent before either is awaited."""
-        report = self.rollouter.step_report.remote(take_filtered=take_filtered)
-        queue_stats = self.queue.stats.remote()
-        return resolve(report), resolve(queue_stats)
+        with tr.span("trainer", "save_checkpoint"):
+            t3 = time.monotonic()
+            self.helpers.flush()  # the records handed over so far are in the files the snapshot keeps
+            self.save()
+            m["timing_s/save_checkpoint"] = time.monotonic() - t3
 
     def run(self) -> dict[str, Any]:
         """Train to trainer.total_steps. Each step's window runs from the previous step's reading of the counters to
@@ -308,23 +265,20 @@ class Trainer:
         (definitions in fully_async/metrics.py and docs/metrics.md)."""
         cfg = self.cfg
         loggers = build_loggers(cfg.logger, self.run_dir, cfg.trainer.total_steps, self.step, to_dict(cfg))
-        self._trajs_out = JsonlWriter(self.run_dir / "trajectories.jsonl")
+        self.helpers.open()
         self._last_stats = resolve(self.rollouter.stats.remote())
         final: dict[str, Any] = {}
         prefetched = None
         try:
             while self.step < cfg.trainer.total_steps:
                 final, prefetched = self.train_step(prefetched, final.get("timing_s/step", 0.0))
-                self._write(loggers.log, self.step, final)  # in the writer thread, while the next step computes
-            self._flush_writes()
+                self.helpers.write(loggers.log, self.step, final)  # in the writer thread, while the next step computes
+            self.helpers.flush()
         finally:
             try:
-                self._flush_writes(quiet=True)  # after a failure: what was handed over still reaches the files
+                self.helpers.close()  # after a failure: what was handed over still reaches the files
             finally:
                 loggers.close()
-                self._trajs_out.close()
-                for thread in (self._ahead, self._writes):
-                    thread.close()
             self.tracer.close()
             plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
         return final

@@ -130,7 +130,7 @@ def test_filtered_groups_are_logged_once_with_the_step_that_read_them(roles, tmp
         if uid == "b":  # step 2 saves: a group filtered while its checkpoint is written
             stub.filtered_after_snapshot.append({"prompt_uid": "late", "filtered": True})
         _, prefetched = trainer.train_step(prefetched)
-    trainer._trajs_out.close()
+    trainer.helpers.close()  # the writes handed over reach the file
     records = [json.loads(x) for x in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     logged = [(r["prompt_uid"], r["step"]) for r in records if r.get("filtered")]
     assert logged == [("a", 1), ("b", 2), ("late", 3), ("c", 3)]
