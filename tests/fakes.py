@@ -547,7 +547,7 @@ class StateDictBackend:
             yield item
 
     def weight_sender(self):
-        from fully_async.weights.collective import CollectiveSender
+        from fully_async.weights.collective_sender import CollectiveSender
 
         self.sender = CollectiveSender(self.named_tensors, self.device)
         return self.sender

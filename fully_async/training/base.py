@@ -74,7 +74,7 @@ class TrainingBackend(ABC):
     def weight_sender(self) -> Any:
         """The sending side of the collective weight transport, run where the full weights are: an object with
         `plan()`, `listen(loopback, timeout_s)`, `form(group, world, backend, timeout_s)`, `send(buckets, dtype)` and
-        `close()` (fully_async.weights.collective.CollectiveSender's interface). Backends that cannot send raise."""
+        `close()` (fully_async.weights.collective_sender.CollectiveSender's interface). Backends that cannot send raise."""
         from fully_async.config import ConfigError
 
         raise ConfigError(

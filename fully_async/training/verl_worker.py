@@ -213,7 +213,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
     # Every rank drains the per-tensor iterator (each step all-gathers one parameter); rank 0 alone is in the
     # weight group and broadcasts. Methods that touch only the group are no-ops on the other ranks.
     def _sender(self):
-        from fully_async.weights.collective import CollectiveSender
+        from fully_async.weights.collective_sender import CollectiveSender
 
         if getattr(self, "_weight_sender", None) is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"

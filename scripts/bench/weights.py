@@ -113,7 +113,7 @@ class TensorBackend:
         return [out / "model.safetensors"]
 
     def weight_sender(self) -> Any:
-        from fully_async.weights.collective import CollectiveSender  # only where the collective transport exists
+        from fully_async.weights.collective_sender import CollectiveSender  # only where the collective transport exists
 
         return CollectiveSender(lambda: iter(self.state.items()))
 

@@ -384,7 +384,7 @@ def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2
     """The collective transport's sending side at 2 FSDP2 ranks: rank 0 broadcasts what the per-tensor iterator
     gathers (rank 1 drains it with it) into the vLLM worker extension's own methods, here in threads of this
     process with a stand-in model runner; what arrives equals the exported safetensors."""
-    from fully_async.weights.collective import layout_buckets
+    from fully_async.weights.collective_sender import layout_buckets
 
     ref = _weights(be2, tmp_path / "ref")
     sender = be2.weight_sender()
@@ -407,7 +407,7 @@ def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_bro
     rank 0 holds a copy (async_training.staging) and its broadcast has started; the next update runs on the same
     ranks while that broadcast waits for the engine, and the engine then receives the weights as they were at the
     stage. After a re-formed group (an engine server restarted), `send_staged` sends the same copy into it."""
-    from fully_async.weights.collective import layout_buckets
+    from fully_async.weights.collective_sender import layout_buckets
 
     _reset(be2)
     ref = _weights(be2, tmp_path / "ref")
