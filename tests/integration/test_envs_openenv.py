@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import pytest_asyncio
 
 pytest.importorskip("openenv.core", reason="needs the envs extra (pip install -e .[envs])")
 
@@ -28,7 +29,8 @@ from fully_async.models.tiny import build_tokenizer  # noqa: E402
 from fully_async.protocol import NO_VERSION, PromptRef  # noqa: E402
 from tests import fakes  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(240)]
+# One pool of two server processes for the module (each start costs seconds of imports): the tests share its loop.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest.fixture(scope="module")
@@ -53,24 +55,19 @@ def im_end(tok):
     return tok.convert_tokens_to_ids("<|im_end|>")
 
 
-async def started_pool(tmp_path, servers=2):
-    pool = EnvServerPool(EnvConfig(servers=servers, health_interval_s=0.5, call_timeout_s=10.0), tmp_path)
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(tmp_path_factory):
+    cfg = EnvConfig(servers=2, health_interval_s=0.5, call_timeout_s=10.0)
+    pool = EnvServerPool(cfg, tmp_path_factory.mktemp("envs"))
     await pool.start()
-    return pool
+    yield pool
+    await pool.stop()
 
 
-def test_two_turn_episode_is_token_exact_and_carries_the_environments_reward(tok, tmp_path):
-    async def main():
-        pool = await started_pool(tmp_path, servers=1)
-        try:
-            client = fakes.ScriptedClient(tok, ["7", "3"], end=im_end(tok))
-            loop = agent(tok, pool)
-            t = await loop.run(client, sample("3"))
-            return loop, client, t
-        finally:
-            await pool.stop()
-
-    loop, client, t = asyncio.run(main())
+async def test_two_turn_episode_is_token_exact_and_carries_the_environments_reward(tok, pool):
+    client = fakes.ScriptedClient(tok, ["7", "3"], end=im_end(tok))
+    loop = agent(tok, pool)
+    t = await loop.run(client, sample("3"))
     turn = [tok.encode("7")[0], im_end(tok)]
     feedback = loop.chat.boundary(im_end(tok)) + loop.chat.delta([{"role": "user", "content": "Wrong, try again."}])
     assert t.response_ids.tolist() == turn + feedback + [tok.encode("3")[0], im_end(tok)]
@@ -81,34 +78,27 @@ def test_two_turn_episode_is_token_exact_and_carries_the_environments_reward(tok
     assert t.reward_info["env_reward"] == 0.5 and t.reward_info["env_turns"] == 1  # right on the second try
     assert t.reward_info["env_retries"] == 0
     meta = loop.reward_meta(t, sample("3").row)
-    assert asyncio.run(env_reward("t", "", "3", meta["extra_info"])) == {"score": 0.5}
+    assert await env_reward("t", "", "3", meta["extra_info"]) == {"score": 0.5}
 
 
-def test_a_server_sigkilled_mid_episode_is_retried_on_a_fresh_environment_and_replaced(tok, tmp_path):
-    async def main():
-        pool = await started_pool(tmp_path, servers=2)
-        killed = []
+async def test_a_server_sigkilled_mid_episode_is_retried_on_a_fresh_environment_and_replaced(tok, pool):
+    killed = []
 
-        async def kill_busy_server(k):
-            if k == 1:  # after the first step: the session's server dies before the second step
-                url = next(u for u, n in pool.busy.items() if n)
-                server = next(s for s in pool.servers if s.url == url)
-                os.killpg(server.popen.pid, signal.SIGKILL)
-                killed.append(url)
-                await asyncio.sleep(0.2)
+    async def kill_busy_server(k):
+        if k == 1:  # after the first step: the session's server dies before the second step
+            url = next(u for u, n in pool.busy.items() if n)
+            server = next(s for s in pool.servers if s.url == url)
+            os.killpg(server.popen.pid, signal.SIGKILL)
+            killed.append(url)
+            await asyncio.sleep(0.2)
 
-        try:
-            # Attempt 1: "7" (wrong), the server dies, "3" cannot be stepped. Attempt 2, fresh environment: "3".
-            client = fakes.ScriptedClient(tok, ["7", "3", "3"], end=im_end(tok), before_turn=kill_busy_server)
-            t = await agent(tok, pool).run(client, sample("3"))
-            deadline = time.monotonic() + 120
-            while (pool.replacements < 1 or not all(pool.up.get(u) for u in pool.urls)) and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            return t, killed, pool.replacements, dict(pool.up)
-        finally:
-            await pool.stop()
-
-    t, killed, replacements, up = asyncio.run(main())
+    # Attempt 1: "7" (wrong), the server dies, "3" cannot be stepped. Attempt 2, fresh environment: "3".
+    client = fakes.ScriptedClient(tok, ["7", "3", "3"], end=im_end(tok), before_turn=kill_busy_server)
+    t = await agent(tok, pool).run(client, sample("3"))
+    deadline = time.monotonic() + 120
+    while (pool.replacements < 1 or not all(pool.up.get(u) for u in pool.urls)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    replacements, up = pool.replacements, dict(pool.up)
     assert len(killed) == 1
     assert t.reward_info["env_infra_failures"] == 1 and t.reward_info["env_retries"] == 1
     assert t.reward_info["env_reward"] == 1.0, "the retried episode must keep the environment's own reward"
@@ -117,7 +107,7 @@ def test_a_server_sigkilled_mid_episode_is_retried_on_a_fresh_environment_and_re
     assert replacements == 1 and all(up.values())
 
 
-def test_past_the_retry_budget_the_sample_raises_for_reissue_or_keeps_zero_when_asked(tok, tmp_path):
+async def test_past_the_retry_budget_the_sample_raises_for_reissue_or_keeps_zero_when_asked(tok, tmp_path):
     dead = EnvServerPool(EnvConfig(urls=[f"http://127.0.0.1:{free_port()}"], call_timeout_s=2.0), tmp_path)
     dead.up[dead.urls[0]] = True  # an external server that has gone: every call is refused
 
@@ -126,10 +116,10 @@ def test_past_the_retry_budget_the_sample_raises_for_reissue_or_keeps_zero_when_
 
     loop = agent(tok, dead, retries=1)
     with pytest.raises(InfraExhausted, match="2 attempts failed; last: refused"):
-        asyncio.run(run(loop))
+        await run(loop)
     assert loop.counts["env_infra_failures"] == 2 and loop.counts["env_exhausted"] == 1
 
     dead.up[dead.urls[0]] = True
-    t = asyncio.run(run(agent(tok, dead, retries=0, on_exhausted="zero_reward")))
+    t = await run(agent(tok, dead, retries=0, on_exhausted="zero_reward"))
     assert t.reward_info["env_zeroed"] and t.reward_info["env_reward"] == 0.0
     assert t.loss_mask.sum() == 0  # nothing of it is trained as the model's
