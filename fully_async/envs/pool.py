@@ -14,6 +14,7 @@ import contextlib
 import logging
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ class EnvServerPool:
         self.replacements = 0
         self._suspect = asyncio.Event()
         self._monitor: asyncio.Task | None = None
+        self._stopped = False
+        self._launching = threading.Lock()
+        """Held while a server is launched and by stop(): a replacement that runs on in its thread after stop()
+        cancelled the health checks must not start a server nobody stops."""
 
     def _command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "fully_async.envs.serve", self.cfg.app, "--port", str(port)]
@@ -63,7 +68,10 @@ class EnvServerPool:
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
     def _launch(self, server: ServerProcess) -> None:
-        server.launch()
+        with self._launching:
+            if self._stopped:
+                return
+            server.launch()
         server.wait_healthy(self.cfg.startup_timeout_s)
         self.up[server.url] = True
         self.busy.setdefault(server.url, 0)
@@ -122,6 +130,8 @@ class EnvServerPool:
         return {"servers": len(self.servers), "up": sum(self.up.values()), "replacements": self.replacements}
 
     async def stop(self) -> None:
+        with self._launching:
+            self._stopped = True
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
