@@ -13,7 +13,8 @@ Failures (failures.py): an infrastructure failure restarts the episode from its 
 `env.infra_retries` times, then the group is re-issued (`on_exhausted=reissue`); an error message from a live
 environment (an action it rejects) is the model's fault: the episode ends there with the reward so far
 (`env_task_error` in reward info). Partial rollout and the staleness ledger work as for ToolAgentLoop: a sync
-during an environment call only delays the next model call, which continues under the new weights.
+during an environment call only delays the next model call, which continues under the new weights; with partial
+rollout off an episode whose tokens would span two versions restarts from its prompt (reward info `restarts`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ log = logging.getLogger(__name__)
 _POOLS: dict[str, EnvServerPool] = {}
 """One pool per environment config in this process: the training and validation loops share their servers."""
 _POOLS_LOCK: asyncio.Lock | None = None
+
+
+MAX_RESTARTS = 100
+"""Episode restarts (partial rollout off) before the sample fails: a guard against an endless loop, not a knob."""
+
+
+class _Restart(Exception):
+    """The weights changed mid-episode with partial rollout off: the episode starts again on a new session."""
 
 
 class TaskError(Exception):
@@ -149,7 +158,14 @@ class OpenEnvAgentLoop(AgentLoop):
         async def attempt(k: int) -> Trajectory:
             url = await pool.acquire()
             try:
-                return await self._episode(client, sample, url)
+                for restarts in range(MAX_RESTARTS + 1):
+                    try:
+                        traj = await self._episode(client, sample, url)
+                    except _Restart:
+                        continue
+                    traj.reward_info["restarts"] = restarts
+                    return traj
+                raise RuntimeError(f"sample {sample.prompt.uid}#{sample.sample_index} restarted {MAX_RESTARTS} times")
             except InfraError as e:
                 e.url = e.url or url
                 raise
@@ -204,6 +220,8 @@ class OpenEnvAgentLoop(AgentLoop):
                                             continue_on_abort=self.continue_on_abort)  # fmt: skip
                 timings["generate_s"] += time.monotonic() - t0
                 start_version = out.start_version if start_version is None else start_version
+                if not self.continue_on_abort and any(v != start_version for v in out.versions):
+                    raise _Restart  # this turn's tokens come from newer weights than the episode's first turn
                 num_aborts += out.num_aborts
                 tr.add_model(out.token_ids, out.logprobs, out.versions)
                 info["turns"] += 1

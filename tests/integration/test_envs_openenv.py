@@ -123,3 +123,12 @@ async def test_past_the_retry_budget_the_sample_raises_for_reissue_or_keeps_zero
     t = await run(agent(tok, dead, retries=0, on_exhausted="zero_reward"))
     assert t.reward_info["env_zeroed"] and t.reward_info["env_reward"] == 0.0
     assert t.loss_mask.sum() == 0  # nothing of it is trained as the model's
+
+
+async def test_partial_rollout_off_restarts_an_episode_that_would_span_two_versions(tok, pool):
+    client = fakes.ScriptedClient(tok, ["7", "3", "7", "3"], end=im_end(tok), versions=[0, 1, 1, 1])
+    loop = agent(tok, pool)
+    loop.continue_on_abort = False
+    t = await loop.run(client, sample("3"))
+    assert t.reward_info["restarts"] == 1 and t.reward_info["env_reward"] == 0.5
+    assert set(t.token_versions[t.loss_mask == 1].tolist()) == {1}  # one version: the restarted episode only
