@@ -79,6 +79,11 @@ def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     if any(t.reward_info.get("env_turns") for t in multi):
         out.update(_stats("timing_s/agent_loop/env_turns", [t.timings.get("env_s", 0.0) for t in multi]))
         out["agent/env_turns/mean"] = float(np.mean([t.reward_info.get("env_turns", 0) for t in multi]))
+    envs = [t for t in multi if "env_retries" in t.reward_info]  # environment loops (fully_async/envs/)
+    if envs:
+        out["env/infra_failures"] = float(sum(t.reward_info.get("env_infra_failures", 0) for t in envs))
+        out["env/retries"] = float(sum(t.reward_info.get("env_retries", 0) for t in envs))
+        out["env/zeroed"] = float(sum(bool(t.reward_info.get("env_zeroed")) for t in envs))
     return out
 
 
@@ -107,6 +112,10 @@ def reward_source_metrics(now: dict[str, dict[str, float]], last: dict[str, dict
     return out
 
 
+ENV_RECORD_KEYS = ("env_infra_failures", "env_retries", "env_zeroed")
+"""Environment loops' counts (fully_async/envs/failures.py) copied into trajectories.jsonl when present."""
+
+
 def trajectory_records(groups: Sequence[TrajectoryGroup], step: int, trainer_version: int) -> list[dict[str, Any]]:
     return [
         {
@@ -127,6 +136,7 @@ def trajectory_records(groups: Sequence[TrajectoryGroup], step: int, trainer_ver
             "generate_s": t.timings.get("generate_s", 0.0),
             "reward_s": t.timings.get("reward_s", 0.0),
             **({"reward_failed": True} if t.reward_info.get("reward_failed") else {}),
+            **{k: t.reward_info[k] for k in ENV_RECORD_KEYS if k in t.reward_info},
         }
         for t in flatten(groups)
     ]

@@ -24,6 +24,7 @@ from fully_async.admission import Admission
 from fully_async.agents import Sample
 from fully_async.config import FullyAsyncConfig
 from fully_async.data import DataError, PromptRow
+from fully_async.envs.failures import InfraExhausted
 from fully_async.handles import resolve_async
 from fully_async.metrics import trajectory_records
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
@@ -37,7 +38,7 @@ QUEUE_WAIT_TRACE_S = 0.01
 """A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
 
 COUNTERS = ("groups_pushed", "groups_failed", "groups_dropped_by_reward", "samples", "tokens", "aborted_samples",
-            "groups_filtered")  # fmt: skip
+            "groups_filtered", "groups_env_infra")  # fmt: skip
 """Production's cumulative counters (Rollouter.stats())."""
 
 # The sample a coroutine works for: asyncio tasks inherit it, so the engine client's per-request callback (the
@@ -127,10 +128,13 @@ class Production:
         except (DataError, RewardFatal) as e:
             self.fail(str(e))
             return
-        except Exception as e:  # engine failure after retries, or a reward source's drop: re-issue, keep running
+        # An engine failure after retries, an environment's infrastructure failures past its budget (envs/failures.py)
+        # or a reward source's drop: re-issue, keep running.
+        except Exception as e:
             log.warning("group %s failed, re-issuing it: %s: %s", prompt.uid, type(e).__name__, e)
             self.counters["groups_failed"] += 1
             self.counters["groups_dropped_by_reward"] += isinstance(e, RewardDrop)
+            self.counters["groups_env_infra"] += isinstance(e, InfraExhausted)  # re-issued, never scored
             self.admission.failed(prompt)
             return
         if constant:  # dynamic sampling: nothing to learn from it; its slot goes to a new group
@@ -203,7 +207,7 @@ class Production:
                 )
         traj = rows[-1]
         with self.tracer.span("reward", "score", sample=sample_id.get()):
-            result = await self.reward.score(self.agent.reward_text(traj), sample.row.reward_meta())
+            result = await self.reward.score(self.agent.reward_text(traj), self.agent.reward_meta(traj, sample.row))
         reward_s = result.info.pop("reward_s", 0.0)
         # The agent's own info (turns, tool errors) stays beside the reward's.
         traj.reward, traj.reward_info = result.score, {**traj.reward_info, **result.info}
@@ -226,7 +230,8 @@ async def validate(
     agent: Any, client: Any, reward: Any, rows: list[PromptRow], version: int, max_concurrent: int
 ) -> dict[str, Any]:
     """One sample per held-out row under weights `version`, scored: {"version", "val/reward_mean", "val/n",
-    "timing_s/validation"}. A sample a reward source drops (training would re-issue it) is left out of the mean;
+    "timing_s/validation"}. A sample a reward source drops or whose environment failed past its retries (training
+    would re-issue both) is left out of the mean;
     RewardFatal (on_failure=raise) propagates."""
     limit = asyncio.Semaphore(max_concurrent)
     start = time.monotonic()
@@ -234,11 +239,11 @@ async def validate(
     async def one(i: int, row: PromptRow) -> float | None:
         sample_id.set(f"val:{version}:{i}")
         async with limit:
-            out = await agent.run(client, Sample(PromptRef(-1, i), 0, row))
-            text = agent.reward_text(out[-1] if isinstance(out, list) else out)
             try:
-                return (await reward.score(text, row.reward_meta())).score
-            except RewardDrop:
+                out = await agent.run(client, Sample(PromptRef(-1, i), 0, row))
+                last = out[-1] if isinstance(out, list) else out
+                return (await reward.score(agent.reward_text(last), agent.reward_meta(last, row))).score
+            except (RewardDrop, InfraExhausted):
                 return None
 
     scores = [s for s in await asyncio.gather(*(one(i, r) for i, r in enumerate(rows))) if s is not None]

@@ -307,6 +307,7 @@ def step_window(
         "fully_async/queue/size": queue_stats["size"],
         "fully_async/count/dropped_stale": queue_stats["dropped_stale"],
         "fully_async/count/groups_failed": now["groups_failed"],
+        "fully_async/count/groups_env_infra": now.get("groups_env_infra", 0),
         "fully_async/count/reward_timeouts": now["reward_timeouts"],
         "fully_async/count/filtered_groups": now.get("groups_filtered", 0),
         "fully_async/filtered_groups/ratio": new_filtered / max(1, new_filtered + new_pushed),

@@ -4,6 +4,7 @@
 #
 #   bash scripts/setup.sh            # project venv + engine venv + verl patches
 #   PYTHON=python3.11 bash scripts/setup.sh
+#   FULLY_ASYNC_EXTRAS=envs bash scripts/setup.sh   # also the extras named (comma-separated), e.g. envs
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,14 +26,19 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 
+# Optional extras beyond dev (pyproject.toml): envs = OpenEnv, verifiers, bm25s (docs/environments.md).
+extras="dev${FULLY_ASYNC_EXTRAS:+,$FULLY_ASYNC_EXTRAS}"
 stamp="$venv/.fully_async-setup"
 want="$(cat pyproject.toml "$constraints" | sha256sum | cut -d' ' -f1)"
+if [ -n "${FULLY_ASYNC_EXTRAS:-}" ]; then  # a venv with other extras than the last set-up's is installed again
+    want="$(printf '%s %s' "$want" "$extras" | sha256sum | cut -d' ' -f1)"
+fi
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     log "project venv up to date ($venv)"
 else
-    log "installing fully_async[dev] into $venv (constraints: ${constraints#"$root/"})"
+    log "installing fully_async[$extras] into $venv (constraints: ${constraints#"$root/"})"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[dev]"
+    "$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[$extras]"
     echo "$want" >"$stamp"
     log "project venv ready"
 fi

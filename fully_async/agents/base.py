@@ -61,6 +61,11 @@ class AgentLoop(ABC):
         """What the reward sources score for the sample whose (last) row is `traj`: its decoded response."""
         return self.decode(traj.response_ids.tolist())
 
+    def reward_meta(self, traj: Trajectory, row: PromptRow) -> dict[str, Any]:
+        """What the reward sources see besides the text for the sample whose (last) row is `traj`: the row's meta
+        (an environment loop adds the environment's reward, fully_async/envs/openenv.py)."""
+        return row.reward_meta()
+
     def decode(self, token_ids: list[int]) -> str:
         """Response text as the reward sees it (special tokens removed)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

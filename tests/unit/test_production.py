@@ -128,3 +128,42 @@ async def test_a_prompt_longer_than_max_prompt_length_fails_the_run(tmp_path):
         await settled(production)
         size = (await queue("stats"))["size"]
     assert len(failures) == 1 and "data.max_prompt_length=4" in failures[0] and size == 0
+
+
+class _InfraOnce:
+    """The agent loop, but sample 1 of `prompt`'s first attempt fails as an environment past its retry budget."""
+
+    def __init__(self, agent, prompt):
+        self.agent, self.prompt, self.failed = agent, prompt, False
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+    async def run(self, client, sample):
+        from fully_async.envs.failures import InfraExhausted
+
+        if sample.prompt == self.prompt and sample.sample_index == 1 and not self.failed:
+            self.failed = True
+            raise InfraExhausted("reset", "3 attempts failed; last: reset: connection reset by peer")
+        return await self.agent.run(client, sample)
+
+
+async def test_an_environment_failed_past_its_retries_reissues_the_group_and_trains_each_prompt_once(tmp_path):
+    async with producing(tmp_path) as (production, admission, queue, failures, handle):
+        prompts = [admission.admit_next() for _ in range(2)]
+        production.agent = _InfraOnce(production.agent, prompts[0])
+        for p in prompts:
+            production.start(p)
+        await settled(production)
+        assert list(admission.ledger.reissue) == [prompts[0]]  # not trained with a sample missing: re-issued
+        again = admission.admit_next()
+        production.start(again)
+        await settled(production)
+        groups = await queue("get", 2, 0, 5)
+        size = (await queue("stats"))["size"]
+    assert again == prompts[0] and not failures and size == 0
+    assert sorted(g.prompt for g in groups) == sorted(prompts)  # each prompt once, whole
+    assert all(sorted(t.sample_index for t in g.trajectories) == [0, 1, 2, 3] for g in groups)
+    c = production.counters
+    assert c["groups_env_infra"] == 1 and c["groups_failed"] == 1 and c["groups_pushed"] == 2
+    assert admission.ledger.accepted == 2 and not admission.ledger.running and not admission.ledger.reissue

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fully_async.config.base import ConfigError, check_dotted, require
+from fully_async.config.sections.env import EnvConfig
 from fully_async.config.sections.reward import RewardLimitsConfig
 
 
@@ -28,6 +29,8 @@ class MultiTurnConfig:
     """Limits of each tool's calls, the reward sources' kind (max_concurrent, rpm; scope cluster = one named Ray actor per tool for every process); the wait does not count toward tool_timeout_s; tpm must stay 0 (a tool call has no token count)."""
     limiter_namespace: str = "fully_async"
     """Ray namespace of the per-tool limiter actors: processes in one namespace share each tool's limits."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environment servers of fully_async.envs.openenv:OpenEnvAgentLoop (docs/environments.md)."""
 
     def validate_section(self, p: str) -> None:
         for i, path in enumerate(self.tools):
