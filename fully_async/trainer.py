@@ -32,6 +32,7 @@ from fully_async.metrics import (
     truncate_jsonl,
 )
 from fully_async.param_sync import ParamSync, add_timings
+from fully_async.startup import Timeline, write_record
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ class Trainer:
         self._trajs_out: JsonlWriter | None = None
         self._last_stats: dict[str, Any] | None = None
         """The rollouter's stats() at the end of the previous step's window (the start of the next one's)."""
+        self.startup: Timeline | None = None
+        """The run's start-up timeline (fully_async/startup.py), closed at this run's first step: its metrics go into
+        that step's row, its line to the console, its parts to the trace; None: not timed (set by the job)."""
         self._ahead = CallThread("trainer-ahead")
         """While the update computes: reads the counters that close the step's window, and sends and resolves the
         next step's get (the batch's transfer and deserialisation happen there)."""
@@ -260,6 +264,17 @@ class Trainer:
         self._last_stats = now
         return m, prefetched
 
+    def _started(self, first: float) -> dict[str, float]:
+        """The start-up ends with this run's first step (which began at `first`): its metrics, line and spans."""
+        if self.startup is None:
+            return {}
+        self.startup.add("first_step", first, time.time())
+        metrics = self.startup.finish()
+        print(f"fully_async: {self.startup.line()}", flush=True)
+        self.startup.trace(self.tracer)
+        write_record(self.run_dir, self.startup)
+        return metrics
+
     def _ahead_of_update(self, get: tuple, batch: concurrent.futures.Future, report: concurrent.futures.Future) -> None:
         """In the helper thread `_ahead`, while the update computes: send the next step's get (`get`: its
         arguments), read this step's counters into `report` (`_step_report`), then wait for the batch into
@@ -312,9 +327,13 @@ class Trainer:
         self._last_stats = resolve(self.rollouter.stats.remote())
         final: dict[str, Any] = {}
         prefetched = None
+        first = time.time()
         try:
             while self.step < cfg.trainer.total_steps:
                 final, prefetched = self.train_step(prefetched, final.get("timing_s/step", 0.0))
+                if first:
+                    final.update(self._started(first))
+                    first = 0.0
                 self._write(loggers.log, self.step, final)  # in the writer thread, while the next step computes
             self._flush_writes()
         finally:
