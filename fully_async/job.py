@@ -114,6 +114,7 @@ class Job:
         parts before the job; default: a new one from this process's start)."""
         self.cfg, self.run_dir, self.model_path = cfg, Path(run_dir), str(model_path)
         self.startup = startup or Timeline("startup")
+        self.startup.on_finish = lambda timeline: self.echo(timeline.line())  # at the first step's end
         self.weights_root = weights_root
         self.echo = echo or (lambda line: print(f"fully_async: {line}", flush=True))
         self.placement = self.queue = self.rollouter = self.backend = self.sync = self.trainer = None
@@ -260,8 +261,8 @@ class Job:
     def shutdown(self) -> None:
         """Stop engines, reward workers, trainer ranks and actors, and free the placement groups. Safe to call twice
         and after a failed start; each part is stopped even when an earlier one fails to. The rollouter (which stops
-        the engines and reward workers) and the trainer ranks share nothing, so they stop at once; each part is
-        timed into RUN_DIR/startup.json (`shutdown`)."""
+        the engines and reward workers) and the trainer ranks share nothing, so they stop at once, while the
+        trainer's plot is drawn; each part is timed into RUN_DIR/startup.json (`shutdown`)."""
         import ray
 
         from fully_async.engines.host import stop_hosts
@@ -270,6 +271,7 @@ class Job:
         at_once = [
             ("rollouter", lambda: self.rollouter and ray.get(self.rollouter.shutdown.remote(), timeout=120)),
             ("trainer_ranks", lambda: self.backend and self.backend.shutdown()),
+            ("plots", lambda: self.trainer and self.trainer.wait_plots()),
         ]
         threads = [threading.Thread(target=self._stop_part, args=(timeline, name, step), name=f"stop-{name}")
                    for name, step in at_once]  # fmt: skip
@@ -290,7 +292,7 @@ class Job:
         console.uninstall()
         if started and self.run_dir.is_dir():
             timeline.finish()
-            log.info("fully_async: %s", timeline.line())
+            self.echo(timeline.line())
             write_record(self.run_dir, self.startup, timeline)
 
     @staticmethod

@@ -3,9 +3,10 @@ and of each part of the shutdown after the last one.
 
 Contract: `part(name)` (or `add(name, start, end)`) records a part; parts may overlap (the engines start while the
 trainer ranks build), so the parts need not add up to the total. `finish(end)` closes the start-up at the first
-step's end and returns its metrics (`timing_s/startup/<part>`, `timing_s/startup/total`: command to first step), one
-console line (`line()`), and spans on the trace's `startup` lane. The shutdown parts go the same way under
-`shutdown` (`timing_s/shutdown/*` in RUN_DIR/startup.json, since no step follows them).
+step's end and returns its metrics (`timing_s/startup/<part>`, `timing_s/startup/total`: command to first step);
+the same parts make one console line (`line()`, printed through `on_finish`) and spans on the trace's `startup`
+lane (`trace`). The shutdown's parts go the same way under `shutdown` (`timing_s/shutdown/*`), into
+RUN_DIR/startup.json (`write_record`), which holds both, since no step follows the shutdown.
 
 The command's own start is the process's creation time (psutil, which Ray brings), so the interpreter's start and
 the imports before the first line of ours count too; without psutil it is this module's import.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class Timeline:
         self.parts: dict[str, tuple[float, float]] = {}
         """name -> (start, end), wall-clock seconds, in the order recorded."""
         self.end: float | None = None
+        self.on_finish: Callable[[Timeline], None] | None = None
+        """Called once `finish` closed the phase (the job prints the line with it)."""
 
     def add(self, name: str, start: float, end: float) -> None:
         """Record part `name` from `start` to `end` (wall clock); a name recorded twice keeps the later interval."""
@@ -69,6 +72,8 @@ class Timeline:
     def finish(self, end: float | None = None) -> dict[str, float]:
         """Close the phase at `end` (now by default); its metrics."""
         self.end = time.time() if end is None else end
+        if self.on_finish is not None:
+            self.on_finish(self)
         return self.metrics()
 
     def metrics(self) -> dict[str, float]:

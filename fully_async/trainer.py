@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,10 @@ class Trainer:
         self._trajs_out: JsonlWriter | None = None
         self._last_stats: dict[str, Any] | None = None
         """The rollouter's stats() at the end of the previous step's window (the start of the next one's)."""
+        self._plots: threading.Thread | None = None
         self.startup: Timeline | None = None
         """The run's start-up timeline (fully_async/startup.py), closed at this run's first step: its metrics go into
-        that step's row, its line to the console, its parts to the trace; None: not timed (set by the job)."""
+        that step's row, its parts to the trace and RUN_DIR/startup.json; None: not timed (set by the job)."""
         self._ahead = CallThread("trainer-ahead")
         """While the update computes: reads the counters that close the step's window, and sends and resolves the
         next step's get (the batch's transfer and deserialisation happen there)."""
@@ -270,7 +272,6 @@ class Trainer:
             return {}
         self.startup.add("first_step", first, time.time())
         metrics = self.startup.finish()
-        print(f"fully_async: {self.startup.line()}", flush=True)
         self.startup.trace(self.tracer)
         write_record(self.run_dir, self.startup)
         return metrics
@@ -345,8 +346,17 @@ class Trainer:
                 for thread in (self._ahead, self._writes):
                     thread.close()
             self.tracer.close()
-            plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
+            # The plot needs nothing but metrics.jsonl, written by now: it is drawn while the job stops the engines
+            # and ranks (`wait_plots`), not before (matplotlib's import and the drawing take seconds on a busy box).
+            self._plots = threading.Thread(target=plot_run, name="trainer-plots",
+                                           args=(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png"))  # fmt: skip
+            self._plots.start()
         return final
+
+    def wait_plots(self) -> None:
+        """Wait for the run's plot (RUN_DIR/reward_staleness.png), drawn in a thread once `run` ended."""
+        if self._plots is not None:
+            self._plots.join()
 
 
 def step_window(
