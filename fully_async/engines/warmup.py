@@ -8,7 +8,8 @@ the server: at the pool's start it runs while the trainer ranks build (fully_asy
 before the server is back in rotation.
 
 Contract (`warm`): for every server named, first one request alone, then `WarmupPlan.requests` at once (the batch
-shape the run's admission sends it), each the plan's prompt to `max_tokens` tokens with the run's sampling; servers
+shape the run's admission sends it), each the plan's prompt to `max_tokens` tokens (the run's response length, at
+most MAX_TOKENS) with the run's sampling; servers
 are warmed at once. The answers are thrown away (their tokens are in no trajectory, no version or staleness is
 touched). A warm-up that fails or passes its bound is logged and given up: the server is healthy, and serves cold
 (a dead server is the client's to find, as any other time). Returns each server's seconds.
@@ -27,6 +28,10 @@ from fully_async.engines.types import HttpCall, Sampling
 
 logger = logging.getLogger(__name__)
 
+MAX_TOKENS = 64
+"""Most tokens a warm-up request asks for: decode steps after the first few meet no new shape, while a long-response
+run's full length (thousands of tokens) would cost each warm-up minutes."""
+
 
 @dataclass(frozen=True)
 class WarmupPlan:
@@ -42,10 +47,11 @@ class WarmupPlan:
     @classmethod
     def of_run(cls, prompts: list[list[int]], max_tokens: int, sampling: Sampling, requests: int, timeout_s: float):
         """The plan for a run whose prompts (token ids, some of the dataset's) are `prompts`: the longest of them
-        (the widest shapes the first batch meets), or None when there is nothing to send."""
+        (the widest shapes the first batch meets) to `max_tokens` (at most MAX_TOKENS), or None when there is nothing
+        to send."""
         if requests < 1 or not prompts:
             return None
-        return cls(tuple(max(prompts, key=len)), max_tokens, sampling, requests, timeout_s)
+        return cls(tuple(max(prompts, key=len)), min(max_tokens, MAX_TOKENS), sampling, requests, timeout_s)
 
 
 async def warm(pool: Any, procs: list[Any], plan: WarmupPlan | None) -> dict[str, float]:

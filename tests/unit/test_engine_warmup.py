@@ -27,6 +27,7 @@ def plan(requests: int = 3, timeout_s: float = 30.0) -> WarmupPlan:
 def test_the_plan_takes_the_longest_prompt_and_none_means_no_warmup():
     p = WarmupPlan.of_run([[1, 2], [3, 4, 5], [6]], 16, Sampling(), 4, 60.0)
     assert p.prompt_ids == (3, 4, 5) and p.max_tokens == 16 and p.requests == 4
+    assert WarmupPlan.of_run([[1]], 4096, Sampling(), 4, 60.0).max_tokens == 64  # no long decode: no new shapes
     assert WarmupPlan.of_run([[1]], 16, Sampling(), 0, 60.0) is None
     assert WarmupPlan.of_run([], 16, Sampling(), 4, 60.0) is None
 

@@ -82,8 +82,8 @@ class EngineConfig:
     """Per-request HTTP timeout for generation."""
     warmup_requests: int = -1
     """Throw-away generate requests each server answers at once (after one alone) when it starts, restarts or joins,
-    before it takes traffic: the longest of the first dataset prompts to rollout.response_length tokens with the run's
-    sampling (fully_async/engines/warmup.py), so the first batch costs what a steady one does; -1 = the samples the
+    before it takes traffic: the longest of the first dataset prompts to rollout.response_length tokens (at most 64)
+    with the run's sampling (fully_async/engines/warmup.py), so the first batch costs what a steady one does; -1 = the samples the
     first batch runs on each server at once (rollout.start_concurrent over engine.num_servers), 0 = no warm-up."""
     control_timeout_s: float = 60.0
     """Bound of a control call that may be slow: a weight reload (while the server still answers a liveness probe
