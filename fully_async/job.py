@@ -6,6 +6,13 @@ Used by the runner (`python -m fully_async.runner`) and the simulation driver al
         job.start()                              # placement (fails early when the run does not fit), actors,
         final = job.run()                        #   resume, engines healthy; then the trainer loop
 
+Start-up overlaps what does not depend on each other: the engine servers launch (and warm up, engines/warmup.py)
+while the trainer ranks build, ParamSync and the Trainer are made; the job waits for the engines only before the
+first step. A resumed run is the exception: its engines start on the checkpoint's weights, which the ranks export,
+so they launch after the ranks load it. Every part is timed (fully_async/startup.py: one console line after the
+first step, `timing_s/startup/*` in its metrics, the trace's `startup` lane), and so is the shutdown
+(`RUN_DIR/startup.json`), whose independent parts (the engines' stop, the ranks') run at once too.
+
 Where things run (fully_async/placement.py has the layout): the driver (this process: trainer loop, ParamSync), the
 MessageQueue and the Rollouter (with its reward workers) on the driver's node; one `EngineHost` actor per engine
 server in its placement-group bundle, on whatever node Ray granted; the trainer ranks in verl's RayResourcePool built
@@ -20,12 +27,15 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fully_async import console
 from fully_async.config import FullyAsyncConfig
+from fully_async.startup import Timeline, write_record
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +107,14 @@ class Job:
         *,
         weights_root: Path | None = None,
         echo: Callable[[str], None] | None = None,
+        startup: Timeline | None = None,
     ) -> None:
         """`weights_root`: where ParamSync writes weights (default: a fresh directory under /dev/shm);
-        `echo`: progress lines (default: print to stdout)."""
+        `echo`: progress lines (default: print to stdout); `startup`: the start-up's timeline so far (the runner's
+        parts before the job; default: a new one from this process's start)."""
         self.cfg, self.run_dir, self.model_path = cfg, Path(run_dir), str(model_path)
+        self.startup = startup or Timeline("startup")
+        self.startup.on_finish = lambda timeline: self.echo(timeline.line())  # at the first step's end
         self.weights_root = weights_root
         self.echo = echo or (lambda line: print(f"fully_async: {line}", flush=True))
         self.placement = self.queue = self.rollouter = self.backend = self.sync = self.trainer = None
@@ -112,9 +126,10 @@ class Job:
         """Reserve the run's placement groups (PlacementError with the arithmetic when they cannot fit)."""
         from fully_async.placement import Placement, cluster_nodes
 
-        nodes = cluster_nodes()
-        self.cfg = resolve_devices(self.cfg, sum(n.gpus for n in nodes))
-        self.placement = Placement.reserve(self.cfg)
+        with self.startup.part("placement"):
+            nodes = cluster_nodes()
+            self.cfg = resolve_devices(self.cfg, sum(n.gpus for n in nodes))
+            self.placement = Placement.reserve(self.cfg)
         return self.placement
 
     def start(self) -> dict[str, Any]:
@@ -151,12 +166,16 @@ class Job:
             cfg, self.model_path, str(self.run_dir), self.queue, cpu_set=engine_side, node_id=driver_node,
             engine_token=token, name=rollouter_name(self.run_dir),
         )  # fmt: skip
-        self.echo(f"data: {ray.get(self.rollouter.prepare.remote())}")
+        with self.startup.part("data"):
+            self.echo(f"data: {ray.get(self.rollouter.prepare.remote())}")
         self.hosts = self._engine_hosts(driver_node, engine_side, token)
-        self.backend = build_backend(
-            cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature, cpu_set=trainer_side,
-            placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
-        )  # fmt: skip
+        resuming = self._resuming()
+        engines = None if resuming else self._start_engines({})  # beside the ranks' build below
+        with self.startup.part("trainer_ranks"):
+            self.backend = build_backend(
+                cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
+                cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
+            )  # fmt: skip
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
         root = self.weights_root
         if root is None:  # a fresh /dev/shm root: the run directory records it, and a resume removes a killed run's
@@ -172,16 +191,35 @@ class Job:
                               device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync,
                               staging=at.staging)  # fmt: skip
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
-        start_kwargs: dict[str, Any] = {}
-        if (ckpt := self.trainer.find_checkpoint()) is not None:
-            start_kwargs = self.trainer.restore(ckpt)
-            start_kwargs["weights"] = (str(self.sync.export(self.trainer.version)), self.trainer.version)
-        started = ray.get(
-            self.rollouter.start.remote(hosts=self.hosts or None, host_factory=self.host_factory, **start_kwargs)
-        )
+        self.trainer.startup = self.startup
+        if resuming:
+            with self.startup.part("restore"):
+                start_kwargs: dict[str, Any] = {}
+                if (ckpt := self.trainer.find_checkpoint()) is not None:
+                    start_kwargs = self.trainer.restore(ckpt)
+                    start_kwargs["weights"] = (str(self.sync.export(self.trainer.version)), self.trainer.version)
+            engines = self._start_engines(start_kwargs)
+        with self.startup.part("wait_engines"):
+            started = ray.get(engines)
+        for name, (begin, end) in started.pop("startup", {}).items():  # the rollouter's parts: launch, warm-up
+            self.startup.add(name, begin, end)
         self.echo(f"engines: {started}")
         self._record_where()
         return started
+
+    def _resuming(self) -> bool:
+        """Whether this run starts from a checkpoint (trainer.resume), so its engines must load that checkpoint's
+        weights before they serve."""
+        from fully_async.trainer import latest_checkpoint
+
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return False
+        return resume != "auto" or latest_checkpoint(self.run_dir / "checkpoints") is not None
+
+    def _start_engines(self, start_kwargs: dict[str, Any]) -> Any:
+        """Send the rollouter's start (engines launched, warmed up, then generating); its reference, not awaited."""
+        return self.rollouter.start.remote(hosts=self.hosts or None, host_factory=self.host_factory, **start_kwargs)
 
     def _engine_hosts(self, driver_node: str, cpu_set: list[int] | None, token: str) -> list[Any]:
         """One EngineHost actor per engine server, each in its placement group's bundle; the factory that made them
@@ -222,28 +260,51 @@ class Job:
 
     def shutdown(self) -> None:
         """Stop engines, reward workers, trainer ranks and actors, and free the placement groups. Safe to call twice
-        and after a failed start; each part is stopped even when an earlier one fails to."""
+        and after a failed start; each part is stopped even when an earlier one fails to. The rollouter (which stops
+        the engines and reward workers) and the trainer ranks share nothing, so they stop at once, while the
+        trainer's plot is drawn; each part is timed into RUN_DIR/startup.json (`shutdown`)."""
         import ray
 
         from fully_async.engines.host import stop_hosts
-        from fully_async.handles import one_line
 
-        steps = [
+        timeline = Timeline("shutdown", t0=time.time())
+        at_once = [
             ("rollouter", lambda: self.rollouter and ray.get(self.rollouter.shutdown.remote(), timeout=120)),
-            ("trainer ranks", lambda: self.backend and self.backend.shutdown()),
-            ("param sync", lambda: self.sync and self.sync.close()),
-            ("engine hosts", lambda: self.hosts and stop_hosts(self.hosts, 60)),
+            ("trainer_ranks", lambda: self.backend and self.backend.shutdown()),
+            ("plots", lambda: self.trainer and self.trainer.wait_plots()),
+        ]
+        threads = [threading.Thread(target=self._stop_part, args=(timeline, name, step), name=f"stop-{name}")
+                   for name, step in at_once]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        steps = [
+            ("param_sync", lambda: self.sync and self.sync.close()),
+            ("engine_hosts", lambda: self.hosts and stop_hosts(self.hosts, 60)),
             ("actors", lambda: [ray.kill(a) for a in (*self.hosts, self.rollouter, self.queue) if a is not None]),
             ("placement", lambda: self.placement and self.placement.release()),
         ]  # fmt: skip
         for name, step in steps:
-            try:
-                step()
-            except Exception as e:  # the remaining parts must still be stopped; this one is reported
-                log.warning("shutdown of %s failed: %s", name, one_line(e))
-                log.debug("shutdown of %s failed", name, exc_info=True)
+            self._stop_part(timeline, name, step)
+        started = self.rollouter is not None
         self.hosts, self.rollouter, self.queue, self.backend, self.sync = [], None, None, None, None
         console.uninstall()
+        if started and self.run_dir.is_dir():
+            timeline.finish()
+            self.echo(timeline.line())
+            write_record(self.run_dir, self.startup, timeline)
+
+    @staticmethod
+    def _stop_part(timeline: Timeline, name: str, step: Callable[[], Any]) -> None:
+        from fully_async.handles import one_line
+
+        try:
+            with timeline.part(name):
+                step()
+        except Exception as e:  # the remaining parts must still be stopped; this one is reported
+            log.warning("shutdown of %s failed: %s", name, one_line(e))
+            log.debug("shutdown of %s failed", name, exc_info=True)
 
     def __enter__(self) -> Job:
         return self

@@ -33,6 +33,7 @@ from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import EpochCursor, PromptRow, dataset
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.engines.service import EngineService
+from fully_async.engines.warmup import WarmupPlan
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.handles import NAMESPACE, resolve_async
 from fully_async.host import device as run_device
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 
 RAY_GET_WARNING_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
 """Ray's switch for its "blocking ray.get inside async actor" warning (see Rollouter.__init__)."""
+
+WARMUP_ROWS = 16
+"""Dataset rows whose prompts the engines' warm-up picks its longest from."""
 
 FINISH_POLL_S = 0.002
 """While a sync lets the trainer's next batch finish, how often the rollouter looks again (a few ms per sync)."""
@@ -164,6 +168,7 @@ class Rollouter:
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
                                     weight_receiver=collective, lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
+        self.servers.warmup = self._warmup_plan(tokenizer, sampling)
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
@@ -179,7 +184,21 @@ class Rollouter:
             tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self.admission.run(self.production, self._fail))
-        return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows)}
+        return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows),
+                "startup": dict(self.servers.started_at)}  # fmt: skip
+
+    def _warmup_plan(self, tokenizer: Any, sampling: Any) -> WarmupPlan | None:
+        """The engines' warm-up (engines/warmup.py): the run's first prompts through the chat template, as the agent
+        loops send them, to rollout.response_length tokens, as many at once as the first batch puts on a server."""
+        requests = self.cfg.engine.warmup_requests
+        if requests < 0:
+            requests = -(-self.cfg.rollout.effective_start_concurrent() // self.cfg.engine.num_servers)
+        prompts = []
+        for row in self.rows[:WARMUP_ROWS]:
+            ids = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
+            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+        return WarmupPlan.of_run(prompts, self.cfg.rollout.response_length, sampling, requests,
+                                 self.cfg.engine.startup_timeout_s)  # fmt: skip
 
     async def prepare(self) -> dict[str, int]:
         """Load and check the datasets and their reward sources: bad input fails here, before anything heavy starts."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 
 from fully_async.config import PRIMARY_CONFIG, ConfigError, build_config, compose, expand_overrides, register_defaults
 from fully_async.preflight import preflight
+from fully_async.startup import Timeline
 
 # Hydra flags that take a value: their value is not an override.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -60,10 +62,14 @@ def main(composed: DictConfig) -> None:
 
     from fully_async.data import DataError
 
+    startup = Timeline("startup")  # from the command's start: the interpreter and the command line's check count
+    startup.add("command_line", startup.t0, time.time())
     try:
-        cfg = build_config(composed)
+        with startup.part("config"):
+            cfg = build_config(composed)
         print("fully_async: effective limits:", ", ".join(f"{k}={v}" for k, v in cfg.limits().items()), flush=True)
-        model = preflight(cfg, plan_only=PLAN_ONLY)  # the model and the data files, before Ray starts
+        with startup.part("preflight"):
+            model = preflight(cfg, plan_only=PLAN_ONLY)  # the model and the data files, before Ray starts
     except (ConfigError, DataError) as e:  # Hydra would print a traceback; the message alone says what to fix
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
@@ -89,8 +95,9 @@ def main(composed: DictConfig) -> None:
         ray.exceptions.RayError,
     )
     try:
-        connect_ray(cfg)
-        with Job(cfg, run_dir, model or "(not resolved for --plan)") as job:
+        with startup.part("ray"):
+            connect_ray(cfg)
+        with Job(cfg, run_dir, model or "(not resolved for --plan)", startup=startup) as job:
             if PLAN_ONLY:
                 job.plan()
                 print(f"fully_async: placement plan (device {job.cfg.trainer.device}, engine dtype "

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
 from fully_async.metrics import JsonlWriter, plot_run, reward_source_metrics, truncate_jsonl
 from fully_async.param_sync import ParamSync, add_timings
+from fully_async.startup import Timeline, write_record
 from fully_async.step_helpers import StepHelpers
 from fully_async.trace import Tracer
 
@@ -66,6 +68,10 @@ class Trainer:
         self.version = 0
         self._last_stats: dict[str, Any] | None = None
         """The rollouter's stats() at the end of the previous step's window (the start of the next one's)."""
+        self._plots: threading.Thread | None = None
+        self.startup: Timeline | None = None
+        """The run's start-up timeline (fully_async/startup.py), closed at this run's first step: its metrics go into
+        that step's row, its parts to the trace and RUN_DIR/startup.json; None: not timed (set by the job)."""
         self.helpers = StepHelpers(queue, rollouter, self.run_dir)
         """The next batch's get, the step's counters and the writer, in two kept threads (fully_async/step_helpers.py)."""
 
@@ -212,6 +218,16 @@ class Trainer:
         self._last_stats = now
         return m, prefetched
 
+    def _started(self, first: float) -> dict[str, float]:
+        """The start-up ends with this run's first step (which began at `first`): its metrics, line and spans."""
+        if self.startup is None:
+            return {}
+        self.startup.add("first_step", first, time.time())
+        metrics = self.startup.finish()
+        self.startup.trace(self.tracer)
+        write_record(self.run_dir, self.startup)
+        return metrics
+
     def _saves_now(self) -> bool:
         """Whether this step writes a checkpoint (every trainer.save_every steps, and the last step)."""
         tr = self.cfg.trainer
@@ -269,9 +285,13 @@ class Trainer:
         self._last_stats = resolve(self.rollouter.stats.remote())
         final: dict[str, Any] = {}
         prefetched = None
+        first = time.time()
         try:
             while self.step < cfg.trainer.total_steps:
                 final, prefetched = self.train_step(prefetched, final.get("timing_s/step", 0.0))
+                if first:
+                    final.update(self._started(first))
+                    first = 0.0
                 self.helpers.write(loggers.log, self.step, final)  # in the writer thread, while the next step computes
             self.helpers.flush()
         finally:
@@ -280,8 +300,17 @@ class Trainer:
             finally:
                 loggers.close()
             self.tracer.close()
-            plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png")
+            # The plot needs nothing but metrics.jsonl, written by now: it is drawn while the job stops the engines
+            # and ranks (`wait_plots`), not before (matplotlib's import and the drawing take seconds on a busy box).
+            self._plots = threading.Thread(target=plot_run, name="trainer-plots",
+                                           args=(self.run_dir / "metrics.jsonl", self.run_dir / "reward_staleness.png"))  # fmt: skip
+            self._plots.start()
         return final
+
+    def wait_plots(self) -> None:
+        """Wait for the run's plot (RUN_DIR/reward_staleness.png), drawn in a thread once `run` ended."""
+        if self._plots is not None:
+            self._plots.join()
 
 
 def step_window(

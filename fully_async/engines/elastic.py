@@ -18,6 +18,7 @@ from typing import Any
 from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import SlotState
+from fully_async.engines.warmup import warm
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ async def _start_one(pool: Any, index: int) -> ServerProcess:
     try:
         await asyncio.to_thread(proc.launch)
         await asyncio.to_thread(proc.wait_healthy, pool.cfg.startup_timeout_s)
+        await warm(pool, [proc], pool.warmup)  # before it joins: its first requests cost what steady ones do
     except BaseException:
         await asyncio.to_thread(proc.stop)
         if host is not None:

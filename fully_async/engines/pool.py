@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from fully_async.engines.errors import EngineError
 from fully_async.engines.process import ServerProcess, node_of, release_shm, shm_record
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
+from fully_async.engines.warmup import WarmupPlan, warm
 from fully_async.handles import dead_nodes
 from fully_async.weights.lora import LoraServing
 
@@ -78,6 +80,12 @@ class EngineServers(EngineKind):
         self.host_factory: Any = None
         """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
         set by the rollouter when the job placed the servers through Ray."""
+        self.warmup: WarmupPlan | None = None
+        """Throw-away requests each server answers after it starts (or restarts, or joins) and before it serves
+        (engines/warmup.py); None: none. Set by the rollouter from the run's prompts."""
+        self.started_at: dict[str, tuple[float, float]] = {}
+        """Wall-clock (start, end) of `start`'s parts: `engine_launch` (to every server healthy and current),
+        `engine_warmup` (the start-up's record, fully_async/startup.py)."""
         self.on_dead: Any = None
         """Called with the index of a server a control call found dead (the client schedules its restart)."""
         self._membership: asyncio.Lock | None = None
@@ -305,11 +313,15 @@ class EngineServers(EngineKind):
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
         try:
+            launched = time.time()
             for p in self.procs:
                 p.launch()
             for p in self.procs:
                 p.wait_healthy(self.cfg.startup_timeout_s)
             run_sync(bring_current(self, range(len(self.procs))))
+            self.started_at["engine_launch"] = (launched, time.time())
+            run_sync(warm(self, self.procs, self.warmup))
+            self.started_at["engine_warmup"] = (self.started_at["engine_launch"][1], time.time())
             self.router = self.make_router()
             if self.router is not None:
                 self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
@@ -333,6 +345,7 @@ class EngineServers(EngineKind):
         """Restart server `index` with the latest weights and version (replaced on another node when its engine host
         is gone; see `relaunch`). Blocks until healthy."""
         self.relaunch(index)
+        run_sync(warm(self, [self.procs[index]], self.warmup))
         run_sync(bring_current(self, [index]))
         came_back(self, index)
         self.sync_router()
@@ -341,6 +354,7 @@ class EngineServers(EngineKind):
         """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
         under `membership`, so a sync's reload and version never interleave with it."""
         await asyncio.to_thread(self.relaunch, index)
+        await warm(self, [self.procs[index]], self.warmup)  # down still: out of rotation, outside the lock
         async with self.membership:
             await bring_current(self, [index])
             came_back(self, index)

@@ -11,6 +11,7 @@ import pytest
 from fully_async.config import compose
 from fully_async.models import resolve_model_path
 from fully_async.simulation import capacity, run_schedule, summarize
+from fully_async.trace import load
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -261,3 +262,22 @@ def test_background_syncs_never_exceed_the_bound_over_random_timings(ray_local, 
         assert max(t["trained_version"] - t["min_version"] for t in trajs) <= eta, label
         assert all(t["min_version"] <= t["max_version"] <= t["trained_version"] for t in trajs), label
         assert len({(t["prompt_uid"], t["sample_index"]) for t in trajs}) == len(trajs), label
+
+
+def test_the_start_up_and_shutdown_are_timed_into_the_first_row_the_trace_and_startup_json(ray_local, tmp_path):
+    cfg = compose([*SMALL, "trainer.total_steps=2"])
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = {k.split("/", 2)[2]: v for k, v in rows[0].items() if k.startswith("timing_s/startup/")}
+    assert {"placement", "data", "trainer_ranks", "wait_engines", "first_step", "total"} <= set(first)
+    assert first["total"] >= first["first_step"] + first["trainer_ranks"] > 0
+    assert not any(k.startswith("timing_s/startup/") for k in rows[1])  # the first step's row only
+    spans = [s for s in load(tmp_path)[0] if s.lane == "startup"]
+    assert {s.name for s in spans} == set(first) - {"total"}
+    record = json.loads((tmp_path / "startup.json").read_text())
+    assert record["startup"]["metrics"] == {f"timing_s/startup/{k}": v for k, v in first.items()}
+    down = record["shutdown"]["parts"]
+    assert {"rollouter", "trainer_ranks", "plots", "engine_hosts", "placement"} <= set(down)
+    # The rollouter and the ranks stop at once: each begins before the other ended.
+    assert down["rollouter"][0] < down["trainer_ranks"][1] and down["trainer_ranks"][0] < down["rollouter"][1]
+    assert (tmp_path / "reward_staleness.png").stat().st_size > 1000  # drawn during the shutdown, waited for

@@ -80,6 +80,11 @@ class EngineConfig:
     """How long to wait for a server to become healthy before failing with its log tail."""
     request_timeout_s: float = 300.0
     """Per-request HTTP timeout for generation."""
+    warmup_requests: int = -1
+    """Throw-away generate requests each server answers at once (after one alone) when it starts, restarts or joins,
+    before it takes traffic: the longest of the first dataset prompts to rollout.response_length tokens (at most 64)
+    with the run's sampling (fully_async/engines/warmup.py), so the first batch costs what a steady one does; -1 = the samples the
+    first batch runs on each server at once (rollout.start_concurrent over engine.num_servers), 0 = no warm-up."""
     control_timeout_s: float = 60.0
     """Bound of a control call that may be slow: a weight reload (while the server still answers a liveness probe
     within engine.control_deadline_s), a call to one server (a join, a restart, an rpc), the router's worker list."""
@@ -131,6 +136,7 @@ class EngineConfig:
                      "resume_timeout_s"):  # fmt: skip
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
+        require(self.warmup_requests >= -1, p + "warmup_requests", self.warmup_requests, ">= -1 (-1 = auto, 0 = off)")
         require(self.router == "none" or self.kind == self.router, p + "router", self.router,
                 f"'none' with engine.kind={self.kind} (the sglang router only fronts engine.kind=sglang)")  # fmt: skip
         require(bool(str(self.router_host).strip()), p + "router_host", self.router_host, "an address")
