@@ -231,13 +231,16 @@ class RemoteServer:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.host.stop.remote(), timeout=grace_s + 30)
 
-    def host_alive(self) -> bool:
-        """Whether the engine host actor still answers (False when it, or its node, is gone)."""
+    def host_answers(self, timeout_s: float) -> bool | None:
+        """Whether the engine host actor answers within `timeout_s`: True; False when it (or its node) is reported
+        gone; None when it says nothing in time (a hung node or host: engines/hung.py waits it out)."""
         import ray
 
         try:
-            ray.get(self.host.where.remote(), timeout=30)
+            ray.get(self.host.where.remote(), timeout=timeout_s)
             return True
+        except ray.exceptions.GetTimeoutError:
+            return None
         except ray.exceptions.RayError:
             return False
 
