@@ -422,6 +422,7 @@ def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
         w.fa_check(json.dumps({"tensors": [["lm_head.weight", [8, 16]]]}))
 
 
+@pytest.mark.needs_venv(".venv-engine")
 def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
     """Every reload goes through the extension (fa_reload digests what the loader takes), so every vLLM server loads
     it, whatever the transport; its interpreter imports it (and fa_digest beside it) with nothing of ours."""
@@ -429,10 +430,7 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
 
     from fully_async.config import EngineConfig
     from fully_async.engines import build_engine
-    from fully_async.engines.vllm import REPO_ROOT
 
-    if not (REPO_ROOT / ".venv-engine/bin/python").exists():
-        pytest.skip("engine venv missing")
     for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
                     build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
         cmd, env = servers.command(0, 8000), servers.environment(0)
