@@ -8,8 +8,9 @@ So the host is asked within engine.control_deadline_s, again and again, until on
 
 - it answers: the node continued (SIGCONT) or the stall ended; the server is restarted in place;
 - it is reported dead, or Ray reports its node dead: the server is replaced on a new host;
-- engine.hung_host_s passed since the first unanswered question: the server is replaced all the same (the hung host
-  is killed; Ray kills it for good once its node answers or is declared dead).
+- engine.hung_host_s passed since the first unanswered question: "hung"; the server is replaced all the same, on
+  another node where the cluster has one (Ray still counts the hung node's resources as free); the hung host is
+  killed (Ray kills it for good once its node answers or is declared dead).
 
 Each question is bounded, so one wait is bounded by engine.hung_host_s plus one deadline; the caller (elastic.py
 `relaunch`, from recovery.py's restart loop) runs it in a thread.
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
-Verdict = Literal["alive", "gone"]
+Verdict = Literal["alive", "gone", "hung"]
 
 POLL_S = 1.0
 """Pause between two questions to a host that did not answer (each question already waited up to the deadline)."""
@@ -39,8 +40,8 @@ def wait_for_host(
     clock: Callable[[], float] = time.monotonic,
     poll_s: float = POLL_S,
 ) -> Verdict:
-    """Whether the engine host of `proc` (a `RemoteServer`) is alive or gone, waiting out a host that does not answer
-    (see the module docstring). `node_dead()`: Ray reports the host's node dead. `closed()`: the pool is stopping (the
+    """Whether the engine host of `proc` (a `RemoteServer`) is alive, gone, or hung past `hung_host_s` (see the module
+    docstring). `node_dead()`: Ray reports the host's node dead. `closed()`: the pool is stopping (the
     wait ends as gone: nothing is to be restarted)."""
     first_silence: float | None = None
     while True:
@@ -63,7 +64,7 @@ def wait_for_host(
         if now - first_silence >= hung_host_s:
             logger.warning("engine host of %s has not answered for engine.hung_host_s=%g s and Ray still reports its "
                            "node alive; replacing its server", proc.url, hung_host_s)  # fmt: skip
-            return "gone"
+            return "hung"
         if closed():
             return "gone"
         time.sleep(poll_s)

@@ -45,9 +45,9 @@ def test_a_silent_host_is_gone_when_ray_declares_its_node_dead():
     assert _wait(proc, node_dead=lambda: next(looks)) == "gone" and len(proc.asked) == 3
 
 
-def test_a_silent_host_on_a_node_ray_keeps_alive_is_gone_after_the_bound():
+def test_a_silent_host_on_a_node_ray_keeps_alive_is_hung_after_the_bound():
     proc = ScriptedHost()
-    assert _wait(proc, hung_host_s=5.0) == "gone" and len(proc.asked) == 6  # silent at t=0..5 on the counted clock
+    assert _wait(proc, hung_host_s=5.0) == "hung" and len(proc.asked) == 6  # silent at t=0..5 on the counted clock
 
 
 def test_a_pool_that_stops_ends_the_wait():
