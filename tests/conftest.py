@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.cluster import two_node_cluster  # noqa: F401  (the 2-node loopback cluster, started by scripts/cluster/)
+from tests.helpers import in_ci
 
 # Ray 2.60 turns on token auth for local clusters; tests start a private local cluster, so auth adds nothing here.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -36,6 +38,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+SETUP = {".venv-engine": "bash scripts/setup.sh", ".venv-sglang": "bash scripts/setup_engine_env.sh --sglang"}
+"""How each engine venv is made (the line a missing venv's message gives)."""
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.needs_venv(".venv-engine")`: the test needs that engine venv. Missing on a developer's machine,
+    it is skipped with the line that makes it; missing in CI, the test FAILS: a skip there would hide an engine that
+    CI never installed behind a green run."""
+    for mark in item.iter_markers("needs_venv"):
+        venv = mark.args[0]
+        if (REPO_ROOT / venv / "bin" / "python").exists():
+            continue
+        message = f"engine venv {venv} missing: {SETUP.get(venv, 'scripts/setup.sh')}"
+        if in_ci():
+            pytest.fail(message + " (CI must install it: .ci/run)", pytrace=False)
+        pytest.skip(message)
 
 
 EXIT_GRACE_S = 120

@@ -63,6 +63,8 @@ class FakeEngine:
         self.loaded_digest: str | None = None
         self.lie_digest: str | None = None
         self.digest_queries = 0
+        self.unanswered: list[str] = []
+        """Paths of the requests a silent fake received (and never answered)."""
         self._pause_event = asyncio.Event()
         self._resume_event = asyncio.Event()
         self._resume_event.set()
@@ -100,6 +102,7 @@ class FakeEngine:
             await self._runner.cleanup()
 
     async def _silent(self, request: web.Request) -> web.Response:
+        self.unanswered.append(request.path)  # what a test proves was (or was never) sent to a stopped node
         await self._released.wait()  # set only by stop(): the client's own bound ends the request
         return web.Response(status=500)
 
@@ -242,6 +245,10 @@ def _main() -> None:
     asyncio.run(serve())
 
 
+GATE_S = 10.0
+"""How long a gated StubRollouter call waits for its test to open the gate."""
+
+
 class StubRollouter:
     """Stands in for the Rollouter actor on the trainer's side (run through `fully_async.handles.LocalActor`): the
     calls Trainer and ParamSync make, with scripted timing and no engines.
@@ -251,9 +258,12 @@ class StubRollouter:
     resume) to seconds it sleeps first (a hung engine); `fail` maps one to an exception it raises. Every sync call
     is appended to `calls`. `snapshot()` includes the real in-process MessageQueue's snapshot."""
 
-    def __init__(self, queue=None, busy_share: float = 0.25, delays=None, fail=None):
+    def __init__(self, queue=None, busy_share: float = 0.25, delays=None, fail=None, gates=None):
         self.queue, self.busy_share = queue, busy_share
         self.delays, self.fail = dict(delays or {}), dict(fail or {})
+        self.gates: dict[str, threading.Event] = dict(gates or {})
+        """Method name -> an event the call waits for (up to GATE_S, then it fails): a test holds a call until it
+        has seen what happens meanwhile, instead of measuring how long something took."""
         self.t0 = time.time()
         self.version = 0
         self.calls: list[tuple] = []
@@ -266,6 +276,8 @@ class StubRollouter:
 
     async def _scripted(self, name: str, *args) -> None:
         self.calls.append((name, *args))
+        if name in self.gates and not await asyncio.to_thread(self.gates[name].wait, GATE_S):
+            raise TimeoutError(f"{name}: its gate was not opened within {GATE_S} s (the caller waited for it?)")
         if name in self.delays:
             await asyncio.sleep(self.delays[name])
         if name in self.fail:

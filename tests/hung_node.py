@@ -48,8 +48,11 @@ from tests.fakes import FakeProcessServers
 
 def node_tree(leader: int) -> list[int]:
     """`leader` and every live descendant of it (the processes of the node it started)."""
-    root = psutil.Process(leader)
-    return [root.pid, *(p.pid for p in root.children(recursive=True))]
+    try:
+        root = psutil.Process(leader)
+        return [root.pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []  # the node was killed already
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -131,6 +134,14 @@ async def generate(servers, index: int) -> dict:
         servers.on_dead = on_dead
 
 
+def fake_state(url: str) -> dict:
+    """The fake engine's record at `url` (its version label and the directories it reloaded)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/fake_state", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
 def close_run(sync, handle, servers, hosts) -> list[str]:
     """Close a driver's run: the sync (which removes its node-local weight roots), the rollouter stand-in, the servers
     and their engine hosts. Returns the names of the run's weight roots still in /dev/shm."""
@@ -187,6 +198,7 @@ def main() -> None:
                 node.cont()
                 servers.restart(1)
                 handed.clear()
+                out["worker_at_restart"] = fake_state(servers.address(1))
         version += 1
         start = time.monotonic()
         sync.sync(version)  # the node still stopped: its server is down and not called
@@ -195,6 +207,10 @@ def main() -> None:
         out["version"] = version
     finally:
         node.cont()  # so that the close below finds the node's host answering
+        # What reached the worker's server since its last restart: a call sent while it was stopped waits in its
+        # socket and is served now, before this question, which queues behind it.
+        time.sleep(1.0)
+        out["worker_at_end"] = fake_state(servers.address(1))
         out["roots_after_close"] = close_run(sync, handle, servers, hosts)
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from fully_async.engines.errors import EngineError
+from fully_async.engines.hung import wait_for_host
 from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import SlotState
 from fully_async.engines.warmup import warm
@@ -150,17 +151,30 @@ def relaunch(pool: Any, index: int) -> None:
     pool.epoch += 1  # its workers are new processes: any weight group it was in is gone
     if pool.stale_on_return and pool.slots[index] is SlotState.SERVING:
         pool.slots.mark_stale(index)  # it comes back on its start-up weights; the next sync brings it up to date
-    if pool.replaceable(index) and not proc.host_alive():
-        _replace(pool, index)
+    verdict = host_verdict(pool, index) if pool.replaceable(index) else "alive"
+    if verdict != "alive":
+        # A hung node that Ray keeps alive still shows its resources free: its replacement goes elsewhere.
+        _replace(pool, index, avoid=proc.node["node_id"] if verdict == "hung" else None)
         return
     proc.stop()
     proc.launch()
     proc.wait_healthy(pool.cfg.startup_timeout_s)
 
 
-def _replace(pool: Any, index: int) -> None:
+def host_verdict(pool: Any, index: int) -> str:
+    """Whether the engine host of server `index` is alive, gone, or hung past engine.hung_host_s (engines/hung.py)."""
+    cfg = pool.cfg
+    return wait_for_host(pool.procs[index], lambda: pool.node_dead(index), cfg.control_deadline_s, cfg.hung_host_s,
+                         closed=lambda: pool.closed)  # fmt: skip
+
+
+def _replace(pool: Any, index: int, avoid: str | None = None) -> None:
     old = pool.procs[index]
-    host = pool.host_factory.create(index)
+    # The old host first: a hung one that continues later must not run a server nobody sends to (its server dies
+    # with it, through the watchdog's lifeline). A failed replacement is tried again from here: the killed host is
+    # then reported gone at once.
+    pool.host_factory.release(old.host)
+    host = pool.host_factory.create(index, avoid_node=avoid)
     proc = pool.new_process(index, host=host)
     try:
         proc.launch()
@@ -169,7 +183,6 @@ def _replace(pool: Any, index: int) -> None:
         proc.stop()
         pool.host_factory.release(host)
         raise
-    pool.host_factory.release(old.host)
     pool.procs[index] = proc
     pool.pool_events.append(("replace", index, old.url, proc.url))
-    logger.warning("engine server %s (host lost) replaced by %s", old.url, proc.url)
+    logger.warning("engine server %s (host lost or hung) replaced by %s", old.url, proc.url)

@@ -231,13 +231,16 @@ class RemoteServer:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.host.stop.remote(), timeout=grace_s + 30)
 
-    def host_alive(self) -> bool:
-        """Whether the engine host actor still answers (False when it, or its node, is gone)."""
+    def host_answers(self, timeout_s: float) -> bool | None:
+        """Whether the engine host actor answers within `timeout_s`: True; False when it (or its node) is reported
+        gone; None when it says nothing in time (a hung node or host: engines/hung.py waits it out)."""
         import ray
 
         try:
-            ray.get(self.host.where.remote(), timeout=30)
+            ray.get(self.host.where.remote(), timeout=timeout_s)
             return True
+        except ray.exceptions.GetTimeoutError:
+            return None
         except ray.exceptions.RayError:
             return False
 
@@ -311,9 +314,11 @@ class HostFactory:
             .remote(f"{self.kind}-{index}", str(log_path), self.bind, self.client_node_id, self.cpu_set, self.token)
         )
 
-    def create(self, index: int) -> Any:
+    def create(self, index: int, avoid_node: str | None = None) -> Any:
         """A host for server `index` in a new placement group (the slot's old group, if any, removed first: a lost
-        node's group would otherwise hold the resources the replacement needs). Blocks until Ray grants it."""
+        node's group would otherwise hold the resources the replacement needs). Blocks until Ray grants it.
+        `avoid_node`: a node that hangs while Ray still reports it alive (its resources look free): the group goes
+        to another node, when the cluster has another one alive."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -321,7 +326,11 @@ class HostFactory:
 
         self.release_slot(index)
         bundle = dict(self.bundle)
-        group = placement_group([bundle], strategy="STRICT_PACK", name=f"fully_async_engine_{index}_{time.time_ns()}")
+        selector = None
+        if avoid_node is not None and any(n["Alive"] and n["NodeID"] != avoid_node for n in ray.nodes()):
+            selector = [{"ray.io/node-id": f"!{avoid_node}"}]  # Ray's label selector: any node but that one
+        group = placement_group([bundle], strategy="STRICT_PACK", name=f"fully_async_engine_{index}_{time.time_ns()}",
+                                bundle_label_selector=selector)  # fmt: skip
         ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
         if not ready:
             _remove(group)

@@ -92,6 +92,8 @@ class EngineServers(EngineKind):
         self._growing_lock: asyncio.Lock | None = None
         self.pool_events: list[tuple[str, int, str, str | None]] = []
         """(event, index, url, new url) for joins, leaves and replacements, in order (the rollouter's metrics)."""
+        self.closed = False
+        """Set by `stop`: a recovery still waiting for a hung host gives up."""
         self.router: Any = None
         """A router process in front of the servers (engine.router; `make_router`), started and stopped with the pool:
         generation goes through it, control calls still go to each server. Its worker list follows the pool."""
@@ -332,6 +334,7 @@ class EngineServers(EngineKind):
     def stop(self) -> None:
         """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
         call twice."""
+        self.closed = True
         if self.router is not None:
             self.router.stop()  # first: no request should reach a server that is going away
         for p in self.procs:
@@ -364,9 +367,13 @@ class EngineServers(EngineKind):
         """Start server `index` again and wait until healthy, in place or on a new host (`elastic.relaunch`)."""
         relaunch(self, index)
 
+    def node_dead(self, index: int) -> bool:
+        """Whether Ray reports the node of server `index` dead (blocking: one question to Ray's node table)."""
+        return bool(self.on_lost_nodes([index]))
+
     def replaceable(self, index: int) -> bool:
         """Whether server `index` can move to a new engine host (hosts placed by Ray and a factory for more)."""
-        return self.host_factory is not None and hasattr(self.procs[index], "host_alive")
+        return self.host_factory is not None and hasattr(self.procs[index], "host_answers")
 
     # ---- elastic changes (elastic.py) --------------------------------------------------------------------------------
     async def add(self, count: int = 1) -> list[int]:

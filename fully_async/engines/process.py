@@ -191,6 +191,9 @@ class ServerProcess:
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(popen.pid, sig)
+                # A stopped server (SIGSTOP, a hung one set aside) holds SIGTERM pending until it runs again: continue
+                # it, so it shuts down cleanly now instead of after the whole grace period.
+                os.killpg(popen.pid, signal.SIGCONT)
             except ProcessLookupError:
                 break  # the whole group is gone
             try:

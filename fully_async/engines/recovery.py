@@ -14,6 +14,7 @@ for one server before). The requests themselves retry on the others without a li
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any
 
@@ -32,6 +33,8 @@ class Recovery:
         self.stats = stats
         self._restarts: dict[int, asyncio.Task] = {}
         self._router_restart: asyncio.Future | None = None
+        self.failed_tries = 0
+        """Restarts or replacements that failed and were tried again (each logged once)."""
         self.lost_requests: dict[int, int] = {}
         """Per server found dead: the requests that failed on it since (said in its "is back" line)."""
 
@@ -113,21 +116,25 @@ class Recovery:
             self._restarts[idx] = asyncio.get_running_loop().create_task(self._restart(idx))
 
     async def _restart(self, idx: int) -> None:
-        """Restart server `idx` in place; when its engine host (or the host's node) is gone, replace it on whatever
-        node has room, trying again every engine.replace_retry_s until one does. Requests go to the others meanwhile;
-        the pool serves it again (or holds it stale) once it is back."""
+        """Restart server `idx` in place; when its engine host (or the host's node) is gone, or hung past
+        engine.hung_host_s (engines/hung.py), replace it on whatever node has room. A failed try is logged and tried
+        again every engine.replace_retry_s until the server is back, removed, or the pool stops: never abandoned.
+        Requests go to the others meanwhile; the pool serves it again (or holds it stale) once it is back."""
         servers = self.servers
         try:
-            while True:
+            for attempt in itertools.count(1):
                 try:
                     await servers.restart_async(idx)
                     break
                 except Exception as e:  # the server stays down; requests keep going to the others
-                    if self._retired(idx) or not servers.replaceable(idx):
-                        logger.exception("restarting engine server %s failed", servers.address(idx))
+                    if self._retired(idx) or servers.closed:
+                        logger.warning("engine server %s: not restarted (%s: %s); it left the pool meanwhile",
+                                       servers.address(idx), type(e).__name__, e)  # fmt: skip
                         return
-                    logger.error("replacing engine server %s failed (%s: %s); trying again in %g s",
-                                 servers.address(idx), type(e).__name__, e, servers.cfg.replace_retry_s)  # fmt: skip
+                    self.failed_tries += 1
+                    logger.error("restarting engine server %s failed (try %d; %s: %s); trying again in %g s",
+                                 servers.address(idx), attempt, type(e).__name__, e,
+                                 servers.cfg.replace_retry_s)  # fmt: skip
                     await asyncio.sleep(servers.cfg.replace_retry_s)
             self.stats.restarts += 1
             logger.warning("engine server %s is back; %d request(s) failed on it and went on on the others",

@@ -24,7 +24,6 @@ from fully_async.agents.toolkit import function_tool
 from fully_async.config import EngineConfig, MultiTurnConfig, TinyModelConfig
 from fully_async.data import PromptRow
 from fully_async.engines import EngineClient, Sampling, build_engine
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.models import build_tiny_model
 from fully_async.protocol import NO_VERSION, PromptRef
 from tests import fakes
@@ -32,7 +31,7 @@ from tests import fakes
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing"),
+    pytest.mark.needs_venv(".venv-engine"),
 ]
 
 TINY = TinyModelConfig(init_std=0.1)

@@ -26,7 +26,6 @@ import torch
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
 from fully_async.engines.process import SHM, ServerProcess, shm_record
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,16 +33,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 KINDS = [
     pytest.param(
         "vllm",
-        marks=pytest.mark.skipif(
-            not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing (.venv-engine)"
-        ),
+        marks=pytest.mark.needs_venv(".venv-engine"),
     ),
     pytest.param(
         "sglang",
-        marks=pytest.mark.skipif(
-            not (REPO_ROOT / ".venv-sglang/bin/python").exists(),
-            reason="SGLang venv .venv-sglang missing: bash scripts/setup_engine_env.sh --sglang",
-        ),
+        marks=pytest.mark.needs_venv(".venv-sglang"),
     ),
 ]
 

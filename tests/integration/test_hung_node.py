@@ -8,8 +8,8 @@ by SIGSTOP of its `ray start` process and every descendant (pids found from the 
   on_dead) and the sync finishes on the head's server within the deadline and a few seconds;
 - after a sync's pause: the copy to the worker's node is abandoned after the deadline (its server set aside at the
   reload, never called) and the sync again finishes within the deadline and a few seconds;
-- the run goes on: with the node still stopped the next sync is quick (the down server is not called) and the head's
-  server generates at the latest version.
+- the run goes on: with the node still stopped the next sync does not call the down server (nothing reached it after
+  its last restart, checked once the node continues) and the head's server generates at the latest version.
 At the end the node continues, the transport's close leaves no node-local root (the abandoned copy finished first),
 and the node is killed by pid and the cluster stopped.
 """
@@ -62,10 +62,11 @@ def test_a_hung_node_costs_a_sync_the_deadline_not_minutes(tmp_path):
     # Stopped after the pause: the copy to its node is abandoned, its server set aside at the reload.
     assert DEADLINE_S <= during["blocked_s"] < DEADLINE_S + SLACK_S, during
     assert during["phases"]["timing_s/param_sync/distribute"] >= DEADLINE_S
-    assert during["phases"]["timing_s/param_sync/reload"] < 2.0  # the server of the abandoned node was not called
     assert during["handed"] == [1] and during["serving"] == [0] and during["node_dirs"] == {out["worker"]: None}
-    # The run goes on: the next sync does not call the down server; the live one serves the latest version.
-    assert out["after_s"] < 2.0
+    # Neither that reload nor the next sync (the node still stopped) called the down server: nothing reached it after
+    # its restart before `during` (a call sent while it was stopped would have been served once it continued).
+    assert out["worker_at_end"] == out["worker_at_restart"] and out["worker_at_end"]["reloads"]
+    # The run goes on: the live server serves the latest version.
     assert out["after_generate"]["versions"] == [out["version"]] * 3
     # The copy abandoned while the node was stopped finished once it continued, before the close removed its root.
     assert out["roots_after_close"] == []

@@ -28,7 +28,6 @@ import torch
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.config.sections.model import LoraConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
 from fully_async.param_sync import ParamSync, ParamSyncError
@@ -39,7 +38,7 @@ from tests.fakes import AdapterBackend, ServersRollouter
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing"),
+    pytest.mark.needs_venv(".venv-engine"),
 ]
 
 TINY = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)

@@ -19,16 +19,12 @@ import pytest
 
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.models import build_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not (REPO_ROOT / ".venv-sglang/bin/python").exists(),
-        reason="SGLang venv .venv-sglang missing: bash scripts/setup_engine_env.sh --sglang",
-    ),
+    pytest.mark.needs_venv(".venv-sglang"),
 ]
 
 # Wide enough that a 128-token request takes a moment (a pause or a removal lands mid-generation), small enough to

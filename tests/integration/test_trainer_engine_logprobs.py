@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 from fully_async.config import AlgorithmConfig, EngineConfig, TinyModelConfig, TrainerConfig
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(400),
-    pytest.mark.skipif(not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing"),
+    pytest.mark.needs_venv(".venv-engine"),
 ]
 
 TEMPERATURE = 0.8

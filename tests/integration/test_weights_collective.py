@@ -26,7 +26,6 @@ import torch
 
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
-from fully_async.engines.vllm import REPO_ROOT
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
 from fully_async.param_sync import ParamSync, ParamSyncError
@@ -38,7 +37,7 @@ from tests.fakes import ServersRollouter, StateDictBackend
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # server start-ups take minutes on 2 busy cores
-    pytest.mark.skipif(not (REPO_ROOT / ".venv-engine/bin/python").exists(), reason="engine venv missing"),
+    pytest.mark.needs_venv(".venv-engine"),
 ]
 
 # Peaked next-token distributions (init_std 0.1): two weight sets visibly disagree on greedy paths.

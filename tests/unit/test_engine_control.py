@@ -31,7 +31,7 @@ async def fakes():
 async def silent():
     """Two servers on 127.0.0.1 that accept every request and never answer (a stopped node's)."""
     started = [await FakeEngine("silent").start() for _ in range(2)]
-    yield [s.url for s in started]
+    yield started
     for fake in started:
         await fake.stop()
 
@@ -55,42 +55,39 @@ async def test_a_pool_wide_call_reaches_the_serving_and_stale_servers_only(fakes
 
 
 async def test_a_server_that_misses_the_deadline_is_set_aside_and_the_others_get_the_call(fakes, silent):
-    servers, handed = pool([fakes[0].url, silent[0]], deadline_s=0.5, timeout_s=30.0)
+    servers, handed = pool([fakes[0].url, silent[0].url], deadline_s=0.5, timeout_s=30.0)
     start = time.monotonic()
     await servers.pause("abort")
-    assert time.monotonic() - start < 0.5 + 1.0  # the deadline, not engine.control_timeout_s, bounded the call
+    # The deadline (0.5 s), not engine.control_timeout_s (30 s), bounded the call: one generous bound.
+    assert time.monotonic() - start < 10.0
     assert fakes[0].paused and handed == [1] and servers.down == {1} and servers.serving == [0]
-    start = time.monotonic()
+    assert silent[0].unanswered == ["/pause"]
     await servers.set_version(2)  # the one set aside is not called again
-    assert time.monotonic() - start < 0.4 and fakes[0].version == "2" and handed == [1]
+    assert fakes[0].version == "2" and handed == [1] and silent[0].unanswered == ["/pause"]
 
 
 async def test_a_server_on_a_node_ray_reports_dead_is_never_called(fakes, silent):
-    servers, handed = pool([fakes[0].url, silent[0]], deadline_s=5.0)
+    servers, handed = pool([fakes[0].url, silent[0].url], deadline_s=5.0)
     servers.on_lost_nodes = lambda indices: [i for i in indices if i == 1]  # the Ray edge: server 1's node is dead
-    start = time.monotonic()
     await servers.pause("abort")
-    assert time.monotonic() - start < 1.0  # set aside before the call: the silent server's deadline never ran
     assert fakes[0].paused and handed == [1] and servers.serving == [0]
+    assert silent[0].unanswered == []  # set aside before the call: never called
 
 
 async def test_when_no_server_answers_in_time_the_call_fails_naming_them(silent):
-    servers, handed = pool(silent, deadline_s=0.5)
-    start = time.monotonic()
-    with pytest.raises(
+    servers, handed = pool([s.url for s in silent], deadline_s=0.5)
+    with pytest.raises(  # the message names the bound that ended it: the deadline, not control_timeout_s
         EngineError, match=r"pause: no engine server answered in time: .*within engine.control_deadline_s=0.5s"
     ):
         await servers.pause("abort")
-    assert time.monotonic() - start < 0.5 + 1.0
     assert handed == [] and servers.serving == [0, 1]
 
 
 async def test_a_call_to_one_named_server_fails_on_its_own_bound(silent):
-    servers, handed = pool([silent[0]], deadline_s=30.0)
-    start = time.monotonic()
-    with pytest.raises(EngineError, match="no answer"):  # a per-call bound overrides the pool's
+    servers, handed = pool([silent[0].url], deadline_s=30.0)
+    with pytest.raises(EngineError, match="no answer .* within 0.2 s"):  # a per-call bound overrides the pool's
         await servers.rpc(0, "recv", "{}", timeout_s=0.2)
-    assert time.monotonic() - start < 2.0 and handed == []
+    assert handed == [] and silent[0].unanswered == ["/collective_rpc"]
 
 
 async def test_a_slow_reload_of_a_live_server_is_waited_for_and_a_hung_one_set_aside(silent, tmp_path):
@@ -98,11 +95,11 @@ async def test_a_slow_reload_of_a_live_server_is_waited_for_and_a_hung_one_set_a
         reload_delay_s=1.5
     ).start()  # a big model loading: longer than the deadline, /health answers
     try:
-        servers, handed = pool([slow.url, silent[0]], deadline_s=0.5, timeout_s=30.0)
+        servers, handed = pool([slow.url, silent[0].url], deadline_s=0.5, timeout_s=30.0)
         start = time.monotonic()
         await servers.load_weights(tmp_path, 1)
         took = time.monotonic() - start
-        assert 1.5 <= took < 1.5 + 1.0
+        assert 1.5 <= took < 1.5 + 10.0  # waited for the reload, well within engine.control_timeout_s (30 s)
         assert slow.reloads == [str(tmp_path.resolve())] and slow.version == "1" and handed == [1]
         servers.control.timeout_s = 0.8  # past engine.control_timeout_s even a live server's reload misses its bound
         with pytest.raises(EngineError, match=r"reload weights: no engine server answered in time: .*/collective_rpc "
@@ -114,7 +111,7 @@ async def test_a_slow_reload_of_a_live_server_is_waited_for_and_a_hung_one_set_a
 
 async def test_a_server_that_died_under_a_call_is_dropped_and_a_live_failure_still_fails(fakes, silent):
     dead_url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens: the connection is refused
-    servers, handed = pool([fakes[0].url, dead_url, silent[0]], deadline_s=0.5)
+    servers, handed = pool([fakes[0].url, dead_url, silent[0].url], deadline_s=0.5)
     alive = {0: True, 1: False, 2: True}
     servers.is_alive = lambda i: alive[i]  # the process edge: server 1's process is gone, 2's is running
     await servers.resume()

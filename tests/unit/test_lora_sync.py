@@ -141,7 +141,9 @@ async def test_sglang_adapter_sync_calls_and_the_unload_rule_against_a_stand_in_
         await fake.stop()
 
 
-async def test_a_resumed_run_loads_the_checkpoints_adapter_as_its_version(model, tmp_path, python):
+async def test_a_weights_directory_holding_an_adapter_is_loaded_and_activated_as_that_version(model, tmp_path, python):
+    # What a resumed run's Rollouter.start does with its checkpoint's export; the resumed job itself is
+    # tests/integration/test_verl_lora.py.
     fake = await FakeSGLangLora().start()
     cfg = EngineConfig(kind="sglang", python=python, control_deadline_s=5, control_timeout_s=5)
     pool = build_engine(cfg, model, tmp_path, addresses=[fake.url], device="cuda", lora=LoraServing(2, 8))

@@ -103,14 +103,16 @@ def test_a_hung_phase_is_left_in_a_daemon_thread_that_cannot_hold_the_interprete
 
 # ---- async_training.sync_mode=background ----------------------------------------------------------------------------
 def test_background_the_trainer_waits_for_the_export_only_and_for_the_last_sync_before_the_next(backend, tmp_path):
-    stub = StubRollouter(delays={"load_weights": 0.4})
+    reload_held = threading.Event()
+    stub = StubRollouter(delays={"load_weights": 0.4}, gates={"load_weights": reload_held})
     tracer = Tracer(tmp_path, "trainer")
     handle, sync = _sync(stub, backend, tmp_path, tracer=tracer, mode="background")
     try:
-        start = time.monotonic()
         first = sync.sync(1)
-        returned = time.monotonic() - start
-        assert returned < 0.3, "the trainer waited for the engines' reload"
+        # It returned while the engines' reload was still held (a sync that waited for it would have failed: the gate
+        # opens only below).
+        assert stub.version == 0 and not reload_held.is_set()
+        threading.Timer(0.3, reload_held.set).start()
         assert (tmp_path / "weights" / "v1" / "sim_weights.json").is_file()  # exported before it returned
         assert sorted(k for k in first if k.startswith("timing_s/param_sync/")) == [
             "timing_s/param_sync/connect",

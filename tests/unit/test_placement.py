@@ -19,7 +19,12 @@ def _nodes(*gpus: float, cpus: float = 16) -> list[Node]:
 
 def test_two_8_gpu_nodes_hold_trainer_8_and_engines_4_x_tp2():
     cfg = _cfg("trainer.nnodes=1", "trainer.n_gpus_per_node=8", "engine.num_servers=4", "engine.tensor_parallel_size=2")
-    check_fit(cfg, _nodes(8, 8), gpu=True)
+    nodes = _nodes(8, 8)
+    plan = check_fit(cfg, nodes, gpu=True)
+    # The trainer fills one node; the four TP-2 servers (8 GPUs) fill the other, each bundle whole on it.
+    (trainer,) = plan.trainer
+    assert trainer in {n.node_id for n in nodes} and len(plan.engines) == 4
+    assert set(plan.engines) == {n.node_id for n in nodes} - {trainer}
 
 
 def test_not_enough_gpus_gives_the_arithmetic():
@@ -70,7 +75,9 @@ def test_cpu_mode_counts_the_critic_ranks_too():
 
 
 def test_sim_engines_and_trainer_reserve_nothing():
-    check_fit(_cfg("engine=sim", "trainer=sim", "engine.num_servers=64"), _nodes(0, cpus=1), gpu=False)
+    # 64 emulated engines fit on one CPU: no group is planned for them or for the sim trainer.
+    plan = check_fit(_cfg("engine=sim", "trainer=sim", "engine.num_servers=64"), _nodes(0, cpus=1), gpu=False)
+    assert plan == Assignment(trainer=[], engines=[])
 
 
 def test_resources_auto_follows_the_cluster():

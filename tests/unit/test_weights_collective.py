@@ -422,6 +422,7 @@ def test_json_is_all_that_crosses_to_the_engine(checkpoint, tmp_path):
         w.fa_check(json.dumps({"tensors": [["lm_head.weight", [8, 16]]]}))
 
 
+@pytest.mark.needs_venv(".venv-engine")
 def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
     """Every reload goes through the extension (fa_reload digests what the loader takes), so every vLLM server loads
     it, whatever the transport; its interpreter imports it (and fa_digest beside it) with nothing of ours."""
@@ -429,10 +430,7 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
 
     from fully_async.config import EngineConfig
     from fully_async.engines import build_engine
-    from fully_async.engines.vllm import REPO_ROOT
 
-    if not (REPO_ROOT / ".venv-engine/bin/python").exists():
-        pytest.skip("engine venv missing")
     for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
                     build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
         cmd, env = servers.command(0, 8000), servers.environment(0)
@@ -446,9 +444,18 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
     assert out.stdout.split() == ["WeightReceiver", "Digest", "None"], out.stderr[-2000:]
 
 
-class _SlowPauseEngines(_ThreadEngines):
+class _GatedPauseEngines(_ThreadEngines):
+    """The engines' part (from their pause on) starts only while `gate` is open: a test closes it to act between the
+    trainer's return and the engines' receive, instead of racing a sleep."""
+
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.gate = threading.Event()
+        self.gate.set()
+
     async def pause(self):
-        await asyncio.sleep(0.3)  # the engines' part starts late: the trainer has moved on by then
+        if not await asyncio.to_thread(self.gate.wait, 20.0):
+            raise TimeoutError("the engines' pause was held 20 s: the trainer's call waited for it")
 
 
 @pytest.mark.parametrize("staging", ["device", "pinned"])
@@ -471,7 +478,7 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
             return CollectiveSender(tensors)
 
     worker = _Worker(model_dir)
-    engines = _SlowPauseEngines([worker])
+    engines = _GatedPauseEngines([worker])
     handle = LocalActor(engines)
     transport = CollectiveTransport(handle, Reading(live), tmp_path / "w", "float32", bucket_mb=1e-4,
                                     sync_timeout_s=20, staging=staging)  # fmt: skip
@@ -479,12 +486,13 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
     try:
         for version in (1, 2):
             expected = {k: v.clone() for k, v in live.items()}
-            start = time.monotonic()
+            engines.gate.clear()  # the engines' part waits: the trainer's call must return without it
             timings = sync.sync(version)
-            assert time.monotonic() - start < 0.3 and "timing_s/param_sync/stage" in timings
+            assert "timing_s/param_sync/stage" in timings
             assert engines.version == version - 1  # not live before its reload (here: receive) finished
-            for t in live.values():  # the next optimizer step, while the engines receive
+            for t in live.values():  # the next optimizer step, before the engines receive
                 t.add_(100.0)
+            engines.gate.set()
             done = sync.wait()
             assert {"timing_s/param_sync/send", "timing_s/param_sync/set_version"} <= set(done)
             assert done[VERIFIED_METRIC] == 1  # proven against the digest taken at stage, not the changed weights
@@ -518,7 +526,7 @@ def test_background_a_server_restarted_before_the_send_gets_the_staged_copy_in_a
     model_dir, state = checkpoint
     live = {k: v.clone() for k, v in state.items()}
     workers = [_Worker(model_dir), _Worker(model_dir)]
-    engines = _SlowPauseEngines(workers)
+    engines = _GatedPauseEngines(workers)
     handle = LocalActor(engines)
     transport = CollectiveTransport(handle, _Backend(live), tmp_path / "w", "float32", bucket_mb=1e-4,
                                     sync_timeout_s=20)  # fmt: skip
@@ -532,12 +540,14 @@ def test_background_a_server_restarted_before_the_send_gets_the_staged_copy_in_a
         expected = {k: v + 1.0 for k, v in live.items()}
         for t in live.values():
             t.add_(1.0)
-        sync.sync(2)  # staged; the engines' part starts after the slow pause
+        engines.gate.clear()
+        sync.sync(2)  # staged; the engines' part waits for the gate
         assert transport._group == group  # the trainer's phase formed nothing
         if restart == "after_stage":
             engines.epoch = 1
         for t in live.values():
             t.add_(100.0)  # the trainer's next step
+        engines.gate.set()
         done = sync.wait()
         assert transport._group != group  # re-formed, and the staged copy (not the changed tensors) sent
         assert "timing_s/param_sync/send" in done and engines.received == [(1, 0), (2, 1)]

@@ -115,9 +115,9 @@ def test_an_engine_kind_without_a_digest_fails_the_check_and_the_transport_skips
     assert out.count("weight syncs are not verified by a digest: engine=sim holds no weights") == 1
 
 
-def test_a_sync_during_which_every_server_was_set_aside_has_nothing_to_prove_and_goes_on(caplog):
+def test_verifying_a_sync_with_no_serving_server_left_finds_nothing_to_prove_and_does_not_fail(caplog):
     """A node lost mid-sync sets its servers aside (the reload goes on without them); when that leaves no serving
-    server, the verify phase has nothing to ask: it says so and the run goes on (the servers that come back are
+    server, the verify phase has nothing to ask: it says so and raises nothing (the servers that come back are
     brought to the current version before they serve), instead of failing a run the elastic pool would save."""
     with caplog.at_level(logging.WARNING, logger="fully_async.weights.verify"):
         assert check_answers(None, {}, "d" * 32, "weights v7") == {}

@@ -57,6 +57,9 @@ class EngineConfig:
     """Elastic pool: `fully_async.ctl engines --add` refuses to pass this many servers (0 = as many as fit)."""
     replace_retry_s: float = 30.0
     """A server whose node is gone is replaced on another node; when none has room, try again after this many seconds."""
+    hung_host_s: float = 120.0
+    """A server set aside whose engine host does not answer (its node hung) is replaced once Ray declares the node
+    dead, or after this many seconds if Ray has not; restarted in place if the host answers again first."""
     tensor_parallel_size: int = 1
     """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
     python: str | None = field(default=None, metadata=PATH)
@@ -133,7 +136,7 @@ class EngineConfig:
             0 < self.gpu_memory_utilization <= 1, p + "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"
         )
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "control_deadline_s",
-                     "resume_timeout_s"):  # fmt: skip
+                     "resume_timeout_s", "hung_host_s"):  # fmt: skip
             require(getattr(self, name) > 0, p + name, getattr(self, name), "> 0")
         require(self.max_retries >= 0, p + "max_retries", self.max_retries, ">= 0")
         require(self.warmup_requests >= -1, p + "warmup_requests", self.warmup_requests, ">= -1 (-1 = auto, 0 = off)")
