@@ -321,7 +321,7 @@ def _registry_cases():
     extra = {
         "algorithm.adv_estimator=gdpo": ["algorithm.gdpo_reward_keys=[acc,rule]"],
         "algorithm.policy_loss=dro": ["+algorithm.policy_loss_args.dro_beta=0.1"],
-        "algorithm.policy_loss=bypass_mode": ["algorithm.recompute_prox=false"],
+        "algorithm.policy_loss=bypass_mode": ["algorithm.rollout_correction.preset=bypass_pg_is"],
     }
     return [c + extra.get(c[0], []) for c in cases]
 
