@@ -99,7 +99,7 @@ def test_the_runner_refuses_an_uncorrected_async_run_before_ray_in_under_2s(tmp_
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "fully_async.runner", "algorithm.rollout_correction.preset=bypass_ppo_clip",
-         f"trainer.output_dir={tmp_path}"],
+],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     elapsed = time.monotonic() - t0
