@@ -186,3 +186,16 @@ def test_diagnostics_split_the_mismatch_by_staleness():
     assert d["offpolicy/staleness_5_8/tokens"] == 4
     assert d["offpolicy/nonfinite_frac"] == pytest.approx(1 / int(mask.sum()))
     assert d["offpolicy/k3"] > 0 and "offpolicy/staleness_1/k3" not in d
+
+
+def test_verls_rollout_correction_keys_pass_straight_through():
+    from fully_async.config.verl_keys import translate
+
+    line = ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.02",
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true"]  # fmt: skip
+    t = translate(line)
+    assert t.overrides == line and not t.notes and not t.problems
+    rc = compose(line).algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold, rc.rollout_is_batch_normalize) == (
+        "sequence", "seq_mean_k3", 0.02, True)  # fmt: skip
