@@ -127,7 +127,8 @@ COPY_REPEATS = 5
 32 unlearned digits over twelve in-process seeds with one copy, 1 with five)."""
 
 
-SYNTHETIC_TASKS = ("copy", "add", "guess")
+SYNTHETIC_TASKS = ("copy", "add", "guess", "reverse")
+
 GUESS_PROMPT = "guess one of 0123456789"
 """The prompt of every `guess` row: the digit is hidden, only the environment's answers tell it. The digits are shown
 so the untrained model has them to copy (from random init, a digit is one of ~260 tokens; without them the first
@@ -141,6 +142,7 @@ def synthetic_rows(
     task: str = "copy",
     copy_repeats: int = COPY_REPEATS,
     env_delay_s: Sequence[float] = (0.0, 0.0),
+    reverse_length: int = 2,
 ) -> list[PromptRow]:
     """The built-in tasks, answered by one digit: `copy` ('echo 77777' -> '7'), `add` ('3+4=' -> '7', sums < 10) and
     the multi-turn `guess` (a hidden digit; after a wrong one-digit guess the environment tells it, 'no, it is 77777',
@@ -149,7 +151,8 @@ def synthetic_rows(
     A 2-layer model learns `copy` from random init by RL in minutes (the answer is a lookup of the prompt's digit,
     shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
     which RL then never learned); `add` needs both digits and learns more slowly; `guess` can only be solved
-    reliably from an earlier turn's answer. Train and validation draw from disjoint seeds."""
+    reliably from an earlier turn's answer. `reverse` ('reverse 472' -> '274', `reverse_length` digits) is answered by
+    several tokens, graded per position (reward/rule.py). Train and validation draw from disjoint seeds."""
     if task not in SYNTHETIC_TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {', '.join(SYNTHETIC_TASKS)}")
     rng = random.Random(f"{seed}:{split}:{task}")
@@ -159,6 +162,9 @@ def synthetic_rows(
         extra: dict[str, Any] = {}
         if task == "copy":
             content, answer = f"echo {str(a) * copy_repeats}", a
+        elif task == "reverse":
+            digits = "".join(str(rng.randint(0, 9)) for _ in range(reverse_length))
+            content, answer = f"reverse {digits}", digits[::-1]
         elif task == "guess":
             content, answer = GUESS_PROMPT, a
             extra["env_delay_s"] = [float(x) for x in env_delay_s]
@@ -185,7 +191,12 @@ def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:
         return load_rows(files, cfg.data.prompt_key)
     size = cfg.data.synthetic_size if split == "train" else max(32, cfg.data.synthetic_size // 16)
     return synthetic_rows(
-        size, cfg.data.seed, split, cfg.data.synthetic_task, env_delay_s=cfg.data.synthetic_env_delay_s
+        size,
+        cfg.data.seed,
+        split,
+        cfg.data.synthetic_task,
+        env_delay_s=cfg.data.synthetic_env_delay_s,
+        reverse_length=cfg.data.synthetic_reverse_length,
     )
 
 

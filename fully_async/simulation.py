@@ -50,7 +50,7 @@ def capacity(
     gen = engines * c / (sim.decode_step_s + sim.decode_step_per_seq_s * c) / mean_len
     samples = at.groups_per_step * cfg.rollout.n
     tokens = samples * (mean_len + prompt_tokens)
-    passes = int(cfg.algorithm.recompute_prox) + int(cfg.algorithm.use_kl_loss)
+    passes = int(not cfg.algorithm.bypass) + int(cfg.algorithm.use_kl_loss)
     step_s = tr.ppo_epochs * (
         tr.sim.optimizer_step_s * tr.num_mini_batches + tokens / (tr.sim.train_tokens_per_s_per_gpu * tr.sim.gpus)
     ) + passes * tokens / (tr.sim.logprob_tokens_per_s_per_gpu * tr.sim.gpus)

@@ -48,10 +48,12 @@ from fully_async.config.sections import (
     RewardModelConfig,
     RewardSourceConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
     SimEngineConfig,
     SimTrainerConfig,
     TinyModelConfig,
     TrainerConfig,
+    uncorrected_problem,
 )
 from fully_async.config.sections.model import lora_on_sim
 from fully_async.config.tasks import TASK_GROUP, task_problems, with_task_option
@@ -67,6 +69,7 @@ GROUPS = ("engine", "trainer", "reward", "data", "model", "logger", TASK_GROUP)
 __all__ = [
     "AlgorithmConfig",
     "AsyncTrainingConfig",
+    "RolloutCorrectionConfig",
     "CONFIG_DIR",
     "ConfigError",
     "DataConfig",
@@ -195,6 +198,9 @@ class FullyAsyncConfig:
             # Known before Ray starts; the device-dependent reasons are weights/lora.py adapter_sync_plan's.
             out.append("model.lora.sync=adapter cannot work with engine.kind=sim (it emulates full-weight syncs "
                        "only); use model.lora.sync=auto or merged")  # fmt: skip
+        uncorrected = uncorrected_problem(self.algorithm.rollout_correction, self.async_training.max_staleness)
+        if uncorrected:
+            out.append(uncorrected)
         out += task_problems(self)
         return out
 

@@ -32,6 +32,21 @@ def with_task_option(overrides: list[str], options: list[str]) -> list[str]:
 
 def task_problems(cfg: FullyAsyncConfig) -> list[str]:
     """Why the configured built-in task cannot run as named, one line per reason (none: it can)."""
+    return _reverse_problems(cfg) + _guess_problems(cfg)
+
+
+def _reverse_problems(cfg: FullyAsyncConfig) -> list[str]:
+    """The reverse task's answer is data.synthetic_reverse_length tokens: the response must have room for them."""
+    length = cfg.data.synthetic_reverse_length
+    if cfg.data.train_files or cfg.data.synthetic_task != "reverse" or cfg.rollout.response_length >= length:
+        return []
+    return [
+        f"rollout.response_length must be >= data.synthetic_reverse_length = {length} for data.synthetic_task=reverse "
+        f"(the answer is one token per character), got {cfg.rollout.response_length}"
+    ]
+
+
+def _guess_problems(cfg: FullyAsyncConfig) -> list[str]:
     if cfg.data.train_files or cfg.data.synthetic_task != "guess" or cfg.agent_loop_path() != GUESS_LOOP:
         return []
     turns = cfg.rollout.multi_turn

@@ -54,8 +54,6 @@ MAPPED: dict[str, str] = {
     "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
     "critic.optim.lr": "trainer.critic_lr",
     "critic.cliprange_value": "algorithm.value_clip",
-    "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
-    "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "data.max_response_length": "rollout.response_length",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.save_freq": "trainer.save_every",

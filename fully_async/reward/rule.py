@@ -13,7 +13,15 @@ def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extr
     seeds with a 0.1 credit, 1 without)."""
     text, answer = solution_str.lstrip(), str(ground_truth).strip()
     correct = bool(answer) and text.startswith(answer)
+    if (extra_info or {}).get("task") == "reverse":
+        return {"score": reverse_score(text, answer), "acc": float(correct)}
     return {"score": float(correct), "acc": float(correct)}
+
+
+def reverse_score(text: str, answer: str) -> float:
+    """The reverse task: the fraction of the answer's positions the response opens with the right character (what
+    follows the answer is ignored, as for the one-digit tasks)."""
+    return sum(a == b for a, b in zip(text, answer)) / len(answer) if answer else 0.0
 
 
 async def delayed_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:

@@ -295,26 +295,6 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, response_mask: to
     return out
 
 
-def importance_weights(
-    prox_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
-    level: str,
-    threshold: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights min(pi_prox / pi_behave, threshold) at token or sequence level, via verl's
-    rollout-correction helper, and its mismatch metrics. A batch with no loss token gets weights of 1 (nothing to
-    correct; verl raises on it)."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-
-    if not response_mask.any():
-        return torch.ones_like(prox_logprobs), {}
-    weights, _, metrics = compute_rollout_correction_and_rejection_mask(
-        prox_logprobs, behaviour_logprobs, response_mask, rollout_is=level, rollout_is_threshold=threshold
-    )
-    return weights.batch["rollout_is_weights"].float(), metrics
-
-
 def to_engine_td(batch: PaddedBatch, temperature: float, **tensors: torch.Tensor):
     """verl's no-padding TensorDict for `batch`, with extra (B, R) padded `tensors` (old_log_probs, advantages, ...)."""
     from verl.utils import tensordict_utils as tu

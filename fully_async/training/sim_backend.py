@@ -3,7 +3,7 @@
 Cost model (simulated seconds; wall seconds = simulated / trainer.sim.time_scale):
 - update: optimizer_step_s x num_mini_batches x ppo_epochs (fixed per step: optimizer, gradient all-reduce, FSDP
   gathers that do not grow with tokens) + ppo_epochs x tokens / (train_tokens_per_s_per_gpu x gpus), plus a forward
-  pass tokens / (logprob_tokens_per_s_per_gpu x gpus) for the proximal log-probs when algorithm.recompute_prox and one
+  pass tokens / (logprob_tokens_per_s_per_gpu x gpus) for the proximal log-probs when the run is not in bypass mode (algorithm.rollout_correction) and one
   more for the reference model when it is used. Tokens are every prompt and response token of the batch.
 - export_weights: model_gb / export_gb_per_s; it writes a small marker file, not weights.
 Log-probs returned are the behaviour log-probs (the policy never changes). Checkpoints hold the step only.
@@ -57,7 +57,7 @@ class SimBackend(TrainingBackend):
         train_s = cfg.ppo_epochs * (
             sim.optimizer_step_s * cfg.num_mini_batches + tokens / (sim.train_tokens_per_s_per_gpu * sim.gpus)
         )
-        passes = int(self.algorithm.recompute_prox) + int(self.use_reference)
+        passes = int(not self.algorithm.bypass) + int(self.use_reference)
         logprob_s = passes * self._forward_s(tokens)
         self._spend(train_s + logprob_s)
         self.step += 1

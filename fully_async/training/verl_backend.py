@@ -4,8 +4,8 @@ verl does the heavy lifting (FSDP2 sharding, token-budget micro-batches, AdamW, 
 checkpoints). This module translates our config into verl's config dataclasses, builds the worker groups (policy and
 optional forward-only reference), turns TrajectoryGroups into engine batches and runs the decoupled-PPO step:
 
-  pi_prox = infer_batch(policy)            (recompute_prox=true; else pi_prox = pi_behave, the bypass)
-  w       = min(pi_prox / pi_behave, T)    (token or sequence level, verl's rollout-correction helper)
+  pi_prox = infer_batch(policy)            (decoupled; in bypass mode pi_prox = pi_behave, no forward pass)
+  w       = IS weight x rejection mask     (algorithm.rollout_correction through verl's helper: training/correction.py)
   loss    = verl ppo_loss: clip on pi_theta / pi_prox, weighted by w, + KL to pi_ref, - entropy bonus
 
 Calls go through `execute_all_async` + `ray.get(timeout=...)` rather than the group's bound methods, so a dead or
@@ -31,7 +31,7 @@ from fully_async.config.sections import NEEDS_CRITIC, NEEDS_PROX
 from fully_async.config.sections.model import LoraConfig
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
-from fully_async.training import hf_files
+from fully_async.training import correction, hf_files
 from fully_async.training.base import TrainingBackend
 from fully_async.training.verl_config import critic_config, engine_configs, reference_config, value_loss_config
 from fully_async.training.verl_ranks import RankGroups, TrainerTimeout, WeightSender
@@ -226,20 +226,22 @@ class VerlBackend(TrainingBackend):
         mask = laid.response_mask.bool()
         t1 = time.perf_counter()
         by_prox: dict[str, torch.Tensor] = {}  # inputs of the estimator that come from the proximal pass, full order
-        if algo.recompute_prox:
+        if not algo.bypass:
             otb = algo.adv_estimator in NEEDS_PROX
             prox = self._log_probs("policy", laid, sum_pi_squared=otb)
             if otb:
                 prox, spsq = prox
                 by_prox["sum_pi_squared"] = _unlay(spsq, laid.source, full.size)
-            weights, corr = B.importance_weights(
-                prox, laid.behaviour_logprobs, mask, algo.rollout_is, algo.rollout_is_threshold
+            weights, corr = correction.correct(
+                prox, laid.behaviour_logprobs, mask, algo.rollout_correction, laid.group_index
             )
-            extra["rollout_is_weights"] = weights * laid.response_mask
             metrics.update(corr)
+            metrics.update(correction.diagnostics(prox, laid.behaviour_logprobs, mask, laid.token_versions, version))
+            if weights is not None:
+                extra["rollout_is_weights"] = weights * laid.response_mask
+                by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, full.size)
             by_prox["old_log_probs"] = _unlay(prox, laid.source, full.size)
-            by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, full.size)
-        else:  # bypass: pi_prox is the behaviour policy, so the importance weight is 1
+        else:  # bypass: pi_old is the behaviour policy; verl's bypass_mode loss weighs and rejects per micro-batch
             prox = laid.behaviour_logprobs
         extra["old_log_probs"] = prox
         # Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows).

@@ -131,18 +131,22 @@ _ACTOR_LOSS_ARGS = ("tau_pos", "tau_neg", "clip_ratio_c")
 
 
 def _loss_configs(algorithm: AlgorithmConfig) -> dict:
-    """ActorConfig keyword arguments selecting verl's policy loss `algorithm.policy_loss` with its settings.
-    bypass_mode reads its importance-weight settings from policy_loss.rollout_correction: ours."""
+    """ActorConfig keyword arguments selecting verl's policy loss `algorithm.policy_loss` with its settings. In bypass
+    mode (algorithm.rollout_correction.bypass_mode) the vanilla loss becomes verl's bypass_mode loss, as verl's own
+    trainer does (rollout_corr_helper.apply_bypass_mode); it reads its IS and rejection settings from
+    policy_loss.rollout_correction: ours, key for key."""
     from verl.trainer.config import RolloutCorrectionConfig
     from verl.workers.config import PolicyLossConfig
 
+    from fully_async.config.sections.algorithm import BYPASS_LOSSES
+
     args = algorithm.policy_loss_args
-    correction = RolloutCorrectionConfig(
-        rollout_is=algorithm.rollout_is, rollout_is_threshold=algorithm.rollout_is_threshold
-    )
+    loss_mode = algorithm.policy_loss
+    if algorithm.bypass and loss_mode in BYPASS_LOSSES:
+        loss_mode = "bypass_mode"
     policy_loss = PolicyLossConfig(
-        loss_mode=algorithm.policy_loss,
-        rollout_correction=correction,
+        loss_mode=loss_mode,
+        rollout_correction=RolloutCorrectionConfig(**algorithm.rollout_correction.verl_fields()),
         **{k: v for k, v in args.items() if k not in _ACTOR_LOSS_ARGS},
     )
     return {"policy_loss": policy_loss, **{k: v for k, v in args.items() if k in _ACTOR_LOSS_ARGS}}

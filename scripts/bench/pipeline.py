@@ -39,7 +39,7 @@ from fully_async.simulation import capacity, run_schedule, summarize  # noqa: E4
 COLOCATED = [
     "trainer.sim.train_tokens_per_s_per_gpu=685",
     "trainer.sim.logprob_tokens_per_s_per_gpu=1243",
-    "algorithm.recompute_prox=true",
+    "algorithm.rollout_correction.bypass_mode=false",
     "engine.sim.reload_s=9.2",
 ]
 

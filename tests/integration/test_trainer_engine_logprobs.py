@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from fully_async.config import AlgorithmConfig, EngineConfig, TinyModelConfig, TrainerConfig
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
@@ -22,7 +23,7 @@ TEMPERATURE = 0.8
 PROMPTS = [list(b"12+34="), list(b"hello"), list(b"7*8 is"), list(b"<a>")]
 
 
-async def _sample(servers, n=2, tokens=16, version=0):
+async def _sample(servers, n=2, tokens=16, version=0, top_p=1.0):
     from fully_async.engines import EngineClient, Sampling
 
     client = EngineClient(servers)
@@ -31,7 +32,8 @@ async def _sample(servers, n=2, tokens=16, version=0):
         for i, prompt in enumerate(PROMPTS):
             ref = PromptRef(0, i)
             outs = await asyncio.gather(
-                *(client.generate(prompt, tokens, Sampling(temperature=TEMPERATURE, seed=10 * i + s, ignore_eos=True))
+                *(client.generate(prompt, tokens, Sampling(temperature=TEMPERATURE, top_p=top_p, seed=10 * i + s,
+                                                          ignore_eos=True))
                   for s in range(n))
             )  # fmt: skip
             trajs = [
@@ -128,11 +130,44 @@ def test_a_lora_policy_synced_merged_serves_the_trainers_log_probs(engine, tmp_p
         _sync(backend, servers, tmp_path / "w10", 10)  # the untrained adapter: the base model, whatever ran before
         groups = asyncio.run(_sample(servers, version=10))
         assert _gap(backend, groups) < 1e-4
-        for _ in range(3):
+        m = backend.update(groups, version=10)  # the step's own mismatch metrics, before its update
+        assert m["offpolicy/staleness_0/k3"] < 1e-7 and m["offpolicy/staleness_0/abs_diff"] < 1e-4
+        for _ in range(2):
             backend.update(groups)
         _sync(backend, servers, tmp_path / "w11", 11)
         fresh = asyncio.run(_sample(servers, version=11))
         assert _gap(backend, fresh) < 1e-4
         assert _gap(backend, groups) > 1e-3  # the adapter moved the policy away from the base
+    finally:
+        backend.shutdown()
+
+
+def test_mismatch_metrics_at_staleness_0_read_zero_and_top_p_shows_as_numerics(engine, tmp_path):
+    """The step's offpolicy/* metrics through the real engine at the trainer's own version: ~0 with top_p = 1. With
+    top_p < 1 the engine reports log-probs of the truncated distribution it sampled from, the trainer those of the
+    full softmax: the gap is there at staleness 0 (engine above trainer by -log of the kept mass), in bucket 0 (numerics),
+    not in a staleness bucket."""
+    from fully_async.protocol import flatten
+    from fully_async.training.batch import assemble
+    from fully_async.training.correction import diagnostics
+
+    model, servers = engine
+    backend = _backend(model)
+    try:
+        _sync(backend, servers, tmp_path / "w20", 20)
+        nucleus = asyncio.run(_sample(servers, version=20, top_p=0.5))
+        full = asyncio.run(_sample(servers, version=20))
+        batch = assemble(nucleus)
+        trainer = backend.compute_log_probs(nucleus)
+        prox = batch.behaviour_logprobs.clone()
+        for i, lp in enumerate(trainer):
+            prox[i, : len(lp)] = torch.from_numpy(lp)
+        d = diagnostics(prox, batch.behaviour_logprobs, batch.response_mask, batch.token_versions, 20)
+        assert d["offpolicy/staleness_0/k1"] > 1e-2 and d["offpolicy/staleness_0/tokens"] == d["offpolicy/tokens"]
+        assert all(float((t.behaviour_logprobs - lp).min()) > -1e-4 for t, lp in zip(flatten(nucleus), trainer))
+        m = backend.update(full, version=20)
+        for key in ("k1", "k3", "abs_diff"):
+            assert abs(m[f"offpolicy/staleness_0/{key}"]) < 1e-4, key
+        assert m["offpolicy/staleness_0/k3"] < 1e-7
     finally:
         backend.shutdown()

@@ -321,7 +321,7 @@ def _registry_cases():
     extra = {
         "algorithm.adv_estimator=gdpo": ["algorithm.gdpo_reward_keys=[acc,rule]"],
         "algorithm.policy_loss=dro": ["+algorithm.policy_loss_args.dro_beta=0.1"],
-        "algorithm.policy_loss=bypass_mode": ["algorithm.recompute_prox=false"],
+        "algorithm.policy_loss=bypass_mode": ["algorithm.rollout_correction.preset=bypass_pg_is"],
     }
     return [c + extra.get(c[0], []) for c in cases]
 
@@ -462,3 +462,41 @@ def test_a_staged_export_that_cannot_be_written_fails_with_the_writers_reason(be
     finish = be1.stage_weights(tmp_path / "v1")
     with pytest.raises(RuntimeError, match=r"writing the weights into .*v1 failed: NotADirectoryError"):
         finish()
+
+
+@pytest.mark.parametrize(
+    "preset",
+    ["decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_token_icepop", "bypass_pg_geo_rs",
+     "bypass_ppo_clip_k3_rs"],
+)  # fmt: skip
+def test_verl_correction_presets_run_an_update_and_reject_what_is_off(be1, preset, tmp_path):
+    """One real update per mode family (decoupled / bypass, IS / IcePop / geometric and k3 rejection): half the
+    sequences' behaviour log-probs are moved off the trainer's, the rest match; the rejecting presets reject some
+    tokens, never all, and the policy moves."""
+    from fully_async.config import compose
+
+    algorithm = compose([f"algorithm.rollout_correction.preset={preset}"]).algorithm
+    _reset(be1)
+    groups = _on_policy(be1, make_groups(3, 4, seed=13, response_len=(3, 6), version=2))
+    for t in flatten(groups)[::2]:
+        t.behaviour_logprobs = t.behaviour_logprobs - 1.0  # pi_prox / pi_behave = e per token
+    be1.set_algorithm(algorithm)
+    before = _weights(be1, tmp_path / "before")
+    m = be1.update(groups, version=3)
+    assert np.isfinite(m["actor/pg_loss"])
+    after = _weights(be1, tmp_path / "after")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rejected = m.get("offpolicy/rejected_token_frac", m.get("rollout_corr/rollout_rs_masked_fraction"))
+    if algorithm.rollout_correction.rollout_rs is not None:
+        assert 0 < rejected < 1, m
+    if not algorithm.bypass:  # the trainer's own pass: the mismatch, all of it one version old
+        assert m["offpolicy/staleness_1/k3"] == pytest.approx(m["offpolicy/k3"]) and m["offpolicy/k3"] > 0.1
+
+
+def test_mismatch_reads_zero_at_staleness_0_when_the_behaviour_is_the_trainers(be1):
+    _reset(be1)
+    groups = _on_policy(be1, make_groups(3, 2, seed=5, version=4))
+    m = be1.update(groups, version=4)
+    for key in ("k1", "k3", "abs_diff", "ratio_above_tail", "ratio_below_tail"):
+        assert abs(m[f"offpolicy/staleness_0/{key}"]) < 1e-6, key
+    assert m["offpolicy/staleness_0/tokens"] == m["batch/loss_tokens"]

@@ -107,3 +107,28 @@ def test_cursor_covers_each_epoch_once_and_resumes_exactly():
     assert [p.index for p in first] != [p.index for p in mid + rest[:6]]  # reshuffled per epoch
     with pytest.raises(DataError, match="dataset of 10 rows; this one has 11"):
         EpochCursor(11).load_state_dict(state)
+
+
+def test_reverse_task_answers_with_the_reversed_string_graded_per_position():
+    rows = synthetic_rows(40, seed=1, task="reverse", reverse_length=3)
+    assert len({r.ground_truth for r in rows}) > 20
+    for r in rows:
+        shown = r.messages[0]["content"].removeprefix("reverse ")
+        assert len(shown) == 3 and shown.isdigit() and r.ground_truth == shown[::-1]
+    info = rows[0].extra_info
+    assert synthetic_score(SYNTHETIC_SOURCE, "274<junk", "274", info) == {"score": 1.0, "acc": 1.0}
+    assert synthetic_score(SYNTHETIC_SOURCE, "294", "274", info) == {"score": pytest.approx(2 / 3), "acc": 0.0}
+    assert synthetic_score(SYNTHETIC_SOURCE, "4", "274", info)["score"] == 0.0
+    assert synthetic_score(SYNTHETIC_SOURCE, "27", "274", info)["score"] == pytest.approx(2 / 3)
+    # The one-digit tasks keep their all-or-nothing score.
+    assert synthetic_score(SYNTHETIC_SOURCE, "294", "274")["score"] == 0.0
+
+
+def test_task_reverse_sets_its_own_settings_and_refuses_a_response_too_short():
+    from fully_async.config import ConfigError, compose
+
+    cfg = compose(["task=reverse"])
+    assert cfg.data.synthetic_task == "reverse"
+    assert cfg.rollout.response_length >= cfg.data.synthetic_reverse_length
+    with pytest.raises(ConfigError, match="rollout.response_length must be >= data.synthetic_reverse_length = 4"):
+        compose(["task=reverse", "data.synthetic_reverse_length=4"])

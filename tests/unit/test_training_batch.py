@@ -148,32 +148,6 @@ def test_gdpo_reads_reward_components_from_the_function_output_or_a_source_score
         B.reward_components([g], ["len"])
 
 
-def test_token_importance_weights_are_truncated_ratios():
-    prox = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
-    behave = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
-    w, metrics = B.importance_weights(prox, behave, mask, "token", 2.0)
-    want = torch.clamp(torch.exp(prox - behave), max=2.0) * mask
-    torch.testing.assert_close(w * mask, want)
-    assert (w <= 2.0).all()
-    assert "rollout_corr/rollout_is_mean" in metrics
-
-
-def test_sequence_importance_weights_use_the_summed_log_ratio():
-    prox = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
-    behave = torch.tensor([[-1.2, -2.1], [-0.5, -1.0]])
-    mask = torch.ones(2, 2).bool()
-    w, _ = B.importance_weights(prox, behave, mask, "sequence", 5.0)
-    seq = torch.exp((prox - behave).sum(-1)).clamp(max=5.0)
-    torch.testing.assert_close(w, seq[:, None].expand(-1, 2))
-
-
-def test_importance_weights_of_an_all_masked_batch_are_one():
-    z = torch.zeros(2, 3)
-    w, metrics = B.importance_weights(z, z - 1, torch.zeros(2, 3).bool(), "token", 2.0)
-    assert torch.equal(w, torch.ones(2, 3)) and metrics == {}
-
-
 def test_engine_tensordict_keeps_response_mask_as_loss_mask():
     b = B.assemble(make_groups(2, 2, seed=3))
     td = B.to_engine_td(b, temperature=0.7, advantages=torch.ones(b.responses.shape))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fully_async.training import batch as B
+from fully_async.config import RolloutCorrectionConfig
+from fully_async.training.correction import correct
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,11 @@ def _loss(config, log_prob, prox, adv, mask, weights=None):
     return loss
 
 
+def _tis(prox, behave, mask, level="token", threshold=2.0):
+    w, _ = correct(prox, behave, mask, RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=threshold))
+    return w
+
+
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
     log_prob = -torch.rand(3, 4, generator=g) * 3
@@ -39,7 +45,7 @@ def _inputs(seed=0):
 
 def test_decoupled_loss_matches_hand_computation(actor_config):
     log_prob, prox, behave, adv, mask = _inputs()
-    w, _ = B.importance_weights(prox, behave, mask, "token", 2.0)
+    w = _tis(prox, behave, mask)
     got = _loss(actor_config, log_prob, prox, adv, mask, w)
     ratio = torch.exp(log_prob - prox)
     clipped = torch.clamp(ratio, 1 - 0.2, 1 + 0.28)
@@ -51,7 +57,7 @@ def test_decoupled_loss_matches_hand_computation(actor_config):
 
 def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal(actor_config):
     log_prob, prox, _, adv, mask = _inputs(1)
-    w, _ = B.importance_weights(prox, prox.clone(), mask, "token", 2.0)
+    w = _tis(prox, prox.clone(), mask)
     assert torch.allclose(w[mask], torch.ones(int(mask.sum())))
     torch.testing.assert_close(
         _loss(actor_config, log_prob, prox, adv, mask, w), _loss(actor_config, log_prob, prox, adv, mask)
@@ -62,5 +68,5 @@ def test_decoupled_equals_plain_ppo_when_behaviour_is_proximal(actor_config):
 def test_truncation_caps_the_weights(level):
     _, prox, behave, _, mask = _inputs(2)
     behave = prox - 5.0  # pi_prox / pi_behave = e^5 per token, far above the cap
-    w, _ = B.importance_weights(prox, behave, mask, level, 1.5)
+    w = _tis(prox, behave, mask, level, 1.5)
     assert torch.all(w[mask] == 1.5)

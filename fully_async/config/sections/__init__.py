@@ -44,4 +44,5 @@ from fully_async.config.sections.rollout import (
     MultiTurnConfig,
     RolloutConfig,
 )
+from fully_async.config.sections.rollout_correction import PRESETS, RolloutCorrectionConfig, uncorrected_problem
 from fully_async.config.sections.trainer import SimTrainerConfig, TrainerConfig

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fully_async.config.base import ConfigError, require
+from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,12 +51,14 @@ class AlgorithmConfig:
     """PPO clip below 1 on pi_theta / pi_prox."""
     clip_ratio_high: float = 0.28
     """PPO clip above 1 on pi_theta / pi_prox."""
-    recompute_prox: bool = True
-    """Recompute pi_prox with the trainer's weights (decoupled PPO); false = use the behaviour log-probs (bypass)."""
-    rollout_is: Literal["token", "sequence"] = "token"
-    """Level of the importance weight pi_prox / pi_behave."""
-    rollout_is_threshold: float = 2.0
-    """Upper truncation of the importance weight."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction under verl's key names and presets (docs/algorithms.md): IS weights, rejection, bypass or decoupled mode."""
+    recompute_prox: bool | None = None
+    """Alias (older key): false = rollout_correction.bypass_mode=true, true = bypass_mode=false; null = unset."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Alias (older key) of rollout_correction.rollout_is; null = unset."""
+    rollout_is_threshold: float | None = None
+    """Alias (older key) of rollout_correction.rollout_is_threshold; null = unset."""
     use_kl_loss: bool = False
     """Add a KL(pi_theta || pi_ref) loss term (needs a reference model)."""
     kl_loss_coef: float = 0.001
@@ -62,11 +68,26 @@ class AlgorithmConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How token losses are aggregated over the global batch."""
 
+    def __post_init__(self) -> None:
+        rc = self.rollout_correction
+        for old, new, value in (
+            ("recompute_prox", "bypass_mode", None if self.recompute_prox is None else not self.recompute_prox),
+            ("rollout_is", "rollout_is", self.rollout_is),
+            ("rollout_is_threshold", "rollout_is_threshold", self.rollout_is_threshold),
+        ):
+            if value is not None and isinstance(rc, RolloutCorrectionConfig):
+                _note_alias(old, new, value)
+                setattr(rc, new, value)
+
+    @property
+    def bypass(self) -> bool:
+        """Train on the engine's log-probs as pi_old (no proximal forward pass)."""
+        return self.rollout_correction.bypass_mode
+
     def validate_section(self, p: str) -> None:
         self._validate_registry_names(p)
         require(0 <= self.clip_ratio_low < 1, p + "clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         require(self.clip_ratio_high >= 0, p + "clip_ratio_high", self.clip_ratio_high, ">= 0")
-        require(self.rollout_is_threshold >= 1, p + "rollout_is_threshold", self.rollout_is_threshold, ">= 1")
         require(self.kl_loss_coef >= 0, p + "kl_loss_coef", self.kl_loss_coef, ">= 0")
         require(self.entropy_coeff >= 0, p + "entropy_coeff", self.entropy_coeff, ">= 0")
         require(0 <= self.gamma <= 1, p + "gamma", self.gamma, "in [0, 1]")
@@ -90,9 +111,9 @@ class AlgorithmConfig:
                     )
         if est in NEEDS_UNBUILT:
             raise ConfigError(f"{p}adv_estimator={est} needs {NEEDS_UNBUILT[est]}, which is not built yet")
-        if est in NEEDS_PROX and not self.recompute_prox:
+        if est in NEEDS_PROX and self.bypass:
             raise ConfigError(
-                f"{p}adv_estimator={est} needs {p}recompute_prox=true (its baseline uses the trainer's pi_prox and "
+                f"{p}adv_estimator={est} needs {p}rollout_correction.bypass_mode=false (its baseline uses the trainer's pi_prox and "
                 "sum of pi^2 per token, computed in the same forward pass)"
             )
         if est == "gdpo":
@@ -104,10 +125,17 @@ class AlgorithmConfig:
                 self.gdpo_reward_weights,
                 f"empty (equal) or one weight per gdpo_reward_keys entry ({len(self.gdpo_reward_keys)})",
             )
-        if loss == "bypass_mode" and self.recompute_prox:
+        if loss == "bypass_mode" and not self.bypass:
             raise ConfigError(
-                f"{p}policy_loss=bypass_mode needs {p}recompute_prox=false (it takes the behaviour log-probs as pi_old "
-                "and computes its own importance weights)"
+                f"{p}policy_loss=bypass_mode needs {p}rollout_correction.bypass_mode=true (it takes the behaviour "
+                "log-probs as pi_old and computes its own importance weights)"
+            )
+        rc = self.rollout_correction
+        if self.bypass and loss not in BYPASS_LOSSES and (rc.rollout_rs is not None or rc.loss_type != "ppo_clip"):
+            raise ConfigError(
+                f"{p}policy_loss={loss} with {p}rollout_correction.bypass_mode=true runs that loss on pi_behave as "
+                f"pi_old, without verl's bypass correction: rollout_rs and loss_type=reinforce need policy_loss in "
+                f"{list(BYPASS_LOSSES)}, got rollout_rs={rc.rollout_rs}, loss_type={rc.loss_type}"
             )
         unknown = sorted(set(self.policy_loss_args) - set(POLICY_LOSS_ARGS))
         if unknown:
@@ -122,6 +150,18 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"{p}policy_loss=dro needs {p}policy_loss_args.dro_beta (its quadratic log-ratio penalty)"
             )
+
+
+BYPASS_LOSSES = ("vanilla", "bypass_mode")
+"""Policy losses that bypass mode replaces by verl's bypass_mode loss (loss_type, IS weights, rejection)."""
+_NOTED: set[str] = set()
+
+
+def _note_alias(old: str, new: str, value) -> None:
+    """Say once per process that an older key was read as its rollout_correction key."""
+    if old not in _NOTED:
+        _NOTED.add(old)
+        log.warning("algorithm.%s is an alias: read as algorithm.rollout_correction.%s=%s", old, new, value)
 
 
 NEEDS_UNBUILT = {

@@ -24,14 +24,18 @@ class DataConfig:
     """Shuffle seed."""
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
-    synthetic_task: Literal["copy", "add", "guess"] = "copy"
-    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another)."""
+    synthetic_task: Literal["copy", "add", "guess", "reverse"] = "copy"
+    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another) or reverse ('reverse 472' -> '274', several tokens graded per position)."""
+    synthetic_reverse_length: int = 2
+    """reverse task: characters per prompt (and per answer); rollout.response_length must be at least this."""
     synthetic_env_delay_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
     """guess task: each environment answer comes after a delay drawn uniformly from [low, high] seconds (a slow tool or environment)."""
 
     def validate_section(self, p: str) -> None:
         require(self.max_prompt_length >= 1, p + "max_prompt_length", self.max_prompt_length, ">= 1")
         require(self.synthetic_size >= 1, p + "synthetic_size", self.synthetic_size, ">= 1")
+        require(1 <= self.synthetic_reverse_length <= 32, p + "synthetic_reverse_length", self.synthetic_reverse_length,
+                "in [1, 32]")  # fmt: skip
         require(bool(self.prompt_key), p + "prompt_key", self.prompt_key, "a non-empty column name")
         d = self.synthetic_env_delay_s
         require(len(d) == 2 and 0 <= d[0] <= d[1], p + "synthetic_env_delay_s", d, "[low, high] with 0 <= low <= high")

@@ -1,0 +1,118 @@
+"""Off-policy correction on task=reverse: max_staleness x correction x seeds, side by side (issue 35).
+
+    .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy                 # the full grid, 4 seeds
+    .venv/bin/python scripts/bench/offpolicy_sweep.py --staleness 0 2 --seeds 0 --steps 120 --out /tmp/offpolicy
+    .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --table-only     # the table of finished runs
+
+Each cell is one job (`python -m fully_async.runner task=reverse`, jsonl logger only) at
+async_training.max_staleness in --staleness with one of the corrections:
+  none   bypass mode, nothing weighed or rejected (preset bypass_ppo_clip, opted out of the fail-closed rule)
+  tis    decoupled PPO with token-level truncated IS at 2 (preset decoupled_token_is, the default)
+  geo    decoupled PPO with token TIS and geometric-mean rejection (preset decoupled_geo_rs_token_tis)
+Runs go one at a time, seed by seed, the order of the corrections rotating with the seed so a drift of the
+machine's load does not favour one. From each run's metrics.jsonl (background_sync.py's reading): the last-20 mean
+reward, training seconds until the 20-step mean reward first reached 0.8, seconds per step; and here the mean
+fraction of loss tokens rejected per step and the mean k3 between the trainer's pi_prox and the engine's log-probs
+(decoupled runs only). Prints one row per run and one per (staleness, correction), in Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from background_sync import LEVEL, markdown, run, summarize  # scripts/bench is on sys.path as a script
+
+from fully_async.config.sections import AsyncTrainingConfig
+
+CORRECTIONS = {
+    "none": [
+        "algorithm.rollout_correction.preset=bypass_ppo_clip",
+        "algorithm.rollout_correction.allow_uncorrected=true",
+    ],
+    "tis": ["algorithm.rollout_correction.preset=decoupled_token_is"],
+    "geo": ["algorithm.rollout_correction.preset=decoupled_geo_rs_token_tis"],
+}
+
+
+def offpolicy(run_dir: Path) -> dict:
+    """Mean per step of the rejected token fraction and of the trainer-vs-engine k3 (nan where not logged)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    def mean(*keys: str) -> float:
+        vals = [next(r[k] for k in keys if k in r) for r in rows if any(k in r for k in keys)]
+        return statistics.mean(vals) if vals else float("nan")
+
+    return {
+        "rejected": mean("offpolicy/rejected_token_frac", "rollout_corr/rollout_rs_masked_fraction"),
+        "k3": mean("offpolicy/k3"),
+    }
+
+
+def row(run_dir: Path) -> dict:
+    staleness, correction, seed = run_dir.name.split("_")
+    return {**summarize(run_dir), **offpolicy(run_dir), "staleness": int(staleness[1:]), "correction": correction,
+            "seed": int(seed[4:])}  # fmt: skip
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def tables(rows: list[dict]) -> str:
+    per_run = markdown(
+        ["run", "steps", "last 20", f"s to {LEVEL}", "s per step", "rejected tokens", "k3 prox vs behave"],
+        [[r["name"], str(r["steps"]), f"{r['last20']:.3f}", _fmt(r["reached"], ".0f"), f"{r['step_s']:.2f}",
+          _fmt(r["rejected"], ".3f"), _fmt(r["k3"], ".2e")] for r in rows],
+    )  # fmt: skip
+    cells = []
+    for s in sorted({r["staleness"] for r in rows}):
+        for c in CORRECTIONS:
+            rs = [r for r in rows if r["staleness"] == s and r["correction"] == c]
+            if not rs:
+                continue
+            hit = [r["reached"] for r in rs if r["reached"] is not None]
+            last = [r["last20"] for r in rs]
+            rej = [r["rejected"] for r in rs if r["rejected"] == r["rejected"]]
+            cells.append([
+                str(s), c, str(len(rs)), f"{statistics.mean(last):.3f} ({min(last):.3f}-{max(last):.3f})",
+                f"{statistics.median(hit):.0f} ({len(hit)} of {len(rs)})" if hit else f"- (0 of {len(rs)})",
+                f"{statistics.mean(r['step_s'] for r in rs):.2f}", _fmt(statistics.mean(rej) if rej else None, ".3f"),
+            ])  # fmt: skip
+    summary = markdown(["max_staleness", "correction", "seeds", "last 20: mean (min-max)",
+                        f"s to {LEVEL}: median (runs that reached it)", "s per step", "rejected tokens"], cells)  # fmt: skip
+    return per_run + "\n\n" + summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 8])
+    parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: task=reverse's)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/offpolicy"))
+    parser.add_argument("--table-only", action="store_true", help="summarise the runs already under --out")
+    parser.add_argument("overrides", nargs="*", help="further key=value overrides for every run")
+    args = parser.parse_args()
+    if not args.table_only:
+        from fully_async.config import compose
+
+        steps = args.steps or compose(["task=reverse"]).trainer.total_steps
+        mode = AsyncTrainingConfig().sync_mode
+        for seed in args.seeds:
+            order = args.corrections[seed % len(args.corrections) :] + args.corrections[: seed % len(args.corrections)]
+            for s in args.staleness:
+                for c in order:
+                    extra = ["task=reverse", f"async_training.max_staleness={s}", *CORRECTIONS[c], *args.overrides]
+                    wall = run(args.out / f"s{s}_{c}_seed{seed}", mode, seed, steps, extra)
+                    print(f"max_staleness={s} {c} seed {seed}: {wall:.0f} s wall", flush=True)
+    rows = [row(d) for d in sorted(args.out.glob("s*_*_seed*")) if (d / "metrics.jsonl").exists()]
+    if not rows:
+        raise SystemExit(f"no finished runs under {args.out}")
+    print(tables(rows))
+
+
+if __name__ == "__main__":
+    main()
