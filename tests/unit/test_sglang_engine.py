@@ -148,7 +148,9 @@ def test_cpu_shims_import_as_placeholders_and_assign_req_to_token_pool_writes_ea
         ({"enable_chunked_prefill": False}, ["--no-enable-chunked-prefill"], ["--chunked-prefill-size", "-1"]),
     ],
 )  # fmt: skip
-def test_engine_options_verl_sets_reach_both_engines_servers(model, tmp_path, python, options, vllm_flags, sglang_flags):
+def test_engine_options_verl_sets_reach_both_engines_servers(
+    model, tmp_path, python, options, vllm_flags, sglang_flags
+):
     """engine.enable_chunked_prefill / max_num_batched_tokens (verl's actor_rollout_ref.rollout keys) in each engine's
     spelling; SGLang has no switch for chunked prefill on (its default) and caps a step's prefill by its chunk size."""
     for kind, want in (("vllm", vllm_flags), ("sglang", sglang_flags)):
