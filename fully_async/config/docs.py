@@ -112,7 +112,7 @@ REFUSALS_BEGIN, REFUSALS_END = "<!-- verl-refusals: begin (generated) -->", "<!-
 
 def with_verl_refusals(doc: str) -> str:
     """The migration guide's text with its refusal block replaced by the table's current one."""
-    from fully_async.config.verl_keys import refusals_markdown
+    from fully_async.config.verl_table import refusals_markdown
 
     head, _, rest = doc.partition(REFUSALS_BEGIN)
     _, _, tail = rest.partition(REFUSALS_END)

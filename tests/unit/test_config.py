@@ -283,7 +283,7 @@ MAPPED_ELSEWHERE = {"trainer.default_local_dir"}
 
 
 def test_every_mapped_verl_key_is_tested():
-    from fully_async.config.verl_keys import MAPPED
+    from fully_async.config.verl_table import MAPPED
 
     assert sorted(set(MAPPED) - MAPPED_ELSEWHERE) == sorted(k for k, _, _, _ in VERL_MAPPED)
 

@@ -16,7 +16,7 @@ import pytest
 from fully_async.config import ConfigError, FullyAsyncConfig, build_config, compose
 from fully_async.config.base import schema_node
 from fully_async.config.sections import GUESS_LOOP
-from fully_async.config.verl_keys import CHOICES, CONVERTED, MAPPED, REPLACED, SAME
+from fully_async.config.verl_table import CHOICES, CONVERTED, MAPPED, REPLACED, SAME
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = [ln for ln in (REPO / "tests/data/verl_fully_async_recipe.args").read_text().splitlines() if "=" in ln]

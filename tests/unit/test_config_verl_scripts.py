@@ -18,7 +18,8 @@ import pytest
 
 from fully_async.config import ConfigError
 from fully_async.config.docs import with_verl_refusals
-from fully_async.config.verl_keys import refusals, translate
+from fully_async.config.verl_keys import translate
+from fully_async.config.verl_table import refusals
 from fully_async.runner import check_command_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,3 +148,27 @@ def test_the_reference_models_keys_are_noted_only_while_no_kl_term_uses_it():
 def test_what_cannot_be_done_is_refused_with_the_reason(line, problem):
     t = translate(line)
     assert len(t.problems) == 1 and problem in t.problems[0], t.problems
+
+
+def test_verls_custom_reward_function_file_becomes_a_reward_source_that_scores(tmp_path, monkeypatch):
+    """custom_reward_function.path (a file, relative to where the command runs) and .name: one reward source of that
+    function by absolute path, loaded from the file (no package needed), with verl's compute_score signature."""
+    from fully_async.config import compose
+    from fully_async.plugins import load
+
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "mine.py").write_text(
+        "def exact(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if solution_str.strip() == ground_truth else -1.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = compose(["custom_reward_function.path=rewards/mine.py", "custom_reward_function.name=exact"])
+    (source,) = cfg.reward.sources
+    assert source.kind == f"{tmp_path}/rewards/mine.py:exact" and source.label == "exact"
+    fn = load(source.kind)
+    assert fn("d", " 42 ", "42", {}) == 1.0 and fn("d", "41", "42", {}) == -1.0
+    assert load(source.kind) is fn  # imported once per process
+    with pytest.raises(ConfigError, match="needs custom_reward_function.path"):
+        compose(["custom_reward_function.name=exact"])
+    with pytest.raises(ConfigError, match="cannot import module"):
+        load(f"{tmp_path}/rewards/missing.py:exact")
