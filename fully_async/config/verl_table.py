@@ -60,6 +60,11 @@ MAPPED: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "data.max_response_length": "rollout.response_length",
     "trainer.total_training_steps": "trainer.total_steps",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.val.temperature",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "rollout.val.top_p",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": "rollout.val.top_k",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "rollout.val.do_sample",
+    "actor_rollout_ref.rollout.val_kwargs.n": "rollout.val.n",
     "trainer.project_name": "logger.project",
     "trainer.experiment_name": "logger.run_name",
     "trainer.logger": "logger.backends",
@@ -156,12 +161,6 @@ SAME: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "critic.strategy": (("fsdp2", "fsdp"), "the critic trains with the policy's trainer.strategy"),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": (("1",), "no Ulysses sequence parallelism"),
-    "actor_rollout_ref.rollout.val_kwargs.n": (("1",), "validation takes one response per held-out prompt"),
-    "actor_rollout_ref.rollout.val_kwargs.do_sample": (("true",), "validation samples (no greedy decoding)"),
-    "trainer.val_before_train": (
-        ("false",),
-        "validation runs after weight syncs (trainer.val_every); one before training is not implemented yet",
-    ),
     "trainer.critic_warmup": (("0",), "the policy trains from the first step"),
     "reward_model.overlong_buffer.enable": (
         ("true",),
@@ -260,11 +259,6 @@ PREFIXES: dict[str, tuple[str, str]] = {
         "the engine servers read the model's own config.json: edit it there (e.g. max_position_embeddings)",
     ),
     "actor_rollout_ref.rollout.engine_kwargs.": ("refused", "engine options go in engine.extra_args"),
-    "actor_rollout_ref.rollout.val_kwargs.": (
-        "refused",
-        "validation samples one response per held-out prompt with rollout.temperature, top_p and top_k (separate "
-        "validation sampling is not implemented yet)",
-    ),
     "data.custom_cls.": ("refused", "rows come from data.train_files' columns; a dataset class is not loaded"),
     "algorithm.rollout_correction.": ("pass", "algorithm.rollout_correction."),
 }

@@ -47,6 +47,8 @@ class TrainerConfig:
     checkpoint: python -m fully_async.export RUN_DIR --step N --out DIR."""
     val_every: int = 0
     """Validate every this many versions; 0 = never."""
+    val_before_train: bool = False
+    """Also validate once at the start, on the weights training starts from (with val_every > 0)."""
     resume: str = "none"
     """'auto' (latest checkpoint in the run dir), 'none', or a checkpoint path."""
     nnodes: int = 1
