@@ -156,6 +156,10 @@ def translate(overrides: list[str]) -> Translation:
     }
     t.converted = len(given)
     out += _convert(given, mine, t)
+    steps = ("trainer.total_steps", "trainer.total_training_steps", ROLLOUT_STEPS)
+    if t.read and "trainer.total_epochs" in mine and not any(k in mine or k in given for k in steps):
+        out.append(("trainer.total_steps", "trainer.total_steps=0"))
+        t.notes.append("verl's line counts epochs and no steps: read as trainer.total_steps=0 (the epochs set it)")
     if "engine.max_model_len" not in mine and any(MAPPED.get(k) == "rollout.response_length" for k in _keys(overrides)):
         out.append(("engine.max_model_len", "engine.max_model_len=0"))
         t.notes.append(

@@ -60,6 +60,7 @@ MAPPED: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
     "data.max_response_length": "rollout.response_length",
     "trainer.total_training_steps": "trainer.total_steps",
+    "rollout.total_epochs": "trainer.total_epochs",
     "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.val.temperature",
     "actor_rollout_ref.rollout.val_kwargs.top_p": "rollout.val.top_p",
     "actor_rollout_ref.rollout.val_kwargs.top_k": "rollout.val.top_k",
@@ -284,11 +285,6 @@ REF = "actor_rollout_ref.ref."
 KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
 
 REPLACED: dict[str, str] = {
-    "rollout.total_epochs": "trainer.total_steps=<epochs x dataset rows / async_training.groups_per_step> (an "
-    "epoch cap as a stop rule is not implemented yet; rollout.total_rollout_steps sets the steps)",
-    "trainer.total_epochs": "trainer.total_steps=<epochs x dataset rows / async_training.groups_per_step> "
-    "(we count trainer steps)",
-    "trainer.resume_mode": "trainer.resume=auto, trainer.resume=none or trainer.resume=<checkpoint path>",
     "algorithm.filter_groups.max_num_gen_batches": "nothing: a filtered group frees its staleness slot and admission "
     "keeps generating until async_training.groups_per_step varying groups are queued (algorithm.filter_groups)",
     "async_training.use_trainer_do_validate": "trainer.val_every (validation runs on the rollout engines)",

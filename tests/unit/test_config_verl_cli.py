@@ -50,14 +50,14 @@ def test_the_recipe_command_line_is_read_whole(capsys):
 
 def test_every_problem_of_a_command_line_in_one_run_under_a_few_seconds(tmp_path):
     broken = [*RECIPE, "actor_rollout_ref.actor.use_dynamic_bsz=False", "actor_rollout_ref.rollout.name=hf",
-              "actor_rollout_ref.actor.fsdp_config.param_offload=True", "trainer.total_epochs=3",
+              "actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rollout_ref.model.override_config.x=3",
               "rollout.temprature=2", "engine.kind=foo", "trainer.ppo_epochs=0", "rollout.top_p=2"]  # fmt: skip
     started = time.monotonic()
     out = _runner(*broken, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     elapsed = time.monotonic() - started
     assert out.returncode == 2, out.stderr
     assert "ConfigError: 8 problems:" in out.stderr
-    for key in ("use_dynamic_bsz=False", "rollout.name=hf", "param_offload=True", "trainer.total_epochs",
+    for key in ("use_dynamic_bsz=False", "rollout.name=hf", "param_offload=True", "override_config.x=3 is refused",
                 "did you mean 'rollout.temperature'", "engine.kind must be one of", "trainer.ppo_epochs must be >= 1",
                 "rollout.top_p must be in (0, 1]"):  # fmt: skip
         assert key in out.stderr

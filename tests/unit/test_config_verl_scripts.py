@@ -73,8 +73,9 @@ def test_every_key_of_a_verl_script_is_read_or_refused_for_a_documented_reason(s
             assert len(re.findall(rf"(?<![\w.]){re.escape(key)}(?![\w.])", summary)) == 1, key
 
 
-def test_a_dapo_line_answers_whole_in_one_run_under_two_seconds(tmp_path):
-    """The runner's `--cfg job` on verl's fully-async DAPO script: rc 0 but for documented refusals, quickly."""
+def test_a_dapo_line_answers_whole_in_one_run(tmp_path):
+    """The runner's `--cfg job` on verl's fully-async DAPO script: rc 0 but for documented refusals, in one run (how
+    fast: scripts/bench/verl_scripts.py; about 1 s idle)."""
     args = _args(REPO / "tests/data/verl_scripts/fully_async_dapo_7b_math_fsdp2_4_12.args", tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
@@ -85,7 +86,7 @@ def test_a_dapo_line_answers_whole_in_one_run_under_two_seconds(tmp_path):
     refused = re.findall(r"^\s*\d+\. (\S+?)=", out.stderr, re.M)
     assert out.returncode in (0, 2) and "Traceback" not in out.stderr, out.stderr
     assert out.returncode == 0 or all(_refused_key(f"{k}=", documented) for k in refused), out.stderr
-    assert elapsed < 10, f"{elapsed:.1f} s"  # ~1 s idle (docs/benchmarks.md: verl_cli); 10 under a loaded CI
+    assert elapsed < 60, f"{elapsed:.1f} s"  # a hang guard only: timings are the benchmark's (docs/benchmarks.md)
 
 
 def test_the_migration_guide_lists_every_refusal_of_the_table():
