@@ -37,7 +37,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="substring of the script names to run")
     a = ap.parse_args()
     where = tempfile.mkdtemp(prefix="verl_scripts_")
-    paths = {k: f"{where}/{k.lower()}" for k in ("MODEL", "DATA", "CKPT", "REWARD_FILE", "TOOL_CONFIG")}
+    paths = {k: f"{where}/{k.lower()}" for k in ("MODEL", "DATA", "CKPT", "TOOL_CONFIG")} | {
+        "REWARD_FILE": f"{where}/r.py"
+    }
     base = statistics.median(answer([], where)[0] for _ in range(a.rounds))
     print(f"baseline --cfg job, no arguments: {base:.2f} s (median of {a.rounds})")
     print(f"{'script':<58} {'args':>4} {'s':>6} {'/base':>6} rc  refused")
@@ -50,7 +52,7 @@ def main() -> None:
         runs = [answer(args, where) for _ in range(a.rounds)]
         seconds = statistics.median(r[0] for r in runs)
         rc, err = runs[-1][1], runs[-1][2]
-        refused = sorted(set(re.findall(r"^\s*\d+\. (\S+?)[= ]", err, re.M)))
+        refused = sorted(set(re.findall(r"^(?:\s*\d+\.|ConfigError:) (\S+?)[= ]", err, re.M)))
         worst = max(worst, seconds)
         print(f"{path.stem:<58} {len(args):>4} {seconds:>6.2f} {seconds / base:>6.2f} {rc:>2}  {' '.join(refused)}")
     print(f"worst: {worst:.2f} s, {worst / base:.2f}x the baseline")

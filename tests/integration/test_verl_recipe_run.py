@@ -79,7 +79,8 @@ def test_verls_dapo_script_runs_and_trains(tmp_path):
             args.append(f"{key}={SHRINK.get(key, value)}")
     assert {a.partition("=")[0] for a in args} >= set(SHRINK)  # every shrunk key is the script's own
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "fully_async.runner", *args],
+    slack = ["engine.startup_timeout_s=900"]  # ours, not the script's: engine start-up on a loaded shared machine
+    out = subprocess.run([sys.executable, "-m", "fully_async.runner", *args, *slack],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     (tmp_path / "run.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, out.stderr[-4000:]
