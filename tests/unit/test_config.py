@@ -271,6 +271,7 @@ VERL_MAPPED = [
     ("actor_rollout_ref.rollout.max_num_batched_tokens", "4096", "engine.max_num_batched_tokens", 4096),
     ("reward_model.reward_kwargs.overlong_buffer_cfg.len", "1", "reward.overlong_buffer", 1),
     ("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "0.5", "reward.overlong_penalty", 0.5),
+    ("rollout.total_epochs", "3", "trainer.total_epochs", 3),
     ("actor_rollout_ref.rollout.val_kwargs.temperature", "0.6", "rollout.val.temperature", 0.6),
     ("actor_rollout_ref.rollout.val_kwargs.top_p", "0.7", "rollout.val.top_p", 0.7),
     ("actor_rollout_ref.rollout.val_kwargs.top_k", "-1", "rollout.val.top_k", -1),
@@ -308,7 +309,7 @@ def test_a_verl_key_with_our_meaning_is_read_as_ours(verl_key, value, ours, expe
     ("override", "replacement"),
     [
         ("actor_rollout_ref.actor.ppo_mini_batch_size=0", "must be >= 1"),
-        ("trainer.total_epochs=3", "trainer.total_steps=<epochs x dataset rows"),
+        ("async_training.concurrent_samples_per_replica=4", "rollout.max_concurrent=<concurrent_samples_per_replica"),
         ("trainer.test_freq=often", "trainer.test_freq must be an integer"),
         ("trainer.resume_mode=sometimes", "read values: auto (-> trainer.resume=auto)"),
         ("+actor_rollout_ref.model.override_config.max_position_embeddings=8", "config.json: edit it there"),
