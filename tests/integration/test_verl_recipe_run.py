@@ -38,6 +38,7 @@ SHRINK = {
     "+reward_model.reward_kwargs.max_resp_len": "8",
     "actor_rollout_ref.actor.optim.lr": "1e-3",
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "0",
+    "trainer.logger": "[console,jsonl]",  # the script's tensorboard, plus metrics.jsonl for the checks below
 }
 """The DAPO line's sizes for the tiny model (same keys, smaller values); every other argument is verl's own."""
 
@@ -88,7 +89,8 @@ def test_verls_dapo_script_runs_and_trains(tmp_path):
     metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/mean" in m]
     assert [m["step"] for m in steps] == list(range(1, 7))  # total_rollout_steps 12 / 2 prompts per step
+    assert [m["version"] for m in steps][-1] >= 5  # every step's weights reached the engines (sync_every 1)
     assert any(m.get("val/n") for m in metrics)  # validated (trainer.test_freq, val_before_train)
-    grad = [m[k] for m in steps for k in m if k.endswith("grad_norm")]
-    assert grad and all(g > 0 for g in grad)  # gradients flowed: it trains
-    assert (tmp_path / "run" / "checkpoints").is_dir()  # save_freq=-1: only the final checkpoint
+    # it trains: an update with a gradient (a step whose rewards all tie has no advantage, so not every one)
+    assert max(m.get("actor/grad_norm", 0.0) for m in steps) > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_6"]  # save_freq=-1
