@@ -4,7 +4,7 @@ data file answers in seconds with our own one-line message, not as a RayTaskErro
 What is checked: model.path (an existing directory holding a config.json, or a Hugging Face hub id found in the
 local cache; fully_async/models/hub.py, which downloads only when the hub is online) or the tiny model's build, and
 every row of data.train_files (and data.val_files when validation runs), read by data.py's own loader so the rules
-are the ones the run applies. Imports neither torch nor ray at module level (the tiny model's build imports torch).
+are the ones the run applies; trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at module level (the tiny model's build imports torch).
 """
 
 from __future__ import annotations
@@ -14,14 +14,38 @@ from pathlib import Path
 from fully_async.config import FullyAsyncConfig
 
 
-def check_data(cfg: FullyAsyncConfig) -> None:
-    """Read every row the run will read; raise DataError naming the file and row of the first bad one."""
+def check_data(cfg: FullyAsyncConfig) -> int:
+    """Read every row the run will read; raise DataError naming the file and row of the first bad one. Returns the
+    number of training rows (data.synthetic_size without files)."""
     from fully_async.data import load_rows
 
-    if cfg.data.train_files:
-        load_rows(cfg.data.train_files, cfg.data.prompt_key)
+    rows = (
+        len(load_rows(cfg.data.train_files, cfg.data.prompt_key)) if cfg.data.train_files else cfg.data.synthetic_size
+    )
     if cfg.data.val_files and cfg.trainer.val_every:
         load_rows(cfg.data.val_files, cfg.data.prompt_key)
+    return rows
+
+
+def limit_to_epochs(cfg: FullyAsyncConfig, rows: int) -> str | None:
+    """With trainer.total_epochs, set trainer.total_steps to min(total_steps, epochs x whole steps per epoch) (0 =
+    unset: the epochs alone); returns the line saying so, or None without an epoch limit. An epoch is the whole
+    steps its rows fill (a last partial step would mix the next epoch in, as verl's drop_last leaves it out)."""
+    from fully_async.config import ConfigError
+
+    tr, groups = cfg.trainer, cfg.async_training.groups_per_step
+    if not tr.total_epochs:
+        return None
+    per_epoch = rows // groups
+    if per_epoch < 1:
+        raise ConfigError(f"trainer.total_epochs={tr.total_epochs}: {rows} training rows fill no step of "
+                          f"async_training.groups_per_step={groups} groups")  # fmt: skip
+    by_epochs = tr.total_epochs * per_epoch
+    steps = by_epochs if tr.total_steps == 0 else min(tr.total_steps, by_epochs)
+    line = (f"fully_async: trainer.total_epochs={tr.total_epochs} x {per_epoch} steps per epoch ({rows} rows / "
+            f"{groups} groups per step) = {by_epochs}; the run stops at step {steps}")  # fmt: skip
+    tr.total_steps = steps
+    return line
 
 
 def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
@@ -31,7 +55,8 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     data, and is often made on a machine that has neither (a laptop planning a GPU cluster's run)."""
     if plan_only:
         return None
-    check_data(cfg)
+    if line := limit_to_epochs(cfg, check_data(cfg)):
+        print(line, flush=True)
     from fully_async.models import resolve_run_model
 
     return resolve_run_model(cfg)

@@ -158,9 +158,9 @@ class Rollouter:
             multi_turn=ro.multi_turn,
             **fn,
         )
-        self.val_agent = build_agent_loop(
-            self.cfg.agent_loop_path(), tokenizer, sampling, ro.response_length, multi_turn=ro.multi_turn, **fn
-        )
+        stops = {"stop_token_ids": sampling.stop_token_ids, "ignore_eos": ignore_eos}
+        self.val_agent = build_agent_loop(self.cfg.agent_loop_path(), tokenizer, Sampling.for_validation(ro, **stops),
+                                          ro.response_length, multi_turn=ro.multi_turn, **fn)  # fmt: skip
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         collective = engine_receiver(self.cfg.async_training.weight_transport)
@@ -184,6 +184,8 @@ class Rollouter:
             tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self.admission.run(self.production, self._fail))
+        if self.cfg.trainer.val_before_train and self.val_rows:  # the weights training starts from
+            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows),
                 "startup": dict(self.servers.started_at)}  # fmt: skip
 
@@ -362,7 +364,7 @@ class Rollouter:
         wall_start = time.time()
         try:
             self._val_results.append(await validate(self.val_agent, self.client, self.reward, self.val_rows, version,
-                                                    self.cfg.rollout.val_max_concurrent))  # fmt: skip
+                                                    self.cfg.rollout.val_max_concurrent, self.cfg.rollout.val.n))  # fmt: skip
             self.tracer.record("rollouter", "validation", wall_start, time.time(), version=version)
         except RewardFatal as e:  # on_failure=raise holds for validation too
             self._error = str(e)

@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fully_async.config import PRIMARY_CONFIG, ConfigError, build_config, compose, expand_overrides, register_defaults
+from fully_async.config.verl_table import is_verl_config_flag
 from fully_async.preflight import preflight
 from fully_async.startup import Timeline
 
@@ -37,6 +38,8 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     for arg in argv:
         if flag:
             flags[flag], flag = arg, None
+        elif is_verl_config_flag(arg):  # names verl's own config: read with the verl keys (config/verl_table.py)
+            out.append(arg)
         elif arg.startswith("-"):
             flag = arg if arg in _FLAGS_WITH_VALUE else None
         else:

@@ -280,6 +280,9 @@ class Trainer:
         (its stats() call), so windows tile the run and the idle ratios logged per step are exact shares of them
         (definitions in fully_async/metrics.py and docs/metrics.md)."""
         cfg = self.cfg
+        if cfg.trainer.total_steps < 1:  # 0 = "from total_epochs", which only the runner's preflight resolves
+            raise TrainerError("trainer.total_steps=0 reached the trainer: the runner sets it from trainer.total_epochs "
+                               "(preflight.limit_to_epochs); a job started another way must set total_steps")  # fmt: skip
         loggers = build_loggers(cfg.logger, self.run_dir, cfg.trainer.total_steps, self.step, to_dict(cfg))
         self.helpers.open()
         self._last_stats = resolve(self.rollouter.stats.remote())

@@ -58,7 +58,7 @@ from fully_async.config.sections import (
 from fully_async.config.sections.model import lora_on_sim
 from fully_async.config.tasks import TASK_GROUP, task_problems, with_task_option
 from fully_async.config.verl_keys import translate as translate_verl_keys
-from fully_async.config.verl_keys import verl_hint
+from fully_async.config.verl_table import verl_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent
 PRIMARY_CONFIG = "fully_async"
@@ -255,7 +255,7 @@ def _quote_tilde(override: str) -> str:
 
 def expand_overrides(overrides: list[str], problems: list[str] | None = None, announce: bool = True) -> list[str]:
     """`logger=[console,wandb]` (a list of sinks) -> `logger.backends=[console,wandb]`; `logger=wandb` still picks the
-    shipped option logger/wandb.yaml. verl keys are read as ours (config/verl_keys.py: renamed, converted or noted,
+    shipped option logger/wandb.yaml. verl keys are read as ours (config/verl_table.py, config/verl_keys.py: renamed, converted or noted,
     one line each on stderr unless `announce` is false); `data.synthetic_task=X` also selects `task=X`
     (config/tasks.py); a `~` path is quoted for Hydra. Everything else is returned unchanged.
 

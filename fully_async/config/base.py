@@ -254,6 +254,8 @@ def schema_node(cls: type, path: typing.Sequence[str]) -> tuple[type | None, str
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 """A plug-in path 'package.module:attribute' (agent loops, reward functions, tools, group_fn)."""
+FILE_FUNCTION = re.compile(r"^/[^:\s]*\.py:[A-Za-z_]\w*$")
+"""A reward function in a Python file by absolute path, '/dir/file.py:function' (verl's custom_reward_function)."""
 
 
 def check_dotted(key: str, value: str | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from fully_async.config import CONFIG_DIR, GROUPS, compose, group_options
@@ -105,5 +106,22 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
+REFUSALS_BEGIN, REFUSALS_END = "<!-- verl-refusals: begin (generated) -->", "<!-- verl-refusals: end -->"
+"""The generated block of docs/migration-from-verl.md between these lines: verl_keys.refusals_markdown()."""
+
+
+def with_verl_refusals(doc: str) -> str:
+    """The migration guide's text with its refusal block replaced by the table's current one."""
+    from fully_async.config.verl_table import refusals_markdown
+
+    head, _, rest = doc.partition(REFUSALS_BEGIN)
+    _, _, tail = rest.partition(REFUSALS_END)
+    return f"{head}{REFUSALS_BEGIN}\n{refusals_markdown()}\n{REFUSALS_END}{tail}"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if sys.argv[1:] == ["--verl-refusals"]:  # rewrite docs/migration-from-verl.md's generated block in place
+        guide = Path(__file__).resolve().parents[2] / "docs" / "migration-from-verl.md"
+        guide.write_text(with_verl_refusals(guide.read_text()))
+    else:
+        sys.stdout.write(render())

@@ -1,194 +1,40 @@
-"""verl 0.9.1 command-line keys a verl user types first (its fully-async recipe's included), and what they are here.
-
-Five kinds (names checked against verl's `trainer/config/_generated_ppo_trainer.yaml` and the fully-async recipe's
-`fully_async_ppo_trainer.yaml`):
-- MAPPED: the same quantity under another name. `verl.key=value` is rewritten to `our.key=value`, said once on stderr.
-- CHOICES: a verl value that names one of our settings (`actor_rollout_ref.rollout.name=sglang` -> `engine=sglang`).
-- SAME: a setting whose accepted values are what fully_async does anyway (`use_dynamic_bsz=True`): dropped with one
-  note line; any other value would change what verl does and is refused with the reason.
-- converted (`translate`): verl's units turned into ours with the arithmetic printed: `staleness_threshold` ->
-  `max_staleness`, the batch sizes (`data.train_batch_size`, `require_batches`, `ppo_mini_batch_size`) ->
-  `groups_per_step` and `num_mini_batches`, the rollout GPUs -> engine servers, `total_rollout_steps` -> trainer steps.
-- REPLACED: a different unit or mechanism with no one-to-one reading: refused with the exact replacement.
-
-`translate` reads the whole command line in one pass and returns every problem at once. Imports only the standard
-library (and the config dataclasses for the defaults a conversion needs).
+"""A verl command line read as ours in one pass (`translate`): every key looked up in config/verl_table.py, verl's
+units converted with the arithmetic printed (`staleness_threshold` -> `max_staleness`, the batch sizes ->
+`groups_per_step` and `num_mini_batches`, the rollout GPUs -> engine servers, `total_rollout_steps` -> trainer steps,
+`trainer.test_freq` -> `val_every`), every problem listed at once, and one compact block saying what became of each
+key. Imports only the standard library (and the config dataclasses for the defaults a conversion needs).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
-MAPPED: dict[str, str] = {
-    "actor_rollout_ref.rollout.n": "rollout.n",
-    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
-    "actor_rollout_ref.rollout.top_p": "rollout.top_p",
-    "actor_rollout_ref.rollout.top_k": "rollout.top_k",
-    "actor_rollout_ref.rollout.response_length": "rollout.response_length",
-    "actor_rollout_ref.rollout.gpu_memory_utilization": "engine.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.max_model_len": "engine.max_model_len",
-    "actor_rollout_ref.rollout.enforce_eager": "engine.enforce_eager",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": "engine.tensor_parallel_size",
-    "actor_rollout_ref.actor.optim.lr": "trainer.lr",
-    "actor_rollout_ref.actor.optim.weight_decay": "trainer.weight_decay",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": "trainer.lr_warmup_steps",
-    "actor_rollout_ref.actor.optim.lr_scheduler_type": "trainer.lr_schedule",
-    "actor_rollout_ref.actor.optim.clip_grad": "trainer.grad_clip",
-    "actor_rollout_ref.actor.grad_clip": "trainer.grad_clip",
-    "actor_rollout_ref.actor.ppo_epochs": "trainer.ppo_epochs",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "trainer.max_token_len_per_gpu",
-    "actor_rollout_ref.actor.clip_ratio_low": "algorithm.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_ratio_high",
-    "actor_rollout_ref.actor.use_kl_loss": "algorithm.use_kl_loss",
-    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_loss_coef",
-    "actor_rollout_ref.actor.entropy_coeff": "algorithm.entropy_coeff",
-    "actor_rollout_ref.actor.loss_agg_mode": "algorithm.loss_agg_mode",
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "algorithm.policy_loss",
-    "actor_rollout_ref.model.path": "model.path",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
-    "actor_rollout_ref.model.lora_rank": "model.lora.rank",
-    "actor_rollout_ref.model.lora_alpha": "model.lora.alpha",
-    "actor_rollout_ref.model.target_modules": "model.lora.target_modules",
-    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
-    "critic.optim.lr": "trainer.critic_lr",
-    "critic.cliprange_value": "algorithm.value_clip",
-    "data.max_response_length": "rollout.response_length",
-    "trainer.total_training_steps": "trainer.total_steps",
-    "trainer.save_freq": "trainer.save_every",
-    "trainer.project_name": "logger.project",
-    "trainer.experiment_name": "logger.run_name",
-    "trainer.logger": "logger.backends",
-    "trainer.resume_from_path": "trainer.resume",
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
-    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
-    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "rollout.multi_turn.max_parallel_calls",
-    "reward_model.overlong_buffer.len": "reward.overlong_buffer",
-    "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty",
-    # The fully-async recipe's own keys (recipe/fully_async_policy/config/fully_async_ppo_trainer.yaml).
-    "async_training.trigger_parameter_sync_step": "async_training.sync_every",
-    # The recipe's rollouter validates every test_freq parameter versions: our val_every's unit.
-    "rollout.test_freq": "trainer.val_every",
-}
-"""verl key -> our key with the same meaning and unit."""
-
-_ONE_OR_LIST = {"model.lora.target_modules"}
-"""Our list keys whose verl key also takes one bare string (target_modules=all-linear): read as a list of it."""
-
-_PROX = {"true": "algorithm.recompute_prox=false", "false": "algorithm.recompute_prox=true"}
-"""Training on the engine's log-probs as pi_old (verl's bypass) = not recomputing pi_prox here."""
-_TOOL_LOOP = "rollout.agent_loop=fully_async.agents.tool:ToolAgentLoop"
-_SINGLE_LOOP = "rollout.agent_loop=fully_async.agents.single_turn:SingleTurnAgentLoop"
-CHOICES: dict[str, dict[str, str]] = {
-    "actor_rollout_ref.rollout.name": {"vllm": "engine=vllm", "sglang": "engine=sglang"},
-    "actor_rollout_ref.actor.strategy": {"fsdp2": "trainer.strategy=fsdp2", "megatron": "trainer.strategy=megatron"},
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": {
-        "nccl": "async_training.weight_transport=collective",
-        "naive": "async_training.weight_transport=disk",
-    },
-    "actor_rollout_ref.actor.use_rollout_log_probs": _PROX,
-    "algorithm.rollout_correction.bypass_mode": _PROX,
-    "actor_rollout_ref.rollout.multi_turn.enable": {"true": _TOOL_LOOP, "false": _SINGLE_LOOP},
-    "actor_rollout_ref.rollout.agent.default_agent_loop": {"tool_agent": _TOOL_LOOP, "single_turn_agent": _SINGLE_LOOP},
-}
-"""verl key -> {verl value: our override}; another value is refused, naming the ones read."""
-
-_DYNAMIC = "dynamic batch size is always on here (micro-batches are cut at trainer.max_token_len_per_gpu tokens)"
-_MICRO = "a micro-batch size is unused with dynamic batch size (verl ignores it too when use_dynamic_bsz=True)"
-_OFFLOAD = (
-    "the trainer keeps parameters and optimizer state on its devices: verl's FSDP CPU offload is not wired into our "
-    "training backend (untested here without GPUs), so only false is accepted"
+from fully_async.config.verl_table import (
+    _IN_DICT,
+    _ONE_OR_LIST,
+    CRITIC_PATH,
+    KL_KEYS,
+    MAPPED,
+    MINI_BATCH,
+    NUMERIC,
+    REQUIRE_BATCHES,
+    REWARD_FILE,
+    REWARD_NAME,
+    ROLLOUT_GPUS,
+    ROLLOUT_NODES,
+    ROLLOUT_STEPS,
+    STALENESS,
+    TEST_FREQ,
+    TRAIN_BATCH,
+    VERL_CONFIG_FLAGS,
+    _plain,
+    is_verl_config_flag,
+    rule,
 )
-SAME: dict[str, tuple[tuple[str, ...], str]] = {
-    "data.gen_batch_size": (("1",), "prompts are admitted one group at a time"),
-    "data.return_raw_chat": (("true",), "prompts stay chat messages until the agent loop renders them"),
-    "data.truncation": (
-        ("error", "left", "right", "middle"),
-        "prompts are never cut here: a prompt over data.max_prompt_length is an error naming its file and row",
-    ),
-    "actor_rollout_ref.actor.use_dynamic_bsz": (("true",), _DYNAMIC),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (("true",), _DYNAMIC),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (("true",), _DYNAMIC),
-    "critic.use_dynamic_bsz": (("true",), _DYNAMIC),
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ((), _MICRO),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ((), _MICRO),
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": ((), _MICRO),
-    "critic.ppo_micro_batch_size_per_gpu": ((), _MICRO),
-    "actor_rollout_ref.rollout.calculate_log_probs": (("true",), "behaviour log-probs always come from the engine"),
-    "actor_rollout_ref.rollout.mode": (("async",), "engines are always asynchronous HTTP servers"),
-    "actor_rollout_ref.hybrid_engine": (("false",), "the trainer and the engines are always separate processes"),
-    "algorithm.use_kl_in_reward": (
-        ("false",),
-        "no KL penalty in the reward; a KL term is a loss here (algorithm.use_kl_loss=true)",
-    ),
-    "critic.strategy": (("fsdp2",), "the critic trains with the policy's trainer.strategy"),
-    "trainer.critic_warmup": (("0",), "the policy trains from the first step"),
-    "reward_model.overlong_buffer.enable": (
-        ("true",),
-        "the overlong penalty is on when reward.overlong_buffer > 0 (reward_model.overlong_buffer.len); leave len out "
-        "for off",
-    ),
-    "actor_rollout_ref.actor.fsdp_config.param_offload": (("false",), _OFFLOAD),
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (("false",), _OFFLOAD),
-    "actor_rollout_ref.ref.fsdp_config.param_offload": (("false",), _OFFLOAD),
-    "critic.model.fsdp_config.param_offload": (("false",), _OFFLOAD),
-    "critic.model.fsdp_config.optimizer_offload": (("false",), _OFFLOAD),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
-        ("1",),
-        "no Ulysses sequence parallelism: every trainer rank holds whole sequences (long contexts: "
-        "trainer.strategy=megatron with trainer.context_parallel_size)",
-    ),
-}
-"""verl key -> (the values that are our behaviour anyway, lower case; () = any value, why). Accepted with one note
-line; another value is refused naming the key, the value and why."""
-
-REPLACED: dict[str, str] = {
-    "trainer.total_epochs": "trainer.total_steps=<epochs x dataset rows / async_training.groups_per_step> "
-    "(we count trainer steps)",
-    "trainer.test_freq": "trainer.val_every=<test_freq / async_training.sync_every> (validation runs every this "
-    "many weight versions, on the rollout engines)",
-    "trainer.resume_mode": "trainer.resume=auto, trainer.resume=none or trainer.resume=<checkpoint path>",
-    "custom_reward_function.path": "reward.sources=[{kind: package.module:function}] (a dotted import path; same "
-    "compute_score(data_source, solution_str, ground_truth, extra_info) signature)",
-    "custom_reward_function.name": "reward.sources=[{kind: package.module:function}] (the function is named in the "
-    "dotted path)",
-    "algorithm.filter_groups.max_num_gen_batches": "nothing: a filtered group frees its staleness slot and admission "
-    "keeps generating until async_training.groups_per_step varying groups are queued (algorithm.filter_groups)",
-    "async_training.use_trainer_do_validate": "trainer.val_every (validation runs on the rollout engines)",
-    "async_training.use_dynamic_resource_scheduling": "nothing: trainer GPUs do not join rollout",
-    "async_training.concurrent_samples_per_replica": "rollout.max_concurrent=<concurrent_samples_per_replica x "
-    "engine servers> (ours is the total over all servers)",
-    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": "rollout.multi_turn.max_tool_response_tokens "
-    "(ours cuts tool responses in tokens, not characters)",
-}
-"""verl key -> the exact replacement, where the meaning or unit differs."""
-
-STALENESS = "async_training.staleness_threshold"
-TRAIN_BATCH = "data.train_batch_size"
-MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
-REQUIRE_BATCHES = "async_training.require_batches"
-ROLLOUT_NODES, ROLLOUT_GPUS = "rollout.nnodes", "rollout.n_gpus_per_node"
-ROLLOUT_STEPS = "rollout.total_rollout_steps"
-CONVERTED = (STALENESS, TRAIN_BATCH, MINI_BATCH, REQUIRE_BATCHES, ROLLOUT_NODES, ROLLOUT_GPUS, ROLLOUT_STEPS)
-"""verl keys whose value is converted to our unit (`translate`), with the arithmetic printed."""
-
-_OURS = {"algorithm", "async_training", "data", "rollout", "trainer"}
-"""Top-level sections verl and we share: an unknown key there gets the nearest of ours, not the migration table."""
-_SECTIONS = sorted({k.split(".")[0] for k in [*MAPPED, *REPLACED, *SAME, *CHOICES, *CONVERTED]} - _OURS)
-
-
-def verl_hint(key: str) -> str:
-    """' (verl's key; here: ...)' for a known verl key, '' otherwise. Used in unknown-key messages."""
-    if key in MAPPED:
-        return f" (verl's key; here it is {MAPPED[key]})"
-    if key in REPLACED:
-        return f" (verl's key; here use {REPLACED[key]})"
-    if key in SAME or key in CHOICES or key in CONVERTED:
-        return " (verl's key; read on the command line, see docs/migration-from-verl.md)"
-    if key.split(".")[0] in _SECTIONS:
-        return " (a verl section; its keys and ours are listed in docs/migration-from-verl.md)"
-    return ""
 
 
 @dataclass
@@ -198,18 +44,36 @@ class Translation:
     overrides: list[str]
     """The command line with every read verl key replaced by ours (unread ones are left for the key check)."""
     notes: list[str] = field(default_factory=list)
-    """One line per verl key read: what it became and why."""
+    """One line per conversion: the arithmetic of what it became."""
+    read: dict[str, list[str]] = field(default_factory=dict)
+    """What happened to each verl key read, grouped: heading -> items (one per key)."""
     problems: list[str] = field(default_factory=list)
     """One line per verl key refused or a conversion that does not work out (the key is dropped from overrides)."""
 
+    def said(self, heading: str, item: str) -> None:
+        self.read.setdefault(heading, []).append(item)
+
+    converted: int = 0
+    """How many verl keys went into the conversions (t.notes)."""
+
+    def keys_read(self) -> int:
+        return sum(map(len, self.read.values())) + self.converted
+
+    def summary(self, width: int = 120) -> str:
+        """One compact block: a line or a few per kind of reading (every key once), then the conversions. The reasons
+        are left to docs/migration-from-verl.md (a block of one reason per key ran past 50 lines for one script)."""
+        if not self.read and not self.notes:
+            return ""
+        lines = [f"fully_async: {self.keys_read()} verl keys read (why in full: docs/migration-from-verl.md):"]
+        for heading, items in self.read.items():
+            lines += textwrap.wrap(f"{heading}: " + ", ".join(items), width, initial_indent="  ",
+                                   subsequent_indent="      ", break_on_hyphens=False)  # fmt: skip
+        lines += [f"  converted: {note}" for note in self.notes]
+        return "\n".join(lines)
+
     def announce(self) -> None:
-        for note in self.notes:
-            print(f"fully_async: {note}", file=sys.stderr)
-
-
-def _plain(value: str) -> str:
-    """A command-line value as the user meant it: outer quotes off, case folded (True/true/TRUE)."""
-    return value.strip().strip("'\"").lower()
+        if text := self.summary():
+            print(text, file=sys.stderr)
 
 
 def _number(key: str, value: str, problems: list[str], kind: type = int) -> int | float | None:
@@ -221,6 +85,16 @@ def _number(key: str, value: str, problems: list[str], kind: type = int) -> int 
     return number
 
 
+def _value_of(overrides: list[str], key: str) -> str:
+    return {o.lstrip("+").partition("=")[0].strip(): o.partition("=")[2] for o in overrides}.get(key, "")
+
+
+def _kl_on(overrides: list[str]) -> bool:
+    values = {o.lstrip("+").partition("=")[0].strip(): o.partition("=")[2] for o in overrides}
+    ours = ("algorithm.use_kl_loss",)
+    return any(_plain(values.get(k, "false")) == "true" for k in (*KL_KEYS, *ours))
+
+
 def translate(overrides: list[str]) -> Translation:
     """Read a command line's verl keys as ours in one pass (a `+` / `++` prefix is kept); every problem is listed.
 
@@ -229,38 +103,63 @@ def translate(overrides: list[str]) -> Translation:
     plain: list[str] = []
     given: dict[str, str] = {}  # converted verl keys -> value
     t = Translation([])
+    kl_on = _kl_on(overrides)
     for o in overrides:
         plus = o[: len(o) - len(o.lstrip("+"))]
         key, sep, value = o[len(plus) :].partition("=")
         key = key.strip()
-        if not sep or key.startswith("~"):
+        kind, detail = rule(key, kl_on) if sep and not key.startswith("~") else ("ours", None)
+        if key in VERL_CONFIG_FLAGS and not is_verl_config_flag(o):
+            kind = "ours"  # a config of ours (an example's)
+        if kind == "ours":
             plain.append(o)
-        elif key in MAPPED:
-            if MAPPED[key] in _ONE_OR_LIST and not value.strip().startswith("["):
+        elif kind in ("mapped", "pass"):
+            if detail in _ONE_OR_LIST and not value.strip().startswith("["):
                 value = f"[{value}]"
-            out.append((MAPPED[key], f"{plus}{MAPPED[key]}={value}"))
-            t.notes.append(f"verl key {key} read as {MAPPED[key]}")
-        elif key in CHOICES:
-            ours = CHOICES[key].get(_plain(value))
+            plus = "++" if detail.startswith(_IN_DICT) else ""  # our schema has the key: verl's `+` would fail
+            out.append((detail, f"{plus}{detail}={value}"))
+            t.said("renamed", f"{key} -> {detail}" if kind == "mapped" else f"{key} (passed on)")
+        elif kind == "choice":
+            ours = detail.get(_plain(value))
+            if ours is None and key in NUMERIC and _plain(value).lstrip("-").isdigit():
+                ours = f"{NUMERIC[key]}={_plain(value)}"
             if ours is None:
-                t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(CHOICES[key])}")
-            else:
+                t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(detail)}")
+            elif ours:
                 out.append((ours.partition("=")[0], ours))
-                t.notes.append(f"verl key {key}={value} read as {ours}")
-        elif key in SAME:
-            accepted, why = SAME[key]
+                t.said("set", f"{key}={value} -> {ours}")
+            else:
+                t.said("already so, nothing to set", f"{key}={value}")
+        elif kind == "same":
+            accepted, why = detail
             if accepted and _plain(value) not in accepted:
                 t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
             else:
-                t.notes.append(f"verl key {key}={value} is what fully_async does anyway, nothing to set: {why}")
-        elif key in CONVERTED:
+                t.said("so here anyway", f"{key}={value}")
+        elif key == CRITIC_PATH and _plain(value) != _plain(_value_of(overrides, "actor_rollout_ref.model.path")):
+            t.problems.append(f"{key}={value} differs from actor_rollout_ref.model.path: {detail}")
+        elif kind == "noted" and key == "--config-name" and "megatron" in _plain(value):
+            out.append(("trainer.strategy", "trainer.strategy=megatron"))  # verl's megatron config: its strategy
+            t.said("set", f"{key}={value} -> trainer.strategy=megatron")
+        elif kind == "noted":
+            t.said("already so, nothing to set", f"{key}={value}")
+        elif kind == "unused":
+            t.said("configures a part not in use", f"{key}={value}")
+        elif kind == "converted":
             given[key] = value
-        else:
-            plain.append(o)
+        elif kind == "replaced":
+            t.problems.append(f"{key}={value} has no one-to-one reading here; use {detail}")
+        else:  # refused
+            t.problems.append(f"{key}={value} is refused: {detail}")
     mine = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in plain} | {
         k: o.partition("=")[2] for k, o in out
     }
+    t.converted = len(given)
     out += _convert(given, mine, t)
+    steps = ("trainer.total_steps", "trainer.total_training_steps", ROLLOUT_STEPS)
+    if t.read and "trainer.total_epochs" in mine and not any(k in mine or k in given for k in steps):
+        out.append(("trainer.total_steps", "trainer.total_steps=0"))
+        t.notes.append("verl's line counts epochs and no steps: read as trainer.total_steps=0 (the epochs set it)")
     if "engine.max_model_len" not in mine and any(MAPPED.get(k) == "rollout.response_length" for k in _keys(overrides)):
         out.append(("engine.max_model_len", "engine.max_model_len=0"))
         t.notes.append(
@@ -324,6 +223,19 @@ def _convert(given: dict[str, str], mine: dict[str, str], t: Translation) -> lis
                 f"verl's {ROLLOUT_STEPS}={samples} prompts / {groups} groups per step (rounded up)")  # fmt: skip
         elif samples is not None:
             t.problems.append(f"{ROLLOUT_STEPS} must be >= 1, got {samples}")
+    if TEST_FREQ in given and "trainer.val_every" in mine:
+        # the fully-async recipe validates every rollout.test_freq versions (read as trainer.val_every)
+        t.said("configures a part not in use", f"{TEST_FREQ}={given[TEST_FREQ]}")
+    elif TEST_FREQ in given:
+        freq = _number(TEST_FREQ, given[TEST_FREQ], t.problems)
+        sync = _number("async_training.sync_every", mine.get("async_training.sync_every")
+                       or str(AsyncTrainingConfig().sync_every), t.problems)  # fmt: skip
+        if freq is not None and sync is not None and sync >= 1:
+            every = 0 if freq <= 0 else math.ceil(freq / sync)
+            put("trainer.val_every", every,
+                f"verl's {TEST_FREQ}={freq} trainer steps / {sync} steps per weight version (rounded up; <= 0 = "
+                "never)")  # fmt: skip
+    out += _reward_function(given, t)
     if ROLLOUT_NODES in given or ROLLOUT_GPUS in given:
         nodes = _number(ROLLOUT_NODES, given.get(ROLLOUT_NODES, "1"), t.problems)
         gpus = _number(ROLLOUT_GPUS, given.get(ROLLOUT_GPUS, "1"), t.problems)
@@ -339,6 +251,21 @@ def _convert(given: dict[str, str], mine: dict[str, str], t: Translation) -> lis
                     f"verl's {ROLLOUT_NODES}={nodes} x {ROLLOUT_GPUS}={gpus} rollout GPUs / tensor-parallel size {tp} "
                     "= one engine server per replica")  # fmt: skip
     return out
+
+
+def _reward_function(given: dict[str, str], t: Translation) -> list[tuple[str, str]]:
+    """verl's custom_reward_function.path (a file, relative to where the command runs) and .name (default
+    compute_score) -> one reward source of that function, by absolute path (Ray workers run elsewhere)."""
+    path = given.get(REWARD_FILE, "").strip().strip("'\"")
+    name = given.get(REWARD_NAME, "compute_score").strip().strip("'\"") or "compute_score"
+    if REWARD_NAME in given and path.lower() in ("", "null", "none"):
+        t.problems.append(f"{REWARD_NAME}={given[REWARD_NAME]} needs {REWARD_FILE} (the file that defines it)")
+        return []
+    if path.lower() in ("", "null", "none"):
+        return []
+    kind = f"{os.path.abspath(os.path.expanduser(path))}:{name}"
+    t.notes.append(f"verl's {REWARD_FILE}={path} and function {name}: read as reward.sources=[{{kind: {kind}}}]")
+    return [("reward.sources", f"reward.sources=[{{kind:'{kind}'}}]")]
 
 
 def _batch_sizes(given: dict[str, str], t: Translation, put) -> int | None:

@@ -127,6 +127,10 @@ class SGLangServers(EngineServers):
                 # Without it the idle scheduler spins a core at 100 %, which the trainer beside it would lose.
                 "--sleep-on-idle",
             ]
+        if cfg.enable_chunked_prefill is False:
+            cmd += ["--chunked-prefill-size", "-1"]  # SGLang's word for chunked prefill off
+        elif cfg.max_num_batched_tokens:
+            cmd += ["--chunked-prefill-size", str(cfg.max_num_batched_tokens)]
         if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py); GPUs only
             lora = self.adapters.serving
             cmd += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras-per-batch",

@@ -28,6 +28,17 @@ class Sampling:
         values = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
         return cls(**{**values, **overrides})
 
+    @classmethod
+    def for_validation(cls, rollout: Any, **overrides: Any) -> Sampling:
+        """From a RolloutConfig's `val` section: greedy (temperature 0) when do_sample is false, else its temperature,
+        top_p and top_k, each null one the rollout's."""
+        val = rollout.val
+        if not val.do_sample:
+            return cls(**{"temperature": 0.0, "top_p": 1.0, "top_k": -1, **overrides})
+        values = {k: getattr(rollout, k) if getattr(val, k) is None else getattr(val, k)
+                  for k in ("temperature", "top_p", "top_k")}  # fmt: skip
+        return cls(**{**values, **overrides})
+
 
 @dataclass
 class GenerationResult:

@@ -107,6 +107,10 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         ]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
+        if cfg.enable_chunked_prefill is not None:
+            cmd.append("--enable-chunked-prefill" if cfg.enable_chunked_prefill else "--no-enable-chunked-prefill")
+        if cfg.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
         if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py)
             lora = self.adapters.serving

@@ -80,7 +80,19 @@ def write_safetensors(
     total = sum((out / f).stat().st_size for f in files)
     metadata = {"total_size": total, DIGEST_KEY: digest.hexdigest()}
     (out / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=1))
+    like_neighbours(out / INDEX, [out / f for f in files])
     return files
+
+
+def like_neighbours(written: Path, saved: list[Path]) -> None:
+    """Give `saved` (files safetensors' `save_file` wrote) the permission bits of `written` (a file written the
+    ordinary way beside them). save_file creates its file owner-only (0600) whatever the umask, so an export read by
+    an engine server of another user on a shared filesystem would be unreadable while its index and config are not.
+    Copying a neighbour's mode honours the umask without os.umask, which is process-wide and not thread-safe (staged
+    exports write in a thread)."""
+    mode = written.stat().st_mode & 0o777
+    for path in saved:
+        path.chmod(mode)
 
 
 FAILED_SUFFIX = ".failed"

@@ -92,7 +92,7 @@ def write_adapter(
     tensor) pairs, floating tensors cast to `dtype`; returns `fa_digest.digest` over the tensors as written."""
     from safetensors.torch import save_file
 
-    from fully_async.training.hf_files import DTYPES
+    from fully_async.training.hf_files import DTYPES, like_neighbours
     from fully_async.vllm_ext.fa_digest import digest
 
     out = Path(out_dir)
@@ -106,6 +106,7 @@ def write_adapter(
         raise ValueError("no adapter tensors to write (is LoRA on?)")
     save_file(written, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    like_neighbours(out / ADAPTER_CONFIG, [out / ADAPTER_WEIGHTS])
     return digest(written.items())
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -47,3 +48,27 @@ def test_a_directory_or_step_without_a_checkpoint_is_a_clear_error(tmp_path, cap
     assert main([str(tmp_path), *args, "--out", str(tmp_path / "out")]) == 2
     assert "fully_async.export: " in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_weights_are_as_readable_as_the_files_beside_them(tmp_path, umask):
+    """safetensors' save_file creates owner-only (0600) files: an hf/ export or a LoRA adapter would be unreadable to
+    an engine server of another user on a shared filesystem while the index and configs beside them are readable.
+    Both writers give the weights their neighbours' mode, which follows the umask."""
+    import torch
+
+    from fully_async.training.hf_files import INDEX, write_safetensors
+    from fully_async.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_adapter
+
+    old = os.umask(umask)
+    try:
+        files = write_safetensors([("a.weight", torch.ones(64, 64)), ("b.weight", torch.ones(64))], tmp_path / "hf",
+                                  bucket_bytes=1024)  # fmt: skip
+        write_adapter([("l.lora_A.weight", torch.ones(2, 4))], {"r": 2}, tmp_path / "adapter")
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    assert len(files) == 2
+    for path in [*(tmp_path / "hf" / f for f in files), tmp_path / "hf" / INDEX,
+                 tmp_path / "adapter" / ADAPTER_WEIGHTS, tmp_path / "adapter" / ADAPTER_CONFIG]:  # fmt: skip
+        assert path.stat().st_mode & 0o777 == want, (path.name, oct(path.stat().st_mode & 0o777))

@@ -82,3 +82,29 @@ def test_validation_files_are_read_only_when_validation_runs(tmp_path):
     check_data(compose([f"data.val_files={bad}"]))  # trainer.val_every=0: never read by the run
     with pytest.raises(DataError, match="val.jsonl:line 1: missing field 'prompt'"):
         check_data(compose([f"data.val_files={bad}", "trainer.val_every=1"]))
+
+
+@pytest.mark.parametrize(
+    ("line", "rows", "steps"),
+    [
+        (["trainer.total_epochs=3", "async_training.groups_per_step=16"], 100, 18),  # 3 x floor(100 / 16)
+        (["trainer.total_epochs=3", "async_training.groups_per_step=16", "trainer.total_steps=10"], 100, 10),
+        (["rollout.total_epochs=2", "async_training.groups_per_step=10"], 100, 20),  # verl's line: epochs alone
+        (["async_training.groups_per_step=16"], 100, None),  # no epoch limit: total_steps as composed
+    ],
+)  # fmt: skip
+def test_epochs_are_a_stop_rule_counted_in_whole_steps_of_the_rows(line, rows, steps):
+    from fully_async.preflight import limit_to_epochs
+
+    cfg = compose(line)
+    composed = cfg.trainer.total_steps
+    said = limit_to_epochs(cfg, rows)
+    assert cfg.trainer.total_steps == (composed if steps is None else steps)
+    assert (said is None) == (cfg.trainer.total_epochs == 0)
+
+
+def test_epochs_that_fill_no_step_are_refused():
+    from fully_async.preflight import limit_to_epochs
+
+    with pytest.raises(ConfigError, match="8 training rows fill no step of async_training.groups_per_step=16"):
+        limit_to_epochs(compose(["trainer.total_epochs=1", "async_training.groups_per_step=16"]), 8)

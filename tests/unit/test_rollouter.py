@@ -122,6 +122,31 @@ async def test_step_report_hands_the_trainer_stats_filtered_groups_and_validatio
     assert len(records) == len(set(records))  # each filtered group's records handed over once
 
 
+async def test_validation_samples_as_rollout_val_says_and_can_run_before_training(tmp_path):
+    """verl's val_kwargs and val_before_train: validation at the starting version without a sync, rollout.val.n
+    responses per held-out prompt, greedy when do_sample is false (the training rollouts keep their sampling)."""
+    overrides = ["trainer.val_every=1", "trainer.val_before_train=true", "rollout.val.n=3", "rollout.val.do_sample=false",
+                 "rollout.temperature=0.9", "data.synthetic_size=64"]  # fmt: skip
+    async with running(tmp_path, overrides) as (rollouter, _):
+        assert (rollouter.val_agent.sampling.temperature, rollouter.agent.sampling.temperature) == (0.0, 0.9)
+        validation = []
+        for _ in range(3000):  # no sync ever happens: only val_before_train validates
+            validation += rollouter.step_report()["validation"]
+            if validation:
+                break
+            await asyncio.sleep(0.01)
+    assert [v["version"] for v in validation] == [0] and validation[0]["val/n"] == 3 * 32
+
+
+def test_validation_sampling_takes_the_rollouts_values_it_does_not_set():
+    from fully_async.engines import Sampling
+
+    ro = compose(["rollout.temperature=0.9", "rollout.top_k=20", "rollout.val.top_p=0.7"]).rollout
+    assert Sampling.for_validation(ro, stop_token_ids=(2,)) == Sampling(0.9, 0.7, 20, stop_token_ids=(2,))
+    ro = compose(["rollout.val.temperature=0.5", "rollout.val.do_sample=false"]).rollout
+    assert Sampling.for_validation(ro) == Sampling(0.0, 1.0, -1)
+
+
 def test_before_start_every_field_is_set_and_rays_thread_call_warning_is_off(tmp_path, monkeypatch):
     """stats() answers before start() (the job polls it early); the Rollouter turns off Ray's warning about ray.get in
     an async actor, which its worker-thread calls to engine hosts set off, unless the user set it."""

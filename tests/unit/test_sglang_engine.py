@@ -137,3 +137,26 @@ def test_cpu_shims_import_as_placeholders_and_assign_req_to_token_pool_writes_ea
     out = subprocess.run([sys.executable, "-c", SHIM_CHECK], env={"PYTHONPATH": str(SHIMS)}, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("options", "vllm_flags", "sglang_flags"),
+    [
+        ({}, [], []),
+        ({"enable_chunked_prefill": True, "max_num_batched_tokens": 4096},
+         ["--enable-chunked-prefill", "--max-num-batched-tokens", "4096"], ["--chunked-prefill-size", "4096"]),
+        ({"enable_chunked_prefill": False}, ["--no-enable-chunked-prefill"], ["--chunked-prefill-size", "-1"]),
+    ],
+)  # fmt: skip
+def test_engine_options_verl_sets_reach_both_engines_servers(
+    model, tmp_path, python, options, vllm_flags, sglang_flags
+):
+    """engine.enable_chunked_prefill / max_num_batched_tokens (verl's actor_rollout_ref.rollout keys) in each engine's
+    spelling; SGLang has no switch for chunked prefill on (its default) and caps a step's prefill by its chunk size."""
+    for kind, want in (("vllm", vllm_flags), ("sglang", sglang_flags)):
+        cmd = build_engine(EngineConfig(kind=kind, python=python, **options), model, tmp_path, device="cpu").command(
+            0, 4321, "127.0.0.1"
+        )
+        found = [a for a in cmd if "chunked-prefill" in a or "batched-tokens" in a]
+        found += [cmd[cmd.index(a) + 1] for a in found if a in ("--max-num-batched-tokens", "--chunked-prefill-size")]
+        assert sorted(found) == sorted(want), (kind, cmd)

@@ -101,6 +101,10 @@ class EngineConfig:
     """How long a request aborted by a pause waits for the resume before failing."""
     auto_restart: bool = True
     """Restart a server whose process died (with the latest weights and version); requests go elsewhere meanwhile."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prefills into chunks that share a step with decodes: vLLM --[no-]enable-chunked-prefill; SGLang: false = --chunked-prefill-size -1 (true is its default); null = the engine's default."""
+    max_num_batched_tokens: int = 0
+    """Most tokens one engine step computes: vLLM --max-num-batched-tokens; SGLang --chunked-prefill-size (its prefill chunk, the same cap on a step's prefill); 0 = the engine's default."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed to every engine server."""
     env: dict = field(default_factory=dict)
@@ -122,6 +126,8 @@ class EngineConfig:
         require(self.max_servers == 0 or self.max_servers >= self.num_servers, p + "max_servers", self.max_servers,
                 f"0 (no limit) or >= engine.num_servers ({self.num_servers})")  # fmt: skip
         require(self.replace_retry_s > 0, p + "replace_retry_s", self.replace_retry_s, "> 0")
+        require(self.max_num_batched_tokens >= 0, p + "max_num_batched_tokens", self.max_num_batched_tokens,
+                ">= 0 (0 = the engine's default)")  # fmt: skip
         require(self.tensor_parallel_size >= 1, p + "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         require(bool(str(self.host).strip()), p + "host", self.host, "'auto' or an address")
         require(self.max_model_len == 0 or self.max_model_len >= 2, p + "max_model_len", self.max_model_len,

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fully_async.config.base import DOTTED_PATH, PATH, ConfigError, check_dotted, require
+from fully_async.config.base import DOTTED_PATH, FILE_FUNCTION, PATH, ConfigError, check_dotted, require
 
 REWARD_KINDS = ("rule", "judge", "reward_model")
 GROUP_FN_NAME = "group_fn"
@@ -154,11 +154,12 @@ class RewardSourceConfig:
         return self.name or (self.kind if self.kind in REWARD_KINDS else self.kind.rpartition(":")[2])
 
     def validate_section(self, p: str) -> None:
-        if self.kind not in REWARD_KINDS and not DOTTED_PATH.match(self.kind):
+        if self.kind not in REWARD_KINDS and not DOTTED_PATH.match(self.kind) and not FILE_FUNCTION.match(self.kind):
             from fully_async.config.base import suggest
 
             raise ConfigError(
-                f"{p}kind must be one of {list(REWARD_KINDS)} or a dotted path 'package.module:function', "
+                f"{p}kind must be one of {list(REWARD_KINDS)}, a dotted path 'package.module:function' or a file "
+                "'/abs/path/file.py:function', "
                 f"got {self.kind!r}{suggest(self.kind, REWARD_KINDS)}"
             )
         require(self.timeout_s > 0, p + "timeout_s", self.timeout_s, "> 0")

@@ -45,6 +45,26 @@ class MultiTurnConfig:
         require(self.tool_limits.tpm == 0, p + "tool_limits.tpm", self.tool_limits.tpm, "0 (tool calls have no tokens)")
 
 
+@dataclass
+class ValSamplingConfig:
+    temperature: float | None = None
+    """Validation sampling temperature (> 0); null = rollout.temperature."""
+    top_p: float | None = None
+    """Validation nucleus mass in (0, 1]; null = rollout.top_p."""
+    top_k: int | None = None
+    """Validation top-k, -1 = off; null = rollout.top_k."""
+    do_sample: bool = True
+    """false = greedy validation (temperature 0; temperature, top_p and top_k are not used)."""
+    n: int = 1
+    """Responses per held-out prompt; val/reward_mean is the mean over all of them."""
+
+    def validate_section(self, p: str) -> None:
+        require(self.temperature is None or self.temperature > 0, p + "temperature", self.temperature, "null or > 0")
+        require(self.top_p is None or 0 < self.top_p <= 1, p + "top_p", self.top_p, "null or in (0, 1]")
+        require(self.top_k in (None, -1) or self.top_k >= 1, p + "top_k", self.top_k, "null, -1 (off) or >= 1")
+        require(self.n >= 1, p + "n", self.n, ">= 1")
+
+
 DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
 ROLLOUT_FN_LOOP = "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
 GUESS_LOOP = "fully_async.agents.guess:GuessAgentLoop"
@@ -72,6 +92,8 @@ class RolloutConfig:
     """Dotted path 'pkg.mod:fn' of an rLLM-style `async def fn(client, tokenizer, **row)` that writes the episode as OpenAI-shaped chat calls (fully_async/agents/rollout_fn.py; replaces agent_loop); null = off."""
     val_max_concurrent: int = 16
     """Most validation samples generating at once (they share the engines with training rollouts)."""
+    val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    """How validation samples (verl's actor_rollout_ref.rollout.val_kwargs): its own temperature, top_p, top_k, greedy, responses per prompt."""
     ignore_eos: bool = False
     """Generate exactly response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

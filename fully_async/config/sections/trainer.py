@@ -38,7 +38,9 @@ class TrainerConfig:
     backend: Literal["verl", "sim"] = "verl"
     """Training backend; sim = update and export times from a latency model, no gradients (trainer.sim)."""
     total_steps: int = 100
-    """Trainer steps in the run (each consumes async_training.groups_per_step groups)."""
+    """Trainer steps in the run (each consumes async_training.groups_per_step groups); 0 = set from total_epochs when the run starts."""
+    total_epochs: int = 0
+    """Also stop after this many passes over the training rows: the run starts with total_steps = min(total_steps, total_epochs x floor(rows / async_training.groups_per_step)) (verl's total_epochs); 0 = no epoch limit."""
     save_every: int = 0
     """Checkpoint every this many steps; 0 = only at the end."""
     save_hf: bool = True
@@ -47,6 +49,8 @@ class TrainerConfig:
     checkpoint: python -m fully_async.export RUN_DIR --step N --out DIR."""
     val_every: int = 0
     """Validate every this many versions; 0 = never."""
+    val_before_train: bool = False
+    """Also validate once at the start, on the weights training starts from (with val_every > 0)."""
     resume: str = "none"
     """'auto' (latest checkpoint in the run dir), 'none', or a checkpoint path."""
     nnodes: int = 1
@@ -99,7 +103,9 @@ class TrainerConfig:
     """Latency model of the simulated trainer (backend=sim)."""
 
     def validate_section(self, p: str) -> None:
-        require(self.total_steps >= 1, p + "total_steps", self.total_steps, ">= 1")
+        require(self.total_steps >= 1 or (self.total_steps == 0 and self.total_epochs >= 1), p + "total_steps",
+                self.total_steps, ">= 1, or 0 with trainer.total_epochs >= 1 (then the epochs set it)")  # fmt: skip
+        require(self.total_epochs >= 0, p + "total_epochs", self.total_epochs, ">= 0 (0 = no epoch limit)")
         for name in ("save_every", "val_every", "lr_warmup_steps"):
             require(getattr(self, name) >= 0, p + name, getattr(self, name), ">= 0")
         require(self.nnodes >= 1, p + "nnodes", self.nnodes, ">= 1")
