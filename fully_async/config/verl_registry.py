@@ -3,7 +3,7 @@
 Config validation must not import torch (the runner checks the config before any heavy import), and importing
 `verl.trainer.ppo.core_algos` imports torch. So the installed verl's `core_algos.py` is parsed instead: every
 `@register_adv_est(...)` and `@register_policy_loss(...)` decorator, with `AdvantageEstimator.X` members resolved
-through the enum's own body. tests/unit/test_verl_registry.py checks that this equals the imported registries, so
+through the enum's own body. tests/unit/config/test_verl_registry.py checks that this equals the imported registries, so
 a verl whose registration changes shape fails a test instead of being misread. When verl is not installed, the
 names are None and validation leaves them to the training backend (the sim backend computes no advantages).
 """

@@ -1,5 +1,5 @@
 """The adapter sync into a real SGLang GPU server (skipped without CUDA; SGLang's CPU engine crashes with LoRA, so the
-CPU machines test SGLang's calls against a stand-in: tests/unit/test_lora_sync.py, and the whole sync on vLLM-CPU:
+CPU machines test SGLang's calls against a stand-in: tests/unit/weights/test_lora.py, and the whole sync on vLLM-CPU:
 tests/integration/test_lora_sync.py).
 
 A server started with --enable-lora takes versions of a peft adapter (tests/fakes.AdapterBackend) through ParamSync

@@ -102,7 +102,7 @@ def test_nccl_sync_equals_a_fresh_server_then_a_dead_sender_fails_in_time_then_a
 
 @pytest.mark.parametrize("staging", ["device", "pinned"])
 def test_nccl_background_sync_sends_the_staged_copy_while_the_trainer_changes_its_weights(setup, tmp_path, staging):
-    """The GPU twin of tests/unit/test_weights_collective.py's staged-copy test: the staging buffers on cuda:0
+    """The GPU twin of tests/unit/weights/test_collective.py's staged-copy test: the staging buffers on cuda:0
     (`device`), or in pinned host memory copied through the two bucket buffers on cuda:0 as they go out (`pinned`:
     nccl sends device memory only)."""
     models, reference, servers, handle = setup

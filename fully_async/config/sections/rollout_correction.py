@@ -3,7 +3,7 @@ under verl's own key names, its named presets, and the fail-closed rule for asyn
 
 The keys and values are verl 0.9.1's `RolloutCorrectionConfig` (verl/trainer/config/algorithm.py); training drives
 verl's `rollout_corr_helper` with them (fully_async/training/correction.py). The presets are written out here so the
-config validates without importing verl (before Ray); tests/unit/test_rollout_correction.py checks them against the
+config validates without importing verl (before Ray); tests/unit/training/test_correction.py checks them against the
 installed verl's preset methods. Imports only the standard library.
 """
 

@@ -22,7 +22,7 @@ from fully_async.config.verl_keys import translate
 from fully_async.config.verl_table import refusals
 from fully_async.runner import check_command_line
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = sorted((REPO / "tests/data/verl_scripts").glob("*.args"))
 PASSED_ON = "algorithm.rollout_correction"
 """Passed through 1:1 to our section of the same name, which another change adds: either outcome is accepted."""

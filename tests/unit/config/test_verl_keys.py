@@ -18,7 +18,7 @@ from fully_async.config.base import schema_node
 from fully_async.config.sections import GUESS_LOOP
 from fully_async.config.verl_table import CHOICES, CONVERTED, MAPPED, REPLACED, SAME
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = [ln for ln in (REPO / "tests/data/verl_fully_async_recipe.args").read_text().splitlines() if "=" in ln]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the subprocess imports this checkout, not an installed copy
 

@@ -23,7 +23,7 @@ from fully_async.config import (
     group_options,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def shipped_group_options():
@@ -283,7 +283,7 @@ VERL_MAPPED = [
 MAPPED_CONTEXT = {"actor_rollout_ref.actor.megatron": ["trainer.strategy=megatron", "trainer.n_gpus_per_node=2"]}
 """Overrides a mapped key needs beside it to compose (keyed by the verl key's prefix)."""
 MAPPED_ELSEWHERE = {"trainer.default_local_dir"}
-"""Mapped to a Hydra key (hydra.run.dir), tested in tests/unit/test_config_verl_scripts.py."""
+"""Mapped to a Hydra key (hydra.run.dir), tested in tests/unit/config/test_verl_scripts.py."""
 
 
 def test_every_mapped_verl_key_is_tested():

@@ -261,7 +261,7 @@ def test_environment_turns_go_through_the_same_machinery(tok):
 def test_qwen25_style_episode_reads_as_the_template_renders_the_whole_chat():
     """Under an append-only (Qwen2.5-style) template the exact token list decodes to the template's render of the
     whole chat: the prompt carries the tools' schemas, the tool turn is grouped in a user turn of tool responses."""
-    from tests.unit.test_agents_tokens import QWEN25, qwen_like_tokenizer
+    from tests.unit.agents.test_tokens import QWEN25, qwen_like_tokenizer
 
     qtok = qwen_like_tokenizer(QWEN25)
     end = qtok.convert_tokens_to_ids("<|im_end|>")

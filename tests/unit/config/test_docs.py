@@ -7,7 +7,7 @@ from pathlib import Path
 from fully_async.config import describe
 from fully_async.config.docs import render
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
 def test_configuration_reference_is_current():

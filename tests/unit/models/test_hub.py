@@ -76,7 +76,7 @@ def test_online_the_cache_is_used_without_the_network_and_a_failed_download_is_a
         "try:\n    resolve_pretrained('org/missing')\nexcept ConfigError as e:\n    print(e)\n"
     )
     env = {"HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0",
-           "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+           "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.strip().split("\n", 1)

@@ -148,7 +148,7 @@ def test_partial_rollout_off_restarts_the_function_when_versions_change(tok):
 
 
 def test_rollout_fn_config():
-    cfg = compose(["rollout.rollout_fn=tests.unit.test_agents_rollout_fn:tool_episode"])
+    cfg = compose(["rollout.rollout_fn=tests.unit.agents.test_rollout_fn:tool_episode"])
     assert cfg.rollout.agent_loop_path() == "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
     with pytest.raises(ConfigError, match="rollout.rollout_fn and rollout.agent_loop"):
         compose(["rollout.rollout_fn=a.b:c", "rollout.agent_loop=fully_async.agents.tool:ToolAgentLoop"])
