@@ -20,9 +20,11 @@ The table is Ray's actual placement (read back from the granted groups), not a p
 The same packing (`check_fit`'s, best fit in a fixed node order) decides each group's node, and every group is
 created with that node as its target (`_soft_target_node_id`), so `--plan` and the job, each reserving on its own,
 map the same servers to the same nodes: left to itself, Ray picks among equally good nodes in no fixed order (a
-`--plan` showed the servers of a 2-node run on the nodes the job then swapped, in 3 of 8 runs). A target is a hint:
-when its node has no room (other jobs hold it), Ray places the group elsewhere, the table says where, and a warning
-names the group.
+`--plan` showed the servers of a 2-node run on the nodes the job then swapped, in 3 of 8 runs), and even a node
+given as a hint (`_soft_target_node_id`) was passed over while it was busy for a moment (CI: 4 of 4 reservations
+swapped). So each group is first pinned to its node (a label selector on `ray.io/node-id`, which Ray must honour)
+for up to PIN_GRACE_S; only a group still waiting then is asked again with its node as a hint: when the node has no
+room (other jobs hold it), Ray places the group elsewhere, the table says where, and a warning names the group.
 """
 
 from __future__ import annotations
@@ -196,41 +198,78 @@ def engine_bundle(cfg: FullyAsyncConfig, gpu: bool) -> dict[str, float]:
     return bundle or {"CPU": 0.001}
 
 
-def engine_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[Any]:
-    """One placement group (one bundle, engine_bundle) per engine server, each aimed at its node in `targets`; Ray
-    grants them asynchronously."""
-    from ray.util.placement_group import placement_group
+# How long a group waits for its planned node before it may go elsewhere: the node is busy for a moment (a group
+# just released is still being freed) far more often than it is taken by another job.
+PIN_GRACE_S = 15.0
 
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One placement group to ask for: its bundles and the node the packing gave it."""
+
+    name: str
+    bundles: list[dict[str, float]]
+    target: str
+
+    def create(self, pinned: bool) -> Any:
+        """Pinned: only the target node will do (a label selector on the node id, a hard constraint); else the
+        target is a hint Ray may override when the node has no room."""
+        from ray.util.placement_group import placement_group
+
+        name = f"{self.name}_{time.time_ns()}"
+        bundles = [dict(b) for b in self.bundles]
+        if pinned:
+            selector = [{"ray.io/node-id": self.target} for _ in bundles]
+            return placement_group(bundles, strategy="STRICT_PACK", name=name, bundle_label_selector=selector)
+        return placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=self.target)
+
+
+def engine_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[GroupSpec]:
+    """One group (one bundle, engine_bundle) per engine server, each for its node in `targets`."""
     bundle = engine_bundle(cfg, gpu)
-    return [
-        placement_group(
-            [dict(bundle)],
-            strategy="STRICT_PACK",
-            name=f"fully_async_engine_{i}_{time.time_ns()}",
-            _soft_target_node_id=targets[i],
-        )  # fmt: skip
-        for i in range(cfg.engine.num_servers)
-    ]
+    return [GroupSpec(f"fully_async_engine_{i}", [bundle], targets[i]) for i in range(cfg.engine.num_servers)]
 
 
-def trainer_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[Any]:
-    """One placement group per trainer node, one bundle per rank (its CPUs, its GPU, custom resources), each aimed
-    at its node in `targets`."""
-    from ray.util.placement_group import placement_group
-
+def trainer_groups(cfg: FullyAsyncConfig, gpu: bool, targets: list[str]) -> list[GroupSpec]:
+    """One group per trainer node, one bundle per rank (its CPUs, its GPU, custom resources), each for its node in
+    `targets`."""
     tr = cfg.trainer
     bundle = (
         {"CPU": float(trainer_roles(cfg))} | ({"GPU": 1.0} if gpu else {}) | custom(cfg.placement.trainer_resources)
     )
-    return [
-        placement_group(
-            [dict(bundle) for _ in range(tr.n_gpus_per_node)],
-            strategy="STRICT_PACK",
-            name=f"fully_async_trainer_{i}_{time.time_ns()}",
-            _soft_target_node_id=targets[i],
-        )  # fmt: skip
-        for i in range(tr.nnodes)
-    ]
+    return [GroupSpec(f"fully_async_trainer_{i}", [bundle] * tr.n_gpus_per_node, targets[i]) for i in range(tr.nnodes)]
+
+
+def grant(specs: list[GroupSpec], timeout_s: float) -> tuple[list[Any], int]:
+    """Ask Ray for every group in order, each pinned to its node for up to PIN_GRACE_S; a group still waiting then
+    is asked again with its node as a hint only, until `timeout_s` in all. The groups (in `specs`' order) and how
+    many Ray has granted; the caller removes them all when that is fewer than asked."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    deadline = time.monotonic() + timeout_s
+    pgs: list[Any] = []
+    try:
+        pgs = [spec.create(pinned=True) for spec in specs]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=min(PIN_GRACE_S, timeout_s))
+        if len(ready) < len(pgs):
+            for i, pg in enumerate(pgs):
+                if not _granted(pg):
+                    remove_placement_group(pg)
+                    pgs[i] = specs[i].create(pinned=False)
+            left = max(deadline - time.monotonic(), 0.0)
+            ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=left)
+    except BaseException:
+        for pg in pgs:
+            remove_placement_group(pg)
+        raise
+    return pgs, len(ready)
+
+
+def _granted(pg: Any) -> bool:
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(pg).get("state") == "CREATED"
 
 
 @dataclass
@@ -247,8 +286,6 @@ class Placement:
     def reserve(cls, cfg: FullyAsyncConfig) -> Placement:
         """Check the arithmetic, then ask Ray for every group and wait (placement.timeout_s) until all are granted.
         Nothing is left reserved when this raises."""
-        import ray
-
         nodes = cluster_nodes()
         gpu = uses_gpus(cfg, nodes)
         targets = check_fit(cfg, nodes, gpu)
@@ -256,19 +293,15 @@ class Placement:
         pl = cfg.placement
         try:
             first = engines_first(cfg, gpu)  # in the order check_fit packed them
-            if first and needs_engines(cfg):
-                plan.engine_pgs = engine_groups(cfg, gpu, targets.engines)
-            if needs_trainer(cfg):
-                plan.trainer_pgs = trainer_groups(cfg, gpu, targets.trainer)
-            if not first and needs_engines(cfg):
-                plan.engine_pgs = engine_groups(cfg, gpu, targets.engines)
-            pgs = plan.trainer_pgs + plan.engine_pgs
-            ready, pending = [], []
-            if pgs:
-                ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=pl.timeout_s)
-            if pending:
+            engines = engine_groups(cfg, gpu, targets.engines) if needs_engines(cfg) else []
+            trainer = trainer_groups(cfg, gpu, targets.trainer) if needs_trainer(cfg) else []
+            specs = engines + trainer if first else trainer + engines
+            pgs, granted = grant(specs, pl.timeout_s) if specs else ([], 0)
+            split = len(engines) if first else len(trainer)
+            plan.engine_pgs, plan.trainer_pgs = (pgs[:split], pgs[split:]) if first else (pgs[split:], pgs[:split])
+            if granted < len(specs):
                 raise PlacementError(
-                    f"Ray granted {len(ready)} of {len(pgs)} placement groups within placement.timeout_s="
+                    f"Ray granted {granted} of {len(specs)} placement groups within placement.timeout_s="
                     f"{pl.timeout_s:g}s; the cluster's free resources changed, other jobs hold them, or no node "
                     f"declares the custom resources placement.engine_resources / trainer_resources ask for "
                     f"(ray status shows what is in use)"

@@ -119,3 +119,43 @@ def test_tp_bundles_larger_than_a_trainer_node_are_packed_first_as_they_are_rese
     cfg = _cfg("trainer.n_gpus_per_node=2", "engine.num_servers=1", "engine.tensor_parallel_size=4")
     nodes = _nodes(0, 4, 6)
     assert check_fit(cfg, nodes, gpu=True) == Assignment([nodes[2].node_id], [nodes[1].node_id])
+
+
+def test_a_group_is_pinned_to_its_node_and_falls_back_to_a_hint_after_the_grace(ray_local, monkeypatch):
+    """Pinned first (Ray must honour it); a group whose node cannot take it (here: no such node) is asked again
+    after PIN_GRACE_S with the node as a hint only, and Ray places it where there is room."""
+    import time
+
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    from fully_async import placement
+
+    here = ray_local.get_runtime_context().get_node_id()
+    absent = "ab" * 28
+    monkeypatch.setattr(placement, "PIN_GRACE_S", 1.0)
+    specs = [
+        placement.GroupSpec("t_here", [{"CPU": 1.0}], here),
+        placement.GroupSpec("t_absent", [{"CPU": 1.0}], absent),
+    ]
+    t0 = time.monotonic()
+    pgs, granted = placement.grant(specs, timeout_s=30)
+    try:
+        assert granted == 2
+        assert time.monotonic() - t0 >= 1.0  # the absent node's group waited out the grace before its fallback
+        nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in pgs]
+        assert nodes == [here, here]
+    finally:
+        for pg in pgs:
+            remove_placement_group(pg)
+
+
+def test_a_group_that_fits_nowhere_is_reported_not_granted(ray_local, monkeypatch):
+    from fully_async import placement
+
+    monkeypatch.setattr(placement, "PIN_GRACE_S", 0.5)
+    here = ray_local.get_runtime_context().get_node_id()
+    pgs, granted = placement.grant([placement.GroupSpec("t_huge", [{"CPU": 1000.0}], here)], timeout_s=2)
+    assert granted == 0 and len(pgs) == 1
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(pgs[0])
