@@ -195,9 +195,17 @@ class FakeEngine:
 
 
 def _files_digest(path: Path) -> str:
-    from fully_async.weights.disk import files_digest
+    """What vLLM's worker extension answers after a reload (fa_weight_receiver.fa_reload): the digest of each tensor
+    as loaded from the files, never the digest the writer recorded in the index (that is the trainer's own number,
+    so a writer whose record and files disagree would pass unseen)."""
+    from safetensors.torch import load_file
 
-    return files_digest(path)
+    from fully_async.vllm_ext.fa_digest import Digest
+
+    loaded = Digest()
+    for file in sorted(path.glob("*.safetensors")):
+        loaded.update(load_file(str(file)).items())
+    return loaded.hexdigest()
 
 
 class FakeProcessServers(VLLMServers):

@@ -95,6 +95,27 @@ async def test_a_disk_sync_into_a_server_whose_load_went_astray_fails_its_verify
         handle.close()
 
 
+async def test_a_recorded_digest_that_is_not_the_files_is_caught_by_what_the_engine_loaded(fakes, tmp_path):
+    """The disk side compares the digest its writer recorded in the index (nothing read back); the engine digests
+    the tensors it loaded. A record that does not describe the files fails the proof on every server."""
+    import json
+
+    from fully_async.training.hf_files import DIGEST_KEY, INDEX, write_safetensors
+
+    ok, _, _ = fakes
+    write_safetensors([("w", torch.randn(8, 8))], tmp_path)
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["metadata"][DIGEST_KEY] = "e" * 32  # a writer whose record went astray
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    servers, handle = _handle([ok.url])
+    try:
+        await servers.control.reload_indices(tmp_path, {}, [0])
+        with pytest.raises(ParamSyncError, match=r"did not land on 1 of 1"):
+            await asyncio.to_thread(verify_engines, handle, files_digest(tmp_path), "fa_loaded_digest", {}, "v1")
+    finally:
+        handle.close()
+
+
 def test_an_engine_kind_without_a_digest_fails_the_check_and_the_transport_skips_verify_saying_so(tmp_path, capsys):
     servers = build_engine(EngineConfig(kind="sim", num_servers=2), "/nonexistent", tmp_path)
     handle = LocalActor(ServersRollouter(servers))
