@@ -224,7 +224,7 @@ class OpenEnvAgentLoop(AgentLoop):
                                             continue_on_abort=self.continue_on_abort)  # fmt: skip
                 timings["generate_s"] += time.monotonic() - t0
                 start_version = out.start_version if start_version is None else start_version
-                self.latest_version = max(self.latest_version, *out.versions, out.start_version)
+                self.latest_version = int(max(self.latest_version, *out.versions, out.start_version))
                 if not self.continue_on_abort and any(v != start_version for v in out.versions):
                     raise _Restart  # this turn's tokens come from newer weights than the episode's first turn
                 num_aborts += out.num_aborts
