@@ -89,7 +89,7 @@ def job(out: Path, urls: list[str], rule: str, steps: int, sim: bool) -> None:
            f"rollout.multi_turn.env.urls=[{','.join(urls)}]", "rollout.multi_turn.env.infra_retries=0",
            f"rollout.multi_turn.env.on_exhausted={rule}", "engine.startup_timeout_s=1200",
            *(["engine=sim", "trainer=sim"] if sim else [])]  # fmt: skip
-    for _ in range(2):  # once more when Ray's start times out on a loaded machine
+    for _ in range(3):  # again when Ray's start times out on a loaded machine
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         (out / "stdout.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         if proc.returncode == 0:
