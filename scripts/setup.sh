@@ -29,7 +29,7 @@ fi
 # Optional extras beyond dev (pyproject.toml): envs = OpenEnv, verifiers, bm25s (docs/environments.md).
 extras="dev${FULLY_ASYNC_EXTRAS:+,$FULLY_ASYNC_EXTRAS}"
 stamp="$venv/.fully_async-setup"
-want="$(cat pyproject.toml "$constraints" | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml "$constraints" examples/verifiers_digits/pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -n "${FULLY_ASYNC_EXTRAS:-}" ]; then  # a venv with other extras than the last set-up's is installed again
     want="$(printf '%s %s' "$want" "$extras" | sha256sum | cut -d' ' -f1)"
 fi
@@ -39,6 +39,9 @@ else
     log "installing fully_async[$extras] into $venv (constraints: ${constraints#"$root/"})"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     "$venv/bin/python" -m pip install --quiet -c "$constraints" -e ".[$extras]"
+    case ",$extras," in  # the envs extra also installs the example verifiers environment, as a hub would
+        *,envs,*) "$venv/bin/python" -m pip install --quiet --no-deps -e examples/verifiers_digits ;;
+    esac
     echo "$want" >"$stamp"
     log "project venv ready"
 fi

@@ -9,9 +9,9 @@
 Batching: queries of requests that arrive within `--batch-wait-ms` of each other (at most `--max-batch` queries) are
 scored together in one pass over the index, so many concurrent agents cost one scoring call per batch.
 
-BM25 (Okapi, k1 = 1.5, b = 0.75) is implemented here (bm25s is not in the project's environment): an inverted index
-of lower-cased alphanumeric terms; a query's score for a document is the sum over its terms of
-idf(t) * tf (k1 + 1) / (tf + k1 (1 - b + b |d| / avgdl)), idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)).
+BM25 is bm25s's (the envs extra: `pip install -e .[envs]`; a missing package names the extra), Lucene's variant,
+k1 = 1.5, b = 0.75, over lower-cased alphanumeric terms: a query's score for a document is the sum over its terms of
+idf(t) * tf / (tf + k1 (1 - b + b |d| / avgdl)), idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import re
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fully_async.envs import require
 
 log = logging.getLogger(__name__)
 _TERM = re.compile(r"[a-z0-9]+")
@@ -37,37 +37,31 @@ def terms(text: str) -> list[str]:
 
 
 class BM25:
-    """An Okapi BM25 index over `docs` (each `{"id", "contents"}`)."""
+    """An Okapi BM25 index over `docs` (each `{"id", "contents"}`), bm25s's (Lucene's variant)."""
 
     def __init__(self, docs: list[dict[str, Any]], k1: float = 1.5, b: float = 0.75) -> None:
         if not docs:
             raise ValueError("the corpus is empty")
+        bm25s = require("bm25s", "bm25s")
         self.docs = docs
-        lengths = np.array([len(terms(d["contents"])) for d in docs], dtype=np.float64)
-        norm = k1 * (1 - b + b * lengths / max(lengths.mean(), 1e-9))
-        postings: dict[str, list[tuple[int, int]]] = {}
-        for i, d in enumerate(docs):
-            for t, tf in Counter(terms(d["contents"])).items():
-                postings.setdefault(t, []).append((i, tf))
-        n = len(docs)
-        self.index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for t, plist in postings.items():
-            ids = np.array([i for i, _ in plist], dtype=np.int64)
-            tf = np.array([f for _, f in plist], dtype=np.float64)
-            idf = math.log(1 + (n - len(plist) + 0.5) / (len(plist) + 0.5))
-            self.index[t] = (ids, idf * tf * (k1 + 1) / (tf + norm[ids]))
+        self.index = bm25s.BM25(k1=k1, b=b, method="lucene")
+        self.index.index(self._terms([d["contents"] for d in docs]), show_progress=False)
+
+    @staticmethod
+    def _terms(texts: list[str]) -> list[list[str]]:
+        import bm25s
+
+        return bm25s.tokenize(texts, token_pattern=_TERM.pattern, stopwords=None, show_progress=False,
+                              return_ids=False)  # fmt: skip
 
     def search(self, queries: list[str], topk: int) -> list[list[tuple[int, float]]]:
         """Per query, the `topk` best (document index, score) pairs with a positive score, best first."""
-        scores = np.zeros((len(queries), len(self.docs)))
-        for row, q in enumerate(queries):
-            for t in terms(q):
-                hit = self.index.get(t)
-                if hit is not None:
-                    scores[row, hit[0]] += hit[1]
+        vocab = self.index.vocab_dict
         out = []
         k = min(topk, len(self.docs))
-        for row in scores:
+        for q in self._terms(queries):
+            known = [t for t in q if t and t in vocab]
+            row = self.index.get_scores(known) if known else np.zeros(len(self.docs))
             best = np.argpartition(-row, k - 1)[:k]
             best = best[np.argsort(-row[best], kind="stable")]
             out.append([(int(i), float(row[i])) for i in best if row[i] > 0])

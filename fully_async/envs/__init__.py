@@ -9,6 +9,9 @@ from types import ModuleType
 
 EXTRA = "envs"
 
+MAX_CONCURRENT_ENV = "FULLY_ASYNC_ENV_MAX_CONCURRENT"
+"""Environment variable the pool sets for a launched server: most concurrent sessions it holds (rollout.multi_turn.env)."""
+
 
 def require(module: str, package: str) -> ModuleType:
     """Import `module` or raise ImportError naming the pip package and the extra that brings it."""

@@ -18,8 +18,8 @@ from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-MAX_CONCURRENT_ENV = "FULLY_ASYNC_ENV_MAX_CONCURRENT"
-"""Environment variable the pool sets: most concurrent sessions of this server (rollout.multi_turn.env)."""
+from fully_async.envs import MAX_CONCURRENT_ENV
+
 TRIES = 2
 
 

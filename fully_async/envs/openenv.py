@@ -139,6 +139,8 @@ class OpenEnvAgentLoop(AgentLoop):
         self.chat = ChatDelta(tokenizer)
         self.counts: Counter[str] = Counter()
         """Over every episode of this loop: infrastructure failures by kind, retries, exhausted episodes."""
+        self.latest_version = 0
+        """Newest weight version a model turn of this loop ran under: a zeroed sample's version (zero_reward)."""
 
     async def _pool(self) -> EnvServerPool:
         if self.pool is None:
@@ -191,10 +193,12 @@ class OpenEnvAgentLoop(AgentLoop):
         return traj
 
     def _zero_reward(self, sample: Sample) -> Trajectory:
-        """on_exhausted=zero_reward: the episode as if the model had said nothing and scored 0 (the naive rule)."""
+        """on_exhausted=zero_reward: the episode as if the model had said nothing and scored 0 (the naive rule), under
+        the newest weights seen: version 0 would make its group look stale and be dropped, not trained."""
         tr = Transcript(self.chat.render_ids(list(sample.row.messages), add_generation_prompt=True))
         tr.add_inserted([self.chat.end_of_turn_id])
         return tr.to_trajectory(prompt=sample.prompt, sample_index=sample.sample_index, finish_reason="env_infra",
+                                start_version=self.latest_version,
                                 reward_info={ENV_REWARD: 0.0, "env_zeroed": True, "turns": 0})  # fmt: skip
 
     async def _episode(self, client: EngineClient, sample: Sample, url: str) -> Trajectory:
@@ -220,6 +224,7 @@ class OpenEnvAgentLoop(AgentLoop):
                                             continue_on_abort=self.continue_on_abort)  # fmt: skip
                 timings["generate_s"] += time.monotonic() - t0
                 start_version = out.start_version if start_version is None else start_version
+                self.latest_version = int(max(self.latest_version, *out.versions, out.start_version))
                 if not self.continue_on_abort and any(v != start_version for v in out.versions):
                     raise _Restart  # this turn's tokens come from newer weights than the episode's first turn
                 num_aborts += out.num_aborts

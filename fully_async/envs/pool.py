@@ -21,6 +21,7 @@ from typing import Any
 
 from fully_async.config import EnvConfig
 from fully_async.engines.process import ServerProcess
+from fully_async.envs import MAX_CONCURRENT_ENV
 from fully_async.envs.failures import InfraError
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class EnvServerPool:
                 ServerProcess(
                     name=f"env server {i}",
                     command=self._command,
-                    env={"FULLY_ASYNC_ENV_MAX_CONCURRENT": str(cfg.max_concurrent_envs)},
+                    env={MAX_CONCURRENT_ENV: str(cfg.max_concurrent_envs)},
                     log_path=self.log_dir / f"env-{i}.log",
                 )
                 for i in range(cfg.servers)

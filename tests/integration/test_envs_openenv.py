@@ -7,10 +7,12 @@ fake 0), the pool replaces the dead server; past the retry budget the sample rai
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -123,6 +125,17 @@ async def test_past_the_retry_budget_the_sample_raises_for_reissue_or_keeps_zero
     t = await run(agent(tok, dead, retries=0, on_exhausted="zero_reward"))
     assert t.reward_info["env_zeroed"] and t.reward_info["env_reward"] == 0.0
     assert t.loss_mask.sum() == 0  # nothing of it is trained as the model's
+
+
+async def test_a_zeroed_sample_carries_the_newest_version_so_it_is_trained_not_dropped_as_stale(tok, pool, tmp_path):
+    loop = agent(tok, pool, retries=0, on_exhausted="zero_reward")
+    await loop.run(fakes.ScriptedClient(tok, ["3"], end=im_end(tok), versions=[np.int32(4)]), sample("3"))
+    dead = EnvServerPool(EnvConfig(urls=[f"http://127.0.0.1:{free_port()}"], call_timeout_s=2.0), tmp_path)
+    dead.up[dead.urls[0]] = True
+    loop.pool = dead
+    t = await loop.run(fakes.ScriptedClient(tok, ["3"], end=im_end(tok), versions=[4]), sample("3"))
+    assert t.reward_info["env_zeroed"] and t.min_version == 4  # version 0 would read as 4 versions stale
+    assert json.dumps(t.start_version) == "4"  # a plain int: the trajectory log is JSON
 
 
 async def test_partial_rollout_off_restarts_an_episode_that_would_span_two_versions(tok, pool):
