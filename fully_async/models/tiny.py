@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fully_async.config import FullyAsyncConfig, ModelConfig, TinyModelConfig
@@ -39,6 +40,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+WRITERS: dict[str, Callable[[TinyModelConfig, Path], None]] = {}
+"""Writers of the architectures built elsewhere in this package (qwen2_vl: tiny_vlm.py), by model.tiny.arch; filled
+by the package's __init__, which every import of this module runs first."""
 
 DEFAULT_CACHE_DIR = Path("~/.cache/fully_async/models")
 # Seeding and initialising use torch's global RNG; threads of one process must not interleave there.
@@ -125,10 +130,8 @@ def _model_config(cfg: TinyModelConfig):
 def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:
     import torch
 
-    if cfg.arch == "qwen2_vl":
-        from fully_async.models.tiny_vlm import write_vlm
-
-        write_vlm(cfg, out_dir)
+    if cfg.arch in WRITERS:
+        WRITERS[cfg.arch](cfg, out_dir)
         return
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -3,7 +3,7 @@
 The prompt is `<image>color? r g b y` and the answer one of those letters (one token of the byte-level tokenizer, so
 the task is learnable from random init like `copy`: the answer is a lookup of the image's mean color). Graded by the
 built-in rule (reward/rule.py: the response opens with the answer). The images are drawn on the fly from the row's
-seed, with a little noise per pixel so no two prompts are the same picture.
+seed, with a little noise per 7x7 block so no two prompts are the same picture.
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ SIZE = 56
 """Side of the images in pixels: 16 patches, 4 image tokens for the tiny Qwen2-VL."""
 PROMPT = f"{IMAGE_PLACEHOLDER}color? {' '.join(COLORS)}"
 NOISE = 20
-"""Per-pixel jitter of each channel, +-NOISE."""
+"""Jitter of each channel, +-NOISE, per block of SIZE / BLOCKS pixels."""
+BLOCKS = 8
 
 
 def color_image(letter: str, rng: random.Random) -> bytes:
-    """A SIZE x SIZE PNG of the letter's color with per-pixel noise drawn from rng."""
+    """A SIZE x SIZE PNG of the letter's color with block noise drawn from rng."""
+    import numpy as np
     from PIL import Image
 
-    base = COLORS[letter]
-    pixels = bytes(
-        max(0, min(255, c + rng.randint(-NOISE, NOISE))) for _ in range(SIZE * SIZE) for c in base
-    )
-    return _png(Image.frombytes("RGB", (SIZE, SIZE), pixels))
+    # Noise per 7x7 block, not per pixel: each patch still differs, and the PNG stays a few hundred bytes.
+    noise = np.random.default_rng(rng.getrandbits(64)).integers(-NOISE, NOISE + 1, (BLOCKS, BLOCKS, 3))
+    pixels = np.clip(np.array(COLORS[letter]) + noise, 0, 255).astype(np.uint8)
+    return _png(Image.fromarray(pixels, "RGB").resize((SIZE, SIZE), Image.Resampling.NEAREST))
 
 
 def color_row(rng: random.Random) -> tuple[str, str, list[bytes]]:

@@ -47,9 +47,13 @@ def to_png(value: Any, base_dir: Path | None = None) -> bytes:
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
         if not path.is_file():
-            raise ImageError(f"image file {value!r} does not exist (relative paths are taken from the dataset's folder)")
+            raise ImageError(
+                f"image file {value!r} does not exist (relative paths are taken from the dataset's folder)"
+            )
         return to_png(path.read_bytes(), base_dir)
-    raise ImageError(f"an image must be a dict with bytes/path, a path, bytes or a PIL image, got {type(value).__name__}")
+    raise ImageError(
+        f"an image must be a dict with bytes/path, a path, bytes or a PIL image, got {type(value).__name__}"
+    )
 
 
 def _png(img: Any) -> bytes:

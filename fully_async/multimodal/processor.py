@@ -48,6 +48,8 @@ class VisionProcessor:
             )
         self.image_token_id = int(config["image_token_id"])
         self.vision_start_id = int(config["vision_start_token_id"])
+        self.vision_end_id = int(config["vision_end_token_id"])
+        self.video_token_id = int(config["video_token_id"])
         self.images = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         self.merge = int(self.images.merge_size)
         self.vision_text = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -77,6 +79,20 @@ class VisionProcessor:
             last = pos + 1
         out.extend(ids[last:])
         return out
+
+    @property
+    def vision_token_ids(self) -> tuple[int, ...]:
+        return (self.vision_start_id, self.vision_end_id, self.image_token_id, self.video_token_id)
+
+    def cut_response(self, tokens: list[int], logprobs: list[float], versions: list[int], finish: str):
+        """A response up to (without) its first vision token, with its log-probs and versions. A sampled vision
+        token would be one image token too many for the prompt's images, in the trainer's model and in the engine's
+        continuation after an abort; the sample ends there instead (finish "stop")."""
+        vision = set(self.vision_token_ids)
+        cut = next((i for i, t in enumerate(tokens) if t in vision), None)
+        if cut is None:
+            return tokens, logprobs, versions, finish
+        return list(tokens[:cut]), list(logprobs[:cut]), list(versions[:cut]), "stop"
 
     def position_ids(self, ids: Sequence[int], grid_thw: Any) -> Any:
         """(4, L) int64 as verl lays them out for Qwen2-VL: row 0 the plain text positions 0..L-1, rows 1-3 mrope's

@@ -160,3 +160,16 @@ def test_0005_logprobs_keep_values_and_shapes(dtype, monkeypatch):
         got = vf.logprobs_from_logits_v2(x, y)
         assert got.shape == y.shape
         torch.testing.assert_close(got.float(), ref, **tol)
+
+
+def test_0006_selected_rows_of_3d_position_ids_keep_their_shape():
+    """A vision-language model's (4, seq) position ids per row, selected as verl's dynamic batching does."""
+    from tensordict import TensorDict
+    from verl.utils.tensordict_utils import index_select_tensor_dict, nested_tensor_from_tensor_list
+
+    rows = [torch.arange(4 * n).reshape(4, n) for n in (5, 7, 6)]
+    td = TensorDict({"position_ids": nested_tensor_from_tensor_list(rows, ragged_idx=2)}, batch_size=[3])
+    picked = index_select_tensor_dict(index_select_tensor_dict(td, [2, 0]), [1, 0])["position_ids"]
+    # Unpatched: the first selection comes back ragged at dim 1, (2, j, seq), and the second one fails to unbind.
+    assert [tuple(x.shape) for x in picked.unbind()] == [(4, 5), (4, 6)]
+    assert torch.equal(picked.unbind()[0], rows[0]) and torch.equal(picked.unbind()[1], rows[2])

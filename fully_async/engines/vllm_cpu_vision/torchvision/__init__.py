@@ -14,4 +14,3 @@ __version__ = "0.0.0+fully_async.shim"
 __path__ = []  # submodules come from the placeholder finder
 _placeholder.install(__name__)
 __getattr__ = _placeholder.module_getattr(__name__)
-
