@@ -133,6 +133,8 @@ def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:
     if cfg.arch in WRITERS:
         WRITERS[cfg.arch](cfg, out_dir)
         return
+    if cfg.arch not in ("qwen2", "llama"):
+        raise ValueError(f"no writer registered for model.tiny.arch={cfg.arch!r} (fully_async/models/__init__.py)")
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config, eos_ids = _model_config(cfg)

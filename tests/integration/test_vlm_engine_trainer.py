@@ -13,7 +13,7 @@ import pytest
 from fully_async.config import AlgorithmConfig, EngineConfig, TinyModelConfig, TrainerConfig
 from fully_async.protocol import PromptRef, TrajectoryGroup
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), pytest.mark.needs_venv(".venv-engine")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.needs_venv(".venv-engine")]
 
 TEMPERATURE = 1.0
 
@@ -26,7 +26,7 @@ def engine(ray_local, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vlm")
     model = build_tiny_model(TinyModelConfig(arch="qwen2_vl"), tmp / "models")
-    cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=240, dtype="float32")
+    cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=480, dtype="float32")
     servers = build_engine(cfg, model, tmp / "run")
     servers.start()
     yield model, servers

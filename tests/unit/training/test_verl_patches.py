@@ -173,3 +173,25 @@ def test_0006_selected_rows_of_3d_position_ids_keep_their_shape():
     # Unpatched: the first selection comes back ragged at dim 1, (2, j, seq), and the second one fails to unbind.
     assert [tuple(x.shape) for x in picked.unbind()] == [(4, 5), (4, 6)]
     assert torch.equal(picked.unbind()[0], rows[0]) and torch.equal(picked.unbind()[1], rows[2])
+
+
+def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence():
+    """left_right_2_no_padding on a batch whose rows all have the same length, then a selection of rows."""
+    from tensordict import TensorDict
+    from verl.utils.tensordict_utils import index_select_tensor_dict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    b, length = 3, 6
+    td = TensorDict(
+        {
+            "input_ids": torch.arange(b * length).reshape(b, length),
+            "attention_mask": torch.ones(b, length, dtype=torch.long),
+            "response_mask": torch.ones(b, 2, dtype=torch.long),
+            "position_ids": torch.arange(length).repeat(b, 4, 1),
+        },
+        batch_size=[b],
+    )
+    packed = left_right_2_no_padding(td)
+    # Unpatched: ragged in the 4 ((b, j, length)); the selection's unbind then splits the wrong dimension.
+    picked = index_select_tensor_dict(packed, [2, 0])["position_ids"]
+    assert [tuple(x.shape) for x in picked.unbind()] == [(4, length), (4, length)]
