@@ -170,7 +170,8 @@ def test_0006_selected_rows_of_3d_position_ids_keep_their_shape():
     rows = [torch.arange(4 * n).reshape(4, n) for n in (5, 7, 6)]
     td = TensorDict({"position_ids": nested_tensor_from_tensor_list(rows, ragged_idx=2)}, batch_size=[3])
     picked = index_select_tensor_dict(index_select_tensor_dict(td, [2, 0]), [1, 0])["position_ids"]
-    # Unpatched: the first selection comes back ragged at dim 1, (2, j, seq), and the second one fails to unbind.
+    # Unpatched: ragged at dim 1, (2, j, seq): what verl's engine later splits along the wrong dimension.
+    assert tuple(picked.shape[:2]) == (2, 4) and picked._ragged_idx == 2
     assert [tuple(x.shape) for x in picked.unbind()] == [(4, 5), (4, 6)]
     assert torch.equal(picked.unbind()[0], rows[0]) and torch.equal(picked.unbind()[1], rows[2])
 
@@ -178,6 +179,7 @@ def test_0006_selected_rows_of_3d_position_ids_keep_their_shape():
 def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence():
     """left_right_2_no_padding on a batch whose rows all have the same length, then a selection of rows."""
     from tensordict import TensorDict
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
     from verl.utils.tensordict_utils import index_select_tensor_dict
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -192,6 +194,9 @@ def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence()
         batch_size=[b],
     )
     packed = left_right_2_no_padding(td)
-    # Unpatched: ragged in the 4 ((b, j, length)); the selection's unbind then splits the wrong dimension.
+    # Unpatched: ragged in the 4, (b, j, length), and so is every micro-batch verl's dynamic batching makes of it.
+    assert tuple(packed["position_ids"].shape[:2]) == (b, 4) and packed["position_ids"]._ragged_idx == 2
+    micro, _ = rearrange_micro_batches(packed, max_token_len=2 * length)
+    assert [tuple(m["position_ids"].shape[:2]) for m in micro] == [(2, 4), (1, 4)]
     picked = index_select_tensor_dict(packed, [2, 0])["position_ids"]
     assert [tuple(x.shape) for x in picked.unbind()] == [(4, length), (4, length)]
