@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fully_async.multimodal.colors import color_row
+from fully_async.multimodal.images import IMAGE_PLACEHOLDER, ImageError, to_png
 from fully_async.protocol import PromptRef
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ class PromptRow:
     extra_info: dict[str, Any] = field(default_factory=dict)
     origin: str = ""
     """'file:row' for error messages."""
+    images: list[bytes] = field(default_factory=list)
+    """The prompt's images as PNG bytes, one per `<image>` in its messages (verl's `images` column); empty for text."""
 
     def reward_meta(self) -> dict[str, Any]:
         """What a reward source sees besides the response: the row's meta and the question (last user message)."""
@@ -49,7 +53,7 @@ class PromptRow:
         return {"data_source": self.data_source, "ground_truth": self.ground_truth, "extra_info": self.extra_info}
 
 
-def _row(raw: dict[str, Any], prompt_key: str, origin: str) -> PromptRow:
+def _row(raw: dict[str, Any], prompt_key: str, origin: str, base_dir: Path | None = None) -> PromptRow:
     if not isinstance(raw, dict):
         raise DataError(f"{origin}: a row must be an object, got {type(raw).__name__}")
     source = raw.get("data_source")
@@ -74,7 +78,20 @@ def _row(raw: dict[str, Any], prompt_key: str, origin: str) -> PromptRow:
     extra = raw.get("extra_info") or {}
     if not isinstance(extra, dict):
         raise DataError(f"{origin}: field 'extra_info' must be an object, got {extra!r}")
-    return PromptRow(source, messages, _plain(reward_model["ground_truth"]), _plain(extra), origin)
+    images = _images(raw.get("images"), messages, origin, base_dir)
+    return PromptRow(source, messages, _plain(reward_model["ground_truth"]), _plain(extra), origin, images)
+
+
+def _images(value: Any, messages: list[dict[str, str]], origin: str, base_dir: Path | None) -> list[bytes]:
+    """verl's `images` column as PNG bytes; as many as the messages have `<image>` markers."""
+    items = [] if value is None else list(value)
+    markers = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if markers != len(items):
+        raise DataError(f"{origin}: {markers} '{IMAGE_PLACEHOLDER}' marker(s) in the prompt for {len(items)} image(s)")
+    try:
+        return [to_png(_plain(x) if not isinstance(x, (bytes, dict)) else x, base_dir) for x in items]
+    except ImageError as e:
+        raise DataError(f"{origin}: field 'images': {e}") from e
 
 
 def _plain(value: Any) -> Any:
@@ -104,7 +121,7 @@ def load_rows(files: Sequence[str], prompt_key: str = "prompt") -> list[PromptRo
                 records = pq.read_table(path).to_pylist()
             except Exception as e:  # pyarrow raises several types for a corrupt file; the message is enough
                 raise DataError(f"{name}: cannot read parquet: {e}") from e
-            rows.extend(_row(r, prompt_key, f"{name}:row {i}") for i, r in enumerate(records))
+            rows.extend(_row(r, prompt_key, f"{name}:row {i}", path.parent) for i, r in enumerate(records))
         elif path.suffix in (".jsonl", ".json"):
             with path.open() as f:
                 for i, line in enumerate(f):
@@ -114,7 +131,7 @@ def load_rows(files: Sequence[str], prompt_key: str = "prompt") -> list[PromptRo
                         raw = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise DataError(f"{name}:line {i + 1}: not valid JSON: {e}") from e
-                    rows.append(_row(raw, prompt_key, f"{name}:line {i + 1}"))
+                    rows.append(_row(raw, prompt_key, f"{name}:line {i + 1}", path.parent))
         else:
             raise DataError(f"{name}: unsupported dataset format {path.suffix!r}; use .parquet or .jsonl")
     if not rows:
@@ -127,7 +144,7 @@ COPY_REPEATS = 5
 32 unlearned digits over twelve in-process seeds with one copy, 1 with five)."""
 
 
-SYNTHETIC_TASKS = ("copy", "add", "guess", "reverse")
+SYNTHETIC_TASKS = ("copy", "add", "guess", "reverse", "colors")
 
 GUESS_PROMPT = "guess one of 0123456789"
 """The prompt of every `guess` row: the digit is hidden, only the environment's answers tell it. The digits are shown
@@ -152,7 +169,9 @@ def synthetic_rows(
     shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
     which RL then never learned); `add` needs both digits and learns more slowly; `guess` can only be solved
     reliably from an earlier turn's answer. `reverse` ('reverse 472' -> '274', `reverse_length` digits) is answered by
-    several tokens, graded per position (reward/rule.py). Train and validation draw from disjoint seeds."""
+    several tokens, graded per position (reward/rule.py). `colors` is visual: a small image of one flat color,
+    answered by the color's letter (multimodal/colors.py; needs a vision-language model, model.tiny.arch=qwen2_vl).
+    Train and validation draw from disjoint seeds."""
     if task not in SYNTHETIC_TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {', '.join(SYNTHETIC_TASKS)}")
     rng = random.Random(f"{seed}:{split}:{task}")
@@ -160,7 +179,10 @@ def synthetic_rows(
     for i in range(size):
         a = rng.randint(0, 9)
         extra: dict[str, Any] = {}
-        if task == "copy":
+        images: list[bytes] = []
+        if task == "colors":
+            content, answer, images = color_row(rng)
+        elif task == "copy":
             content, answer = f"echo {str(a) * copy_repeats}", a
         elif task == "reverse":
             digits = "".join(str(rng.randint(0, 9)) for _ in range(reverse_length))
@@ -178,6 +200,7 @@ def synthetic_rows(
                 ground_truth=str(answer),
                 extra_info={"split": split, "index": i, "task": task, **extra},
                 origin=f"synthetic:{split}:{i}",
+                images=images,
             )
         )
     return rows

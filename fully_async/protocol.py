@@ -11,6 +11,8 @@ for checkpoints and anything crossing a trust boundary: nothing is unpickled.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import struct
 from collections.abc import Iterable, Sequence
@@ -75,6 +77,9 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     finish_reason: str = "stop"
     num_aborts: int = 0
+    images: list[bytes] = field(default_factory=list)
+    """The prompt's images as PNG bytes (fully_async/multimodal), in the order of the image tokens in prompt_ids;
+    empty for a text prompt. The bytes object is the row's own, shared by the group's samples: not a pixel tensor."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, _ARRAYS[0][1])
@@ -161,7 +166,10 @@ class TrajectoryGroup:
 
 
 def _scalars(t: Trajectory) -> dict[str, Any]:
+    # Images only when there are some: a text trajectory's encoding stays byte for byte what it was.
+    images = {"images": [base64.b64encode(png).decode() for png in t.images]} if t.images else {}
     return {
+        **images,
         "sample_index": t.sample_index,
         "start_version": t.start_version,
         "reward": float(t.reward),
@@ -228,11 +236,12 @@ def decode_groups(data: bytes) -> list[TrajectoryGroup]:
                         timings=dict(s["timings"]),
                         finish_reason=str(s["finish_reason"]),
                         num_aborts=int(s["num_aborts"]),
+                        images=[base64.b64decode(x, validate=True) for x in s.get("images", [])],
                         **arrays,
                     )
                 )
             groups.append(TrajectoryGroup(prompt=ref, trajectories=trajs, meta=dict(g["meta"])))
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, binascii.Error) as e:
         raise ProtocolError(f"corrupt header entry: {e!r}") from e
     if pos != len(mv):
         raise ProtocolError(f"{len(mv) - pos} trailing bytes after the last trajectory")

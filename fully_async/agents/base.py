@@ -10,6 +10,7 @@ neither trained on nor counted for staleness. A row's response never exceeds `re
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from fully_async.protocol import PromptRef, Trajectory
 if TYPE_CHECKING:
     from fully_async.config import MultiTurnConfig
     from fully_async.engines import EngineClient, Sampling
+    from fully_async.multimodal.processor import VisionProcessor
     from fully_async.trace import Tracer
 
 
@@ -53,6 +55,14 @@ class AgentLoop(ABC):
         self.response_length = response_length
         self.continue_on_abort = continue_on_abort
         self.multi_turn = multi_turn
+
+    @functools.cached_property
+    def vision(self) -> VisionProcessor:
+        """The model's vision processor (image tokens of a prompt with images), built on first use from the
+        tokenizer's directory: the model's."""
+        from fully_async.multimodal.processor import VisionProcessor
+
+        return VisionProcessor(self.tokenizer.name_or_path)
 
     @abstractmethod
     async def run(self, client: EngineClient, sample: Sample) -> Trajectory | list[Trajectory]: ...

@@ -104,6 +104,13 @@ class EngineKind(abc.ABC):
     def generate_request(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> tuple[str, dict]:
         """(path, JSON body) of a token-level generate call returning log-probs of the chosen tokens."""
 
+    def image_fields(self, images: list[bytes]) -> dict[str, Any]:
+        """Fields added to a generate body whose prompt has images (PNG bytes, one per image token in the prompt,
+        which the engine expands itself: multimodal/processor.py). Kinds that cannot take images say so."""
+        from fully_async.engines.errors import EngineError
+
+        raise EngineError(f"engine.kind={self.kind} cannot take images yet; use engine.kind=vllm (docs/vlm.md)")
+
     @abc.abstractmethod
     def parse_generate(self, body: Any) -> Segment:
         """Parse a generate response; raise ValueError when it is malformed."""

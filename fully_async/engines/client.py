@@ -188,10 +188,17 @@ class EngineClient:
 
     # ---- generation ------------------------------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: list[int], max_tokens: int, sampling: Sampling = Sampling(), continue_on_abort: bool = True
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: Sampling = Sampling(),
+        continue_on_abort: bool = True,
+        images: list[bytes] | None = None,
     ) -> GenerationResult:
         """`continue_on_abort=False` (partial_rollout off): a request aborted by a pause drops its tokens and starts
-        again from the prompt after the resume, with the full budget, so every token comes from one version."""
+        again from the prompt after the resume, with the full budget, so every token comes from one version.
+        `images`: the prompt's images (PNG bytes), one per image token in prompt_ids; every segment, a continuation
+        after an abort included, sends them again with the prompt (docs/vlm.md)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         state = self.servers.state
@@ -206,7 +213,12 @@ class EngineClient:
             sent_version = state.version
             try:
                 seg = await self._send(
-                    idx, list(prompt_ids) + result.token_ids, max_tokens - len(result.token_ids), sampling, sent_version
+                    idx,
+                    list(prompt_ids) + result.token_ids,
+                    max_tokens - len(result.token_ids),
+                    sampling,
+                    sent_version,
+                    images,
                 )
             except _ServerFailure as e:
                 failed = idx
@@ -274,7 +286,9 @@ class EngineClient:
                 self.stats.carried_tokens += take
         return result
 
-    async def _send(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling, version: int) -> Segment:
+    async def _send(
+        self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling, version: int, images=None
+    ) -> Segment:
         """One generate call on server `idx`; with adapters, under the adapter of `version` (counted in use until the
         answer, so that no sync unloads it meanwhile)."""
         url = self.servers.generate_url(idx)
@@ -295,6 +309,8 @@ class EngineClient:
                 path, body = self.servers.generate_request(prompt, max_tokens, sampling)
                 if adapter is not None:
                     body.update(self.servers.adapter_fields(adapter))
+                if images:
+                    body.update(self.servers.image_fields(images))
                 async with self.session.post(url + path, json=body) as resp:
                     text = await resp.text()
                 if resp.status >= 500:

@@ -9,6 +9,7 @@ the engine itself. Control endpoints need VLLM_SERVER_DEV_MODE=1.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,17 @@ from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versio
 from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
+from fully_async.multimodal.images import data_url
+from fully_async.multimodal.processor import is_vision_model
 
 EXTENSION_DIR = Path(__file__).resolve().parents[1] / "vllm_ext"
 """Put on the engine's PYTHONPATH (alone: the engine imports nothing else of ours) for the worker extension, which
 every vLLM server loads: the collective transport's receiver and the digested reload of the disk transport."""
 EXTENSION_CLS = "fa_weight_receiver.WeightReceiver"
+VISION_SHIM_DIR = Path(__file__).resolve().parent / "vllm_cpu_vision"
+"""On the PYTHONPATH of a CPU server of a vision-language model: the engine venv has no torchvision (README there)."""
+MAX_IMAGES_PER_PROMPT = 4
+"""vLLM's --limit-mm-per-prompt for images (videos: 0) on a vision-language model."""
 
 
 def engine_python(configured: str | None) -> str:
@@ -112,6 +119,8 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         if cfg.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
+        if self.vision:
+            cmd += ["--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES_PER_PROMPT, "video": 0})]
         if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py)
             lora = self.adapters.serving
             cmd += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-cpu-loras", str(lora.max_cpu_loras),
@@ -129,6 +138,8 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
         env["PYTHONPATH"] = str(EXTENSION_DIR)
+        if self.vision and self.device != "cuda":
+            env["PYTHONPATH"] += os.pathsep + str(VISION_SHIM_DIR)
         if self.adapters is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
@@ -149,6 +160,16 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         return "/inference/v1/generate", {"token_ids": list(prompt_ids), "sampling_params": params}
+
+    def image_fields(self, images: list[bytes]) -> dict[str, Any]:
+        """The token-in generate endpoint takes images as `content_parts` (data URLs): the server decodes them and
+        expands each image token of the prompt to the image's patch count with the model's own processor."""
+        return {"content_parts": [{"type": "image_url", "url": data_url(png)} for png in images]}
+
+    @property
+    def vision(self) -> bool:
+        """Whether the served model is a vision-language model (its config.json's model_type)."""
+        return is_vision_model(self.model_path)
 
     def parse_generate(self, body: Any) -> Segment:
         try:

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fully_async.config import FullyAsyncConfig, ModelConfig, TinyModelConfig
@@ -40,6 +41,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+WRITERS: dict[str, Callable[[TinyModelConfig, Path], None]] = {}
+"""Writers of the architectures built elsewhere in this package (qwen2_vl: tiny_vlm.py), by model.tiny.arch; filled
+by the package's __init__, which every import of this module runs first."""
+
 DEFAULT_CACHE_DIR = Path("~/.cache/fully_async/models")
 # Seeding and initialising use torch's global RNG; threads of one process must not interleave there.
 _RNG_LOCK = threading.Lock()
@@ -51,8 +56,9 @@ def settings_hash(cfg: TinyModelConfig) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+def build_tokenizer(out_dir: Path, extra_specials: tuple[str, ...] = ()) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir. `extra_specials` follow
+    the three special tokens (ids 259 on): the tiny vision-language model's image tokens (models/tiny_vlm.py)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     # id == byte value, in the same byte -> character table the ByteLevel pre-tokenizer applies.
@@ -61,7 +67,8 @@ def build_tokenizer(out_dir: Path) -> None:
     # No regex split and no prefix space: the text maps byte for byte, so decode(encode(s)) == s.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    specials = SPECIAL_TOKENS + tuple(extra_specials)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     special = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
@@ -75,7 +82,7 @@ def build_tokenizer(out_dir: Path) -> None:
         "add_eos_token": False,
         "bos_token": None,
         "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": [IM_START, IM_END, *extra_specials],
         "chat_template": CHAT_TEMPLATE,
         **special,
     }
@@ -122,6 +129,12 @@ def _model_config(cfg: TinyModelConfig):
 
 def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:
     import torch
+
+    if cfg.arch in WRITERS:
+        WRITERS[cfg.arch](cfg, out_dir)
+        return
+    if cfg.arch not in ("qwen2", "llama"):
+        raise ValueError(f"no writer registered for model.tiny.arch={cfg.arch!r} (fully_async/models/__init__.py)")
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config, eos_ids = _model_config(cfg)

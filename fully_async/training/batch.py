@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from fully_async.protocol import NO_VERSION, TrajectoryGroup, flatten
+from fully_async.training.vision_batch import vision_inputs
 
 if TYPE_CHECKING:
     from fully_async.config import AlgorithmConfig
+    from fully_async.multimodal.processor import VisionProcessor
 
 
 @dataclass
@@ -47,6 +49,11 @@ class PaddedBatch:
     """(B,) object array: the group uid of each row (advantage baselines are per group)."""
     source: np.ndarray
     """(B,) int64: index of the row in `flatten(groups)`, -1 for padding rows."""
+    multi_modal_inputs: list[dict[str, torch.Tensor] | None] | None = None
+    """Per row, verl's multi_modal_inputs of a prompt with images (pixel_values, image_grid_thw), None for a text row;
+    None for a batch without images (training/vision_batch.py)."""
+    mrope_position_ids: torch.Tensor | None = None
+    """(B, 4, P + R) int64 position ids of a vision-language model (text row, then mrope's three), None otherwise."""
 
     @property
     def size(self) -> int:
@@ -58,6 +65,9 @@ class PaddedBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
+        """(B, P + R), or (B, 4, P + R) for a vision-language model's batch."""
+        if self.mrope_position_ids is not None:
+            return self.mrope_position_ids
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
 
     def select(self, rows: np.ndarray) -> PaddedBatch:
@@ -80,11 +90,21 @@ class PaddedBatch:
             out["token_versions"][pad_t] = NO_VERSION
         group_index = np.where(pad, "", self.group_index[np.where(pad, 0, rows)])
         source = np.where(pad, -1, self.source[np.where(pad, 0, rows)])
+        if self.multi_modal_inputs is not None:
+            out["multi_modal_inputs"] = [None if r < 0 else self.multi_modal_inputs[r] for r in rows]
+            mrope = self.mrope_position_ids[take].clone()
+            # A padding row's two tokens get text positions 0, 1 on all four rows (it carries no image).
+            mrope[pad_t] = (out["attention_mask"][pad_t].cumsum(-1) - 1).clamp(min=0).unsqueeze(1)
+            out["mrope_position_ids"] = mrope
         return PaddedBatch(group_index=group_index, source=source, **out)
 
 
-def assemble(groups: Sequence[TrajectoryGroup], pad_token_id: int = 0) -> PaddedBatch:
-    """Pad the trajectories of `groups` (in `flatten` order) into one batch. Empty responses keep one padded slot."""
+def assemble(
+    groups: Sequence[TrajectoryGroup], pad_token_id: int = 0, vision: VisionProcessor | None = None
+) -> PaddedBatch:
+    """Pad the trajectories of `groups` (in `flatten` order) into one batch. Empty responses keep one padded slot.
+    `vision`: the model's vision processor, which a batch with images needs (its pixel inputs and mrope positions
+    are built here, from the trajectories' PNG bytes)."""
     trajs = flatten(groups)
     if not trajs:
         raise ValueError("cannot assemble a batch from zero trajectories")
@@ -108,6 +128,7 @@ def assemble(groups: Sequence[TrajectoryGroup], pad_token_id: int = 0) -> Padded
             versions[i, :lr] = torch.from_numpy(t.token_versions.astype(np.int64))
     rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)
     group_index = np.array([t.prompt_uid for t in trajs], dtype=object)
+    mm, mrope = vision_inputs(trajs, attention_mask, p, vision)
     return PaddedBatch(
         prompts=prompts,
         responses=responses,
@@ -118,6 +139,8 @@ def assemble(groups: Sequence[TrajectoryGroup], pad_token_id: int = 0) -> Padded
         rewards=rewards,
         group_index=group_index,
         source=np.arange(b, dtype=np.int64),
+        multi_modal_inputs=mm,
+        mrope_position_ids=mrope,
     )
 
 
@@ -309,6 +332,8 @@ def to_engine_td(batch: PaddedBatch, temperature: float, **tensors: torch.Tensor
         response_mask=batch.response_mask,
     )
     fields.update(tensors)
+    if batch.multi_modal_inputs is not None:
+        fields["multi_modal_inputs"] = list(batch.multi_modal_inputs)
     td = tu.get_tensordict(tensor_dict=fields, non_tensor_dict=dict(temperature=float(temperature)))
     return left_right_2_no_padding(td)
 

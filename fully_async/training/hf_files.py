@@ -26,8 +26,10 @@ from fully_async.vllm_ext.fa_digest import DIGEST_KEY, INDEX, Digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
-"""Files besides the weights that make a directory loadable by transformers and servable by vLLM."""
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
+               "preprocessor_config.json", "processor_config.json")  # fmt: skip
+"""Files besides the weights that make a directory loadable by transformers and servable by vLLM (the last two: a
+vision-language model's processor, docs/vlm.md)."""
 
 
 def write_safetensors(

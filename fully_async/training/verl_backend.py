@@ -29,6 +29,7 @@ import torch
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
 from fully_async.config.sections import NEEDS_CRITIC, NEEDS_PROX
 from fully_async.config.sections.model import LoraConfig
+from fully_async.multimodal.processor import VisionProcessor, is_vision_model
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training import correction, hf_files
@@ -75,6 +76,8 @@ class VerlBackend(TrainingBackend):
         self.model_path = Path(model_path)
         self.temperature = float(temperature)
         self.pad_token_id = pad_token_id
+        self.vision = VisionProcessor(self.model_path) if is_vision_model(self.model_path) else None
+        """The vision processor of a vision-language model (the batches' pixel inputs), else None."""
         self.lora = lora if lora is not None and lora.enabled else None
         self.step = 0
         if self.cpu:
@@ -179,7 +182,7 @@ class VerlBackend(TrainingBackend):
         """The critic's value per response token, one float32 array per trajectory in `flatten(groups)` order."""
         if "critic" not in self.ranks:
             raise RuntimeError("this backend was built without a critic")
-        full = B.assemble(groups, self.pad_token_id)
+        full = B.assemble(groups, self.pad_token_id, self.vision)
         rows, _ = B.dp_layout(full.size, self.dp_size, 1)
         laid = full.select(rows)
         values = self._values(laid)
@@ -193,7 +196,7 @@ class VerlBackend(TrainingBackend):
         role = "reference" if reference else "policy"
         if role not in self.ranks:
             raise RuntimeError("this backend was built without a reference model")
-        full = B.assemble(groups, self.pad_token_id)
+        full = B.assemble(groups, self.pad_token_id, self.vision)
         rows, _ = B.dp_layout(full.size, self.dp_size, 1)
         laid = full.select(rows)
         lp = self._log_probs(role, laid)
@@ -209,7 +212,7 @@ class VerlBackend(TrainingBackend):
         from verl.utils import tensordict_utils as tu
 
         t0 = time.perf_counter()
-        full = B.assemble(groups, self.pad_token_id)
+        full = B.assemble(groups, self.pad_token_id, self.vision)
         algo = self.algorithm
         metrics: dict[str, float] = {"batch/trajectories": float(full.size), "batch/groups": float(len(groups))}
         if version is not None:

@@ -10,8 +10,8 @@ from fully_async.config.base import PATH, require
 
 @dataclass
 class TinyModelConfig:
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture of the locally built model."""
+    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"
+    """Architecture of the locally built model; qwen2_vl is the tiny vision-language model (docs/vlm.md)."""
     hidden_size: int = 128
     """Hidden size."""
     num_layers: int = 2

@@ -160,3 +160,43 @@ def test_0005_logprobs_keep_values_and_shapes(dtype, monkeypatch):
         got = vf.logprobs_from_logits_v2(x, y)
         assert got.shape == y.shape
         torch.testing.assert_close(got.float(), ref, **tol)
+
+
+def test_0006_selected_rows_of_3d_position_ids_keep_their_shape():
+    """A vision-language model's (4, seq) position ids per row, selected as verl's dynamic batching does."""
+    from tensordict import TensorDict
+    from verl.utils.tensordict_utils import index_select_tensor_dict, nested_tensor_from_tensor_list
+
+    rows = [torch.arange(4 * n).reshape(4, n) for n in (5, 7, 6)]
+    td = TensorDict({"position_ids": nested_tensor_from_tensor_list(rows, ragged_idx=2)}, batch_size=[3])
+    picked = index_select_tensor_dict(index_select_tensor_dict(td, [2, 0]), [1, 0])["position_ids"]
+    # Unpatched: ragged at dim 1, (2, j, seq): what verl's engine later splits along the wrong dimension.
+    assert tuple(picked.shape[:2]) == (2, 4) and picked._ragged_idx == 2
+    assert [tuple(x.shape) for x in picked.unbind()] == [(4, 5), (4, 6)]
+    assert torch.equal(picked.unbind()[0], rows[0]) and torch.equal(picked.unbind()[1], rows[2])
+
+
+def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence():
+    """left_right_2_no_padding on a batch whose rows all have the same length, then a selection of rows."""
+    from tensordict import TensorDict
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+    from verl.utils.tensordict_utils import index_select_tensor_dict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    b, length = 3, 6
+    td = TensorDict(
+        {
+            "input_ids": torch.arange(b * length).reshape(b, length),
+            "attention_mask": torch.ones(b, length, dtype=torch.long),
+            "response_mask": torch.ones(b, 2, dtype=torch.long),
+            "position_ids": torch.arange(length).repeat(b, 4, 1),
+        },
+        batch_size=[b],
+    )
+    packed = left_right_2_no_padding(td)
+    # Unpatched: ragged in the 4, (b, j, length), and so is every micro-batch verl's dynamic batching makes of it.
+    assert tuple(packed["position_ids"].shape[:2]) == (b, 4) and packed["position_ids"]._ragged_idx == 2
+    micro, _ = rearrange_micro_batches(packed, max_token_len=2 * length)
+    assert [tuple(m["position_ids"].shape[:2]) for m in micro] == [(2, 4), (1, 4)]
+    picked = index_select_tensor_dict(packed, [2, 0])["position_ids"]
+    assert [tuple(x.shape) for x in picked.unbind()] == [(4, length), (4, length)]
