@@ -303,7 +303,7 @@ class Rollouter:
 
     def engine_unverifiable(self) -> str:
         """Why weight syncs into this rollouter's engines cannot be proven ("" = they can: weights/verify.py)."""
-        return self.servers.unverifiable
+        return self.servers.kind.unverifiable
 
     async def weights_received(self, version: int, epoch: int) -> None:
         """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""

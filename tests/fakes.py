@@ -13,13 +13,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
 from fully_async.agents.tool import ToolAgentLoop
 from fully_async.agents.toolkit import parse_tool_calls
-from fully_async.engines.vllm import REPO_ROOT, VLLMServers
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.vllm import REPO_ROOT, VLLMKind
 from fully_async.training.sim_backend import SimBackend
 
 
@@ -200,21 +202,33 @@ def _files_digest(path: Path) -> str:
     return files_digest(path)
 
 
-class FakeProcessServers(VLLMServers):
-    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes (launched locally or by engine
-    hosts): the launcher, watchdog, host and restart paths run for real without vLLM's start-up time."""
+class FakeProcessKind(VLLMKind):
+    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes; `owner` (the pool) says the mode
+    and token delay, so a test sets them on the pool it holds."""
+
+    def __init__(self, owner: FakeProcessServers, cfg: Any, model_path: Any) -> None:
+        super().__init__(cfg, model_path)
+        self.owner = owner
+
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
+        if self.owner.mode == "exit":
+            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
+        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.owner.mode,
+                "--host", host or self.local_bind, "--token-delay", str(self.owner.token_delay_s)]  # fmt: skip
+
+    def environment(self, index: int) -> dict[str, str]:
+        return {"PYTHONPATH": str(REPO_ROOT)}
+
+
+class FakeProcessServers(EngineServers):
+    """A pool of `FakeProcessKind` servers (launched locally or by engine hosts): the launcher, watchdog, host and
+    restart paths run for real without vLLM's start-up time."""
 
     mode = "ok"
     token_delay_s = 0.0
 
-    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
-        if self.mode == "exit":
-            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
-        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode,
-                "--host", host or self.local_bind, "--token-delay", str(self.token_delay_s)]  # fmt: skip
-
-    def environment(self, index: int) -> dict[str, str]:
-        return {"PYTHONPATH": str(REPO_ROOT)}
+    def __init__(self, cfg: Any, model_path: Any, run_dir: Any, **pool: Any) -> None:
+        super().__init__(FakeProcessKind(self, cfg, model_path), run_dir, **pool)
 
 
 def _main() -> None:
@@ -609,7 +623,7 @@ class ServersRollouter:
         return await EngineService(self.servers, None).rpc_all(method, spec)
 
     def engine_unverifiable(self) -> str:
-        return self.servers.unverifiable
+        return self.servers.kind.unverifiable
 
     async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:
         await self.servers.adapters.load(name, path, node_dirs)

@@ -101,7 +101,7 @@ class Pool:
         return await self.service.rpc_all(method, spec)
 
     def engine_unverifiable(self) -> str:
-        return self.servers.unverifiable
+        return self.servers.kind.unverifiable
 
     def control_deadline_s(self) -> float:
         return self.deadline_s

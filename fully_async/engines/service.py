@@ -62,7 +62,7 @@ class EngineService:
         """The worker extension's `method(spec)` on every serving server at once, each within
         engine.control_deadline_s: {url: the workers' answers, or why the server gave none (a string)}; None when
         this engine kind has no worker extension to ask (`unverifiable` says why)."""
-        if self.servers.unverifiable:
+        if self.servers.kind.unverifiable:
             return None
         answers = await self.servers.control.rpc_all(method, spec)
         return {url: f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for url, a in answers.items()}

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versions
-from fully_async.engines.pool import EngineServers
+from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
@@ -72,8 +71,10 @@ class VLLMControlCalls:
         )
 
 
-class VLLMServers(VLLMControlCalls, EngineServers):
-    kind = "vllm"
+class VLLMKind(VLLMControlCalls, EngineKind):
+    """One vLLM server: its command line, environment and generate shapes (the control calls above)."""
+
+    name = "vllm"
     unverifiable = ""
 
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
@@ -112,8 +113,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         if cfg.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
-        if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py)
-            lora = self.adapters.serving
+        if (lora := self.lora) is not None:  # versioned adapters loaded at run time (engines/adapters.py)
             cmd += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-cpu-loras", str(lora.max_cpu_loras),
                     "--max-lora-rank", str(lora.max_rank)]  # fmt: skip
         if cuda:
@@ -129,7 +129,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
         env["PYTHONPATH"] = str(EXTENSION_DIR)
-        if self.adapters is not None:
+        if self.lora is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
         return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}

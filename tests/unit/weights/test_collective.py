@@ -433,7 +433,7 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
 
     for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
                     build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
-        cmd, env = servers.command(0, 8000), servers.environment(0)
+        cmd, env = servers.kind.command(0, 8000), servers.kind.environment(0)
         assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
         assert env["PYTHONPATH"] == str(EXTENSION_DIR)
     # the engine's interpreter finds the class on that path, with nothing of ours importable
