@@ -259,11 +259,24 @@ def _main() -> None:
     asyncio.run(serve())
 
 
+class EnginePortByName:
+    """A test rollouter answers the Rollouter's engine port (`engine(call, *args)`, engines/service.py `PORT`) with
+    its own method of the call's name."""
+
+    async def engine(self, call: str, *args):
+        from fully_async.engines.service import PORT
+
+        if call not in PORT:
+            raise ValueError(f"the engine port has no call {call!r}")
+        result = getattr(self, call)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+
 GATE_S = 10.0
 """How long a gated StubRollouter call waits for its test to open the gate."""
 
 
-class StubRollouter:
+class StubRollouter(EnginePortByName):
     """Stands in for the Rollouter actor on the trainer's side (run through `fully_async.handles.LocalActor`): the
     calls Trainer and ParamSync make, with scripted timing and no engines.
 
@@ -282,7 +295,7 @@ class StubRollouter:
         self.version = 0
         self.calls: list[tuple] = []
         self.error_message: str | None = None
-        self.nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
+        self.server_nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
         self.filtered: list[dict] = []
         """Records of groups dynamic sampling left out, handed over by step_report() or snapshot()."""
         self.filtered_after_snapshot: list[dict] = []
@@ -304,11 +317,11 @@ class StubRollouter:
         await self._scripted("load_weights", weights_dir, version, *([node_dirs] if node_dirs else []))
         self.version = version
 
-    def engine_nodes(self) -> list[dict]:
-        """`nodes` (default: one server on this process's node, which needs no copy of the weights)."""
-        return list(self.nodes)
+    def nodes(self) -> list[dict]:
+        """`server_nodes` (default: one server on this process's node, which needs no copy of the weights)."""
+        return list(self.server_nodes)
 
-    def engine_unverifiable(self) -> str:
+    def unverifiable(self) -> str:
         return "a stub rollouter has no engines to prove a sync on"
 
     async def resume(self) -> None:
@@ -587,7 +600,7 @@ class StateDictBackend:
         return [out / "model.safetensors"]
 
 
-class ServersRollouter:
+class ServersRollouter(EnginePortByName):
     """The Rollouter's weight-sync calls over a real engine pool (run through `fully_async.handles.LocalActor`),
     without its data, reward and admission machinery: what ParamSync and the transports call."""
 
@@ -604,25 +617,25 @@ class ServersRollouter:
     async def load_weights(self, weights_dir, version: int, node_dirs=None):
         return await self.servers.load_weights(weights_dir, version, node_dirs)
 
-    def engine_nodes(self) -> list[dict]:
+    def nodes(self) -> list[dict]:
         """Every server is a child of this process: on the trainer's node, so the disk transport copies nothing."""
         return [{"node_id": None, "node_ip": None, "host": None} for _ in self.servers.serving]
 
-    def engine_layout(self) -> dict:
+    def layout(self) -> dict:
         return self.servers.layout(self.down)
 
-    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list:
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list:
         return await self.servers.rpc(index, method, spec, timeout_s)
 
     async def weights_received(self, version: int, epoch: int) -> None:
         await self.servers.weights_received(version, epoch)
 
-    async def engine_rpc_all(self, method: str, spec: str):
+    async def rpc_all(self, method: str, spec: str):
         from fully_async.engines.service import EngineService
 
         return await EngineService(self.servers, None).rpc_all(method, spec)
 
-    def engine_unverifiable(self) -> str:
+    def unverifiable(self) -> str:
         return self.servers.kind.unverifiable
 
     async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:

@@ -80,6 +80,25 @@ class Unanswered(EngineError):
     """A server did not answer a control call (or, under a slow call, a liveness probe) within its bound."""
 
 
+async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
+    """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
+    connection, or an answer the call's `check` refuses."""
+    try:
+        async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineError(f"HTTP {resp.status}: {text[:300]}")
+    except aiohttp.ClientError as e:
+        raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
+    try:
+        body = json.loads(text) if text.strip() else None
+    except ValueError:
+        body = text  # a plain-text answer (SGLang's /flush_cache); `check` may read it
+    if call.check is not None and (err := call.check(body)):
+        raise EngineError(err)
+    return body
+
+
 class ControlPlane:
     """Control calls on the serving servers of `pool` (an `EngineServers`): pool-wide ones within `deadline_s`,
     slow ones (reloads) within `timeout_s` while the server answers a liveness probe within `deadline_s`."""
@@ -370,21 +389,4 @@ class ControlPlane:
             await pool.sync_router_async()
         return out
 
-    @staticmethod
-    async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
-        """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
-        connection, or an answer the call's `check` refuses."""
-        try:
-            async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    raise EngineError(f"HTTP {resp.status}: {text[:300]}")
-        except aiohttp.ClientError as e:
-            raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
-        try:
-            body = json.loads(text) if text.strip() else None
-        except ValueError:
-            body = text  # a plain-text answer (SGLang's /flush_cache); `check` may read it
-        if call.check is not None and (err := call.check(body)):
-            raise EngineError(err)
-        return body
+    call_one = staticmethod(call_one)  # the module's, as the plane's own: the warm-up sends through it

@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fully_async.config import EngineConfig
+from fully_async.engines import lifecycle
 from fully_async.engines.adapters import Adapters
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
-from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
+from fully_async.engines.elastic import join, leave, relaunch
 from fully_async.engines.errors import EngineError
-from fully_async.engines.process import ServerProcess, node_of, release_shm, shm_record
+from fully_async.engines.lifecycle import server_process
+from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
-from fully_async.engines.warmup import WarmupPlan, warm
+from fully_async.engines.warmup import WarmupPlan
 from fully_async.handles import dead_nodes
 
 logger = logging.getLogger(__name__)
@@ -282,88 +282,26 @@ class EngineServers:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------------
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:
-        kind = self.kind
-        name, log_path = f"{kind.name}-{index}", self.run_dir / "engines" / f"{kind.name}-{index}.log"
+        """Server `index` as a process (lifecycle.py `server_process`), under its placed engine host if it has one."""
         if host is None and self.hosts is not None and index < len(self.hosts):
             host = self.hosts[index]
-        if host is not None:
-            from fully_async.engines.host import RemoteServer
-
-            return RemoteServer(
-                name, host, lambda port, bind: kind.command(index, port, bind),
-                kind.environment(index), log_path, kind.health_path,
-            )  # fmt: skip
-        return ServerProcess(
-            name=name,
-            command=lambda port: kind.command(index, port, kind.local_bind),
-            env=kind.environment(index),
-            log_path=log_path,
-            host=kind.local_bind,
-            health_path=kind.health_path,
-            port=port,
-        )
+        return server_process(self.kind, self.run_dir, index, host, port)
 
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
-        if self.kind.in_process:  # emulated engines: nothing to launch
-            return
-        try:
-            launched = time.time()
-            for p in self.procs:
-                p.launch()
-            for p in self.procs:
-                p.wait_healthy(self.cfg.startup_timeout_s)
-            run_sync(bring_current(self, range(len(self.procs))))
-            self.started_at["engine_launch"] = (launched, time.time())
-            run_sync(warm(self, self.procs, self.warmup))
-            self.started_at["engine_warmup"] = (self.started_at["engine_launch"][1], time.time())
-            self.router = self.kind.make_router(self.run_dir)
-            if self.router is not None:
-                self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
-        except BaseException:
-            self.stop()  # a half-started pool would hold memory and cores until interpreter exit
-            raise
+        lifecycle.start(self)
 
     def stop(self) -> None:
-        """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
-        call twice."""
-        self.closed = True
-        if self.kind.in_process:
-            return
-        if self.router is not None:
-            self.router.stop()  # first: no request should reach a server that is going away
-        for p in self.procs:
-            p.stop()
-            if p.log_path is not None:  # a server whose host died with its node left its record: on this machine,
-                release_shm(shm_record(p.log_path))  # its files go now (process.py)
-        if self.host_factory is not None:
-            self.host_factory.close()
+        """Stop every launched server and free the hosts made for added or replaced ones; safe to call twice."""
+        lifecycle.stop(self)
 
     def restart(self, index: int) -> None:
-        """Restart server `index` with the latest weights and version (replaced on another node when its engine host
-        is gone; see `relaunch`). Blocks until healthy."""
-        if self.kind.in_process:  # an emulated engine holds the current (emulated) weights at once
-            self.kind.restart_in_process(index, self.state.version)
-            self.slots.back_up(index, stale=False)
-            return
-        self.relaunch(index)
-        run_sync(warm(self, [self.procs[index]], self.warmup))
-        run_sync(bring_current(self, [index]))
-        came_back(self, index)
-        self.sync_router()
+        """Restart server `index` with the latest weights and version (lifecycle.py). Blocks until healthy."""
+        lifecycle.restart(self, index)
 
     async def restart_async(self, index: int) -> None:
-        """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
-        under `membership`, so a sync's reload and version never interleave with it."""
-        if self.kind.in_process:
-            self.restart(index)
-            return
-        await asyncio.to_thread(self.relaunch, index)
-        await warm(self, [self.procs[index]], self.warmup)  # down still: out of rotation, outside the lock
-        async with self.membership:
-            await bring_current(self, [index])
-            came_back(self, index)
-        await self.sync_router_async()  # back (or replaced at a new address): the router sends to it again
+        """`restart` from the event loop that runs the control plane (lifecycle.py)."""
+        await lifecycle.restart_async(self, index)
 
     def relaunch(self, index: int) -> None:
         """Start server `index` again and wait until healthy, in place or on a new host (`elastic.relaunch`)."""
@@ -388,21 +326,3 @@ class EngineServers:
     async def remove(self, index: int, drained: Any = None) -> None:
         """Take server `index` out of the pool; its requests move to the others (`elastic.leave`)."""
         await leave(self, index, drained)
-
-
-def run_sync(coro) -> None:
-    """Run a control coroutine to completion from synchronous lifecycle code. A private thread gives it its own
-    event loop, so this works whether or not the caller's thread already runs one."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            asyncio.run(coro)
-        except BaseException as e:  # re-raised in the caller's thread below
-            errors.append(e)
-
-    thread = threading.Thread(target=target, name="engine-control")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]

@@ -1,5 +1,5 @@
 """The engine pool composed, not inherited: a kind is an adapter the pool holds, and each room that works on the pool
-(control, elastic, recovery, adapters, warm-up) reads only what its Protocol names, which the pool satisfies."""
+(control, elastic, recovery, adapters, warm-up, lifecycle) reads only what its Protocol names, which the pool satisfies."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from fully_async.config import EngineConfig
-from fully_async.engines import adapters, build_engine, control, elastic, recovery, warmup
+from fully_async.engines import adapters, build_engine, control, elastic, lifecycle, recovery, warmup
 from fully_async.engines.base import EngineKind
 from fully_async.engines.pool import EngineServers
 from fully_async.engines.sglang import SGLangKind
@@ -23,6 +23,7 @@ ROOMS = [
     (recovery, recovery.RecoveredPool, "servers"),
     (adapters, adapters.AdaptedPool, "pool"),
     (warmup, warmup.WarmedPool, "pool"),
+    (lifecycle, lifecycle.LifecyclePool, "pool"),
 ]
 
 

@@ -27,6 +27,7 @@ from fully_async.weights.collective_sender import (
     pack_and_send,
 )
 from fully_async.weights.verify import VERIFIED_METRIC
+from tests.fakes import EnginePortByName
 
 
 def _receiver_module():
@@ -148,25 +149,25 @@ class _Worker(receiver.WeightReceiver):
         self.model_config, self.model_runner = _ModelConfig(model_dir), _Runner(hold)
 
 
-class _ThreadEngines:
+class _ThreadEngines(EnginePortByName):
     """The Rollouter's weight-sync calls, each server one extension worker in a thread of this process."""
 
     def __init__(self, workers):
         self.workers, self.epoch, self.version, self.received = workers, 0, 0, []
 
-    def engine_layout(self):
+    def layout(self):
         servers = [{"index": i, "url": f"http://127.0.0.1:{9000 + i}", "workers": 1} for i in range(len(self.workers))]
         return {"epoch": self.epoch, "servers": servers}
 
-    async def engine_rpc(self, index, method, spec, timeout_s):
+    async def rpc(self, index, method, spec, timeout_s):
         return [await asyncio.to_thread(getattr(self.workers[index], method), spec)]
 
-    async def engine_rpc_all(self, method, spec):
+    async def rpc_all(self, method, spec):
         """The proof's fan-out (weights/verify.py): every worker's answer, by its server's URL."""
-        urls = [s["url"] for s in self.engine_layout()["servers"]]
-        return {url: await self.engine_rpc(i, method, spec, 10) for i, url in enumerate(urls)}
+        urls = [s["url"] for s in self.layout()["servers"]]
+        return {url: await self.rpc(i, method, spec, 10) for i, url in enumerate(urls)}
 
-    def engine_unverifiable(self):
+    def unverifiable(self):
         return ""
 
     async def weights_received(self, version, epoch):
