@@ -92,13 +92,13 @@ class EnginePool:
             raise CtlError(f"the job's Rollouter is gone ({type(e).__name__}); the job has ended") from None
 
     def list(self) -> list[dict[str, Any]]:
-        return self._call("engines", timeout=60)
+        return self._call("engine", "rows", timeout=60)
 
     def add(self, count: int = 1) -> dict[str, Any]:
-        return self._call("add_engines", count)
+        return self._call("engine", "add", count)
 
     def remove(self, url: str) -> dict[str, Any]:
-        return self._call("remove_engine", url)
+        return self._call("engine", "remove", url)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

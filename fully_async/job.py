@@ -140,13 +140,10 @@ class Job:
         from fully_async.handles import rollouter_name
         from fully_async.host import cpu_split
         from fully_async.message_queue import create_message_queue
-        from fully_async.param_sync import ParamSync, default_weights_root
         from fully_async.rollouter import create_rollouter
         from fully_async.trace import Tracer
         from fully_async.trainer import Trainer
         from fully_async.training import build_backend
-        from fully_async.weights.disk import claim_weights_root
-        from fully_async.weights.lora import adapter_sync_plan
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
@@ -177,19 +174,7 @@ class Job:
                 cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
             )  # fmt: skip
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
-        root = self.weights_root
-        if root is None:  # a fresh /dev/shm root: the run directory records it, and a resume removes a killed run's
-            root = default_weights_root(self.run_dir)
-            claim_weights_root(self.run_dir, root)
-        lora, why = adapter_sync_plan(cfg, cfg.trainer.device)
-        if why:
-            self.echo(f"LoRA: versions sync as merged full weights (async_training.weight_transport): {why}")
-        elif lora:
-            self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
-        self.sync = ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
-                              transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
-                              device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync,
-                              staging=at.staging)  # fmt: skip
+        self.sync = self._param_sync(tracer)
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
         self.trainer.startup = self.startup
         if resuming:
@@ -206,6 +191,28 @@ class Job:
         self.echo(f"engines: {started}")
         self._record_where()
         return started
+
+    def _param_sync(self, tracer: Any) -> Any:
+        """The run's ParamSync over its weights root (a fresh /dev/shm one unless given) and its transport: the
+        configured one, or the adapter sync where a LoRA run can sync adapters (said once, with why not otherwise)."""
+        from fully_async.param_sync import ParamSync, default_weights_root
+        from fully_async.weights.disk import claim_weights_root
+        from fully_async.weights.lora import adapter_sync_plan
+
+        cfg, at = self.cfg, self.cfg.async_training
+        root = self.weights_root
+        if root is None:  # a fresh /dev/shm root: the run directory records it, and a resume removes a killed run's
+            root = default_weights_root(self.run_dir)
+            claim_weights_root(self.run_dir, root)
+        lora, why = adapter_sync_plan(cfg, cfg.trainer.device)
+        if why:
+            self.echo(f"LoRA: versions sync as merged full weights (async_training.weight_transport): {why}")
+        elif lora:
+            self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
+        return ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
+                         transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
+                         device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync,
+                         staging=at.staging)  # fmt: skip
 
     def _resuming(self) -> bool:
         """Whether this run starts from a checkpoint (trainer.resume), so its engines must load that checkpoint's

@@ -9,7 +9,8 @@ Contracts:
 - A prompt is admitted only through the ledger; a group that fails (engine error after retries) or that the queue
   drops as stale is re-issued, never lost.
 - `pause()` stops admission and pauses the engines (in-flight requests abort and continue after `resume()`; with
-  partial_rollout=false they restart from their prompt). `load_weights()` sits between them.
+  partial_rollout=false they restart from their prompt). A transport's reload (`engine("load_weights", ...)`, the
+  engine port) sits between them.
 - Every generate request, reward call, sync pause and validation run is recorded as a span in
   RUN_DIR/trace/rollouter.jsonl (fully_async/trace.py); `stats()` gives the engine occupancy behind the rollouter
   idle ratio; `step_report()` is the trainer's one call per step.
@@ -106,7 +107,7 @@ class Rollouter:
         self._last_hold_s = 0.0
         """How long the last sync held requests, pause to resume: what aborting one costs it (`pause`)."""
         self.engine_service: EngineService | None = None
-        """The engine pool's calls (engines/service.py), once `start` has started the pool and its client."""
+        """The engine port (engines/service.py, `engine`), once `start` has started the pool and its client."""
 
     @property
     def ledger(self) -> StalenessLedger:
@@ -133,7 +134,7 @@ class Rollouter:
         (engines/host.py): places the hosts of servers added or replaced while the run goes on."""
         from transformers import AutoTokenizer
 
-        from fully_async.engines import EngineClient, Sampling, build_engine
+        from fully_async.engines import EngineClient, build_engine
 
         if self.cursor is None:
             await self.prepare()
@@ -143,24 +144,7 @@ class Rollouter:
             at = self.cfg.async_training
             self.admission.ledger = StalenessLedger.from_state(ledger_state, at.max_staleness, at.groups_per_version)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        ignore_eos = self.cfg.rollout.ignore_eos
-        sampling = Sampling.from_rollout(
-            self.cfg.rollout, stop_token_ids=() if ignore_eos else stop_token_ids(tokenizer), ignore_eos=ignore_eos
-        )
-        ro = self.cfg.rollout
-        fn = {"rollout_fn": ro.rollout_fn} if ro.rollout_fn else {}
-        self.agent = build_agent_loop(
-            self.cfg.agent_loop_path(),
-            tokenizer,
-            sampling,
-            ro.response_length,
-            continue_on_abort=self.cfg.async_training.partial_rollout,
-            multi_turn=ro.multi_turn,
-            **fn,
-        )
-        stops = {"stop_token_ids": sampling.stop_token_ids, "ignore_eos": ignore_eos}
-        self.val_agent = build_agent_loop(self.cfg.agent_loop_path(), tokenizer, Sampling.for_validation(ro, **stops),
-                                          ro.response_length, multi_turn=ro.multi_turn, **fn)  # fmt: skip
+        sampling, self.agent, self.val_agent = agent_loops(self.cfg, tokenizer)
         self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         collective = engine_receiver(self.cfg.async_training.weight_transport)
@@ -168,7 +152,7 @@ class Rollouter:
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
                                     weight_receiver=collective, lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
-        self.servers.warmup = self._warmup_plan(tokenizer, sampling)
+        self.servers.warmup = warmup_plan(self.cfg, self.rows, tokenizer, sampling)
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
@@ -176,7 +160,7 @@ class Rollouter:
             await self.servers.set_version(self.ledger.version)
         self.client = EngineClient(self.servers)
         self.client.on_segment = self._trace_segment
-        self.engine_service = EngineService(self.servers, self.client, self.tracer)
+        self.engine_service = EngineService(self.servers, self.client, self.tracer, synced=self._synced)
         self.tracer.meta(engines=len(self.servers.addresses))
         self.production = Production(self.cfg, self.rows, self.agent, self.client, self.reward, self.tracer,
                                      self.queue, self.admission, self._push_lock, self._fail)  # fmt: skip
@@ -188,19 +172,6 @@ class Rollouter:
             self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
         return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows),
                 "startup": dict(self.servers.started_at)}  # fmt: skip
-
-    def _warmup_plan(self, tokenizer: Any, sampling: Any) -> WarmupPlan | None:
-        """The engines' warm-up (engines/warmup.py): the run's first prompts through the chat template, as the agent
-        loops send them, to rollout.response_length tokens, as many at once as the first batch puts on a server."""
-        requests = self.cfg.engine.warmup_requests
-        if requests < 0:
-            requests = -(-self.cfg.rollout.effective_start_concurrent() // self.cfg.engine.num_servers)
-        prompts = []
-        for row in self.rows[:WARMUP_ROWS]:
-            ids = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
-        return WarmupPlan.of_run(prompts, self.cfg.rollout.response_length, sampling, requests,
-                                 self.cfg.engine.startup_timeout_s)  # fmt: skip
 
     async def prepare(self) -> dict[str, int]:
         """Load and check the datasets and their reward sources: bad input fails here, before anything heavy starts."""
@@ -271,59 +242,26 @@ class Rollouter:
         ):
             await asyncio.sleep(FINISH_POLL_S)
 
-    async def load_weights(
-        self, weights_dir: str, version: int, node_dirs: dict[str, str] | None = None
-    ) -> dict[str, Any] | None:
-        """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`;
-        returns their answers to the reload (the disk transport's proof reads the digests in them)."""
-        answers = await self.servers.load_weights(weights_dir, version, node_dirs)
+    # -- the engine port (engines/service.py) ----------------------------------------------------------------------
+    async def engine(self, call: str, *args: Any) -> Any:
+        """The engine port: `call` (one of engines/service.py `PORT`: nodes, layout, rpc, rpc_all, unverifiable,
+        control_deadline_s, load_weights, weights_received, load_adapter, activate_adapter, unload_adapters, rows,
+        add, remove) on the pool's `EngineService`, for the weight transports and `fully_async.ctl engines`. Calls
+        run in the order they are sent (one actor): a transport's `load_weights` between this actor's `pause` and
+        `resume`. Before `start`: no rows, any other call fails."""
+        if self.engine_service is None:
+            if call == "rows":
+                return []
+            raise RuntimeError(f"engine port call {call!r} before the Rollouter started its engines")
+        return await self.engine_service.call(call, *args)
+
+    def _synced(self, version: int, serving: bool) -> None:
+        """The engines hold `version` (the port's `synced`): the ledger moves; an adapter serves at once, so admission
+        wakes and validation runs now, where a reload waits for `resume`."""
         self.ledger.on_sync(version)
-        return answers
-
-    def engine_nodes(self) -> list[dict[str, Any]]:
-        """Per engine server that a weight copy must reach: its node (the disk transport; `EngineService.nodes`)."""
-        return self.engine_service.nodes()
-
-    def control_deadline_s(self) -> float:
-        """engine.control_deadline_s: how long the disk transport waits on a node that stops answering in a copy."""
-        return self.cfg.engine.control_deadline_s
-
-    def engine_layout(self) -> dict[str, Any]:
-        """The pool's epoch and the servers a weight group spans now (the collective transport)."""
-        return self.engine_service.layout()
-
-    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
-        """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
-        return await self.servers.rpc(index, method, spec, timeout_s)
-
-    async def engine_rpc_all(self, method: str, spec: str) -> dict[str, Any] | None:
-        """The worker extension's `method(spec)` on every serving server within engine.control_deadline_s:
-        {url: answers or why none}; None for an engine kind without it (the proof of a sync, weights/verify.py)."""
-        return await self.engine_service.rpc_all(method, spec)
-
-    def engine_unverifiable(self) -> str:
-        """Why weight syncs into this rollouter's engines cannot be proven ("" = they can: weights/verify.py)."""
-        return self.servers.unverifiable
-
-    async def weights_received(self, version: int, epoch: int) -> None:
-        """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""
-        await self.servers.weights_received(version, epoch)
-        self.ledger.on_sync(version)
-
-    async def load_adapter(self, name: str, path: str, node_dirs: dict[str, str | None] | None = None) -> None:
-        """Every engine loads the LoRA adapter in `path` (or its node's copy) as `name` (the adapter transport)."""
-        await self.servers.adapters.load(name, path, node_dirs)
-
-    async def activate_adapter(self, name: str, version: int) -> None:
-        """New requests name adapter `name`: the engines serve `version` from now on (no pause was needed)."""
-        await self.servers.adapters.activate(name, version)
-        self.ledger.on_sync(version)
-        self._wake.set()
-        self._validate_after_sync()
-
-    async def unload_adapters(self) -> dict[str, list[str]]:
-        """Unload the adapters no request names any more, beyond the newest kept (engines/adapters.py)."""
-        return await self.servers.adapters.unload()
+        if serving:
+            self._wake.set()
+            self._validate_after_sync()
 
     async def resume(self) -> None:
         await self.servers.resume()
@@ -341,19 +279,6 @@ class Rollouter:
         val_every = self.cfg.trainer.val_every
         if val_every and self.ledger.version % val_every == 0 and self.val_rows:
             self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
-
-    # -- elastic engine pool (fully_async.ctl engines; engines/service.py) ---------------------------------------------
-    async def engines(self) -> list[dict[str, Any]]:
-        """One row per server slot: index, url, state, requests in flight, seconds busy, Ray node ([] before start)."""
-        return await self.engine_service.rows() if self.engine_service is not None else []
-
-    async def add_engines(self, count: int = 1) -> dict[str, Any]:
-        """Start `count` more engine servers (serving once current); refused past engine.max_servers."""
-        return await self.engine_service.add(count, self.cfg.engine.max_servers)
-
-    async def remove_engine(self, url: str) -> dict[str, Any]:
-        """Take the server at `url` out of the pool, its requests continued elsewhere; refused below min_servers."""
-        return await self.engine_service.remove(url, self.cfg.engine.min_servers, self.cfg.engine.control_timeout_s)
 
     def _pool_stats(self) -> dict[str, Any]:
         return self.engine_service.stats() if self.engine_service is not None else {}
@@ -415,6 +340,37 @@ class Rollouter:
         `validation` (pop_validation())."""
         return {"stats": self.stats(), "filtered": self.pop_filtered() if take_filtered else [],
                 "validation": self.pop_validation()}  # fmt: skip
+
+
+def agent_loops(cfg: FullyAsyncConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
+    """(sampling, the agent loop, the validation agent loop) of the run: rollout.* sampling with the tokenizer's stop
+    tokens (none under ignore_eos), and validation's own sampling."""
+    from fully_async.engines import Sampling
+
+    ro = cfg.rollout
+    ignore_eos = ro.ignore_eos
+    sampling = Sampling.from_rollout(ro, stop_token_ids=() if ignore_eos else stop_token_ids(tokenizer),
+                                     ignore_eos=ignore_eos)  # fmt: skip
+    fn = {"rollout_fn": ro.rollout_fn} if ro.rollout_fn else {}
+    agent = build_agent_loop(cfg.agent_loop_path(), tokenizer, sampling, ro.response_length,
+                             continue_on_abort=cfg.async_training.partial_rollout, multi_turn=ro.multi_turn, **fn)  # fmt: skip
+    stops = {"stop_token_ids": sampling.stop_token_ids, "ignore_eos": ignore_eos}
+    val_agent = build_agent_loop(cfg.agent_loop_path(), tokenizer, Sampling.for_validation(ro, **stops),
+                                 ro.response_length, multi_turn=ro.multi_turn, **fn)  # fmt: skip
+    return sampling, agent, val_agent
+
+
+def warmup_plan(cfg: FullyAsyncConfig, rows: list[PromptRow], tokenizer: Any, sampling: Any) -> WarmupPlan | None:
+    """The engines' warm-up (engines/warmup.py): the run's first prompts through the chat template, as the agent
+    loops send them, to rollout.response_length tokens, as many at once as the first batch puts on a server."""
+    requests = cfg.engine.warmup_requests
+    if requests < 0:
+        requests = -(-cfg.rollout.effective_start_concurrent() // cfg.engine.num_servers)
+    prompts = []
+    for row in rows[:WARMUP_ROWS]:
+        ids = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+    return WarmupPlan.of_run(prompts, cfg.rollout.response_length, sampling, requests, cfg.engine.startup_timeout_s)
 
 
 def create_rollouter(

@@ -13,13 +13,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from fully_async.agents.sim import SimAgentLoop
 from fully_async.agents.tool import ToolAgentLoop
 from fully_async.agents.toolkit import parse_tool_calls
-from fully_async.engines.vllm import REPO_ROOT, VLLMServers
+from fully_async.engines.pool import EngineServers
+from fully_async.engines.vllm import REPO_ROOT, VLLMKind
 from fully_async.training.sim_backend import SimBackend
 
 
@@ -208,21 +210,33 @@ def _files_digest(path: Path) -> str:
     return loaded.hexdigest()
 
 
-class FakeProcessServers(VLLMServers):
-    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes (launched locally or by engine
-    hosts): the launcher, watchdog, host and restart paths run for real without vLLM's start-up time."""
+class FakeProcessKind(VLLMKind):
+    """The vLLM adapter's endpoints, served by `python -m tests.fakes` processes; `owner` (the pool) says the mode
+    and token delay, so a test sets them on the pool it holds."""
+
+    def __init__(self, owner: FakeProcessServers, cfg: Any, model_path: Any) -> None:
+        super().__init__(cfg, model_path)
+        self.owner = owner
+
+    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
+        if self.owner.mode == "exit":
+            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
+        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.owner.mode,
+                "--host", host or self.local_bind, "--token-delay", str(self.owner.token_delay_s)]  # fmt: skip
+
+    def environment(self, index: int) -> dict[str, str]:
+        return {"PYTHONPATH": str(REPO_ROOT)}
+
+
+class FakeProcessServers(EngineServers):
+    """A pool of `FakeProcessKind` servers (launched locally or by engine hosts): the launcher, watchdog, host and
+    restart paths run for real without vLLM's start-up time."""
 
     mode = "ok"
     token_delay_s = 0.0
 
-    def command(self, index: int, port: int, host: str | None = None) -> list[str]:
-        if self.mode == "exit":
-            return [sys.executable, "-c", "import sys; print('fake engine: bad flag --nope'); sys.exit(3)"]
-        return [sys.executable, "-m", "tests.fakes", "--port", str(port), "--mode", self.mode,
-                "--host", host or self.local_bind, "--token-delay", str(self.token_delay_s)]  # fmt: skip
-
-    def environment(self, index: int) -> dict[str, str]:
-        return {"PYTHONPATH": str(REPO_ROOT)}
+    def __init__(self, cfg: Any, model_path: Any, run_dir: Any, **pool: Any) -> None:
+        super().__init__(FakeProcessKind(self, cfg, model_path), run_dir, **pool)
 
 
 def _main() -> None:
@@ -253,11 +267,24 @@ def _main() -> None:
     asyncio.run(serve())
 
 
+class EnginePortByName:
+    """A test rollouter answers the Rollouter's engine port (`engine(call, *args)`, engines/service.py `PORT`) with
+    its own method of the call's name."""
+
+    async def engine(self, call: str, *args):
+        from fully_async.engines.service import PORT
+
+        if call not in PORT:
+            raise ValueError(f"the engine port has no call {call!r}")
+        result = getattr(self, call)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+
 GATE_S = 10.0
 """How long a gated StubRollouter call waits for its test to open the gate."""
 
 
-class StubRollouter:
+class StubRollouter(EnginePortByName):
     """Stands in for the Rollouter actor on the trainer's side (run through `fully_async.handles.LocalActor`): the
     calls Trainer and ParamSync make, with scripted timing and no engines.
 
@@ -276,7 +303,7 @@ class StubRollouter:
         self.version = 0
         self.calls: list[tuple] = []
         self.error_message: str | None = None
-        self.nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
+        self.server_nodes: list[dict] = [{"node_id": None, "node_ip": None, "host": None}]
         self.filtered: list[dict] = []
         """Records of groups dynamic sampling left out, handed over by step_report() or snapshot()."""
         self.filtered_after_snapshot: list[dict] = []
@@ -298,11 +325,11 @@ class StubRollouter:
         await self._scripted("load_weights", weights_dir, version, *([node_dirs] if node_dirs else []))
         self.version = version
 
-    def engine_nodes(self) -> list[dict]:
-        """`nodes` (default: one server on this process's node, which needs no copy of the weights)."""
-        return list(self.nodes)
+    def nodes(self) -> list[dict]:
+        """`server_nodes` (default: one server on this process's node, which needs no copy of the weights)."""
+        return list(self.server_nodes)
 
-    def engine_unverifiable(self) -> str:
+    def unverifiable(self) -> str:
         return "a stub rollouter has no engines to prove a sync on"
 
     async def resume(self) -> None:
@@ -581,7 +608,7 @@ class StateDictBackend:
         return [out / "model.safetensors"]
 
 
-class ServersRollouter:
+class ServersRollouter(EnginePortByName):
     """The Rollouter's weight-sync calls over a real engine pool (run through `fully_async.handles.LocalActor`),
     without its data, reward and admission machinery: what ParamSync and the transports call."""
 
@@ -598,26 +625,26 @@ class ServersRollouter:
     async def load_weights(self, weights_dir, version: int, node_dirs=None):
         return await self.servers.load_weights(weights_dir, version, node_dirs)
 
-    def engine_nodes(self) -> list[dict]:
+    def nodes(self) -> list[dict]:
         """Every server is a child of this process: on the trainer's node, so the disk transport copies nothing."""
         return [{"node_id": None, "node_ip": None, "host": None} for _ in self.servers.serving]
 
-    def engine_layout(self) -> dict:
+    def layout(self) -> dict:
         return self.servers.layout(self.down)
 
-    async def engine_rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list:
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list:
         return await self.servers.rpc(index, method, spec, timeout_s)
 
     async def weights_received(self, version: int, epoch: int) -> None:
         await self.servers.weights_received(version, epoch)
 
-    async def engine_rpc_all(self, method: str, spec: str):
+    async def rpc_all(self, method: str, spec: str):
         from fully_async.engines.service import EngineService
 
         return await EngineService(self.servers, None).rpc_all(method, spec)
 
-    def engine_unverifiable(self) -> str:
-        return self.servers.unverifiable
+    def unverifiable(self) -> str:
+        return self.servers.kind.unverifiable
 
     async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:
         await self.servers.adapters.load(name, path, node_dirs)

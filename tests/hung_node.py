@@ -43,7 +43,7 @@ from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.base import SyncPlan
 from fully_async.weights.disk import ROOT_PREFIX, DiskTransport
-from tests.fakes import FakeProcessServers
+from tests.fakes import EnginePortByName, FakeProcessServers
 
 
 def node_tree(leader: int) -> list[int]:
@@ -77,7 +77,7 @@ class Node:
         self.stopped = []
 
 
-class Pool:
+class Pool(EnginePortByName):
     """The Rollouter's weight-sync surface over a real engine pool (EngineService's nodes, as the Rollouter's)."""
 
     def __init__(self, servers, deadline_s: float) -> None:
@@ -94,14 +94,14 @@ class Pool:
     async def load_weights(self, weights_dir, version, node_dirs=None) -> None:
         await self.servers.load_weights(weights_dir, version, node_dirs)
 
-    def engine_nodes(self):
+    def nodes(self):
         return self.service.nodes()
 
-    async def engine_rpc_all(self, method: str, spec: str):
+    async def rpc_all(self, method: str, spec: str):
         return await self.service.rpc_all(method, spec)
 
-    def engine_unverifiable(self) -> str:
-        return self.servers.unverifiable
+    def unverifiable(self) -> str:
+        return self.servers.kind.unverifiable
 
     def control_deadline_s(self) -> float:
         return self.deadline_s

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import ConfigError, EngineConfig
+from fully_async.engines.base import EngineKind
 from fully_async.engines.client import EngineClient
 from fully_async.engines.errors import EngineError
 from fully_async.engines.pool import EngineServers
@@ -38,17 +39,22 @@ def build_engine(
     `weight_receiver`: the run uses the collective weight transport (vLLM servers load its receiver, the worker
     extension, either way: every reload goes through it); `lora` (a LoraServing): the servers serve versioned LoRA
     adapters (vLLM, SGLang on GPUs)."""
-    if cfg.kind == "vllm":
-        from fully_async.engines.vllm import VLLMServers
-
-        return VLLMServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device,
-                           weight_receiver=weight_receiver, lora=lora)  # fmt: skip
-    if cfg.kind == "sglang":
-        from fully_async.engines.sglang import SGLangServers
-
-        return SGLangServers(cfg, model_path, run_dir, addresses=addresses, hosts=hosts, device=device, lora=lora)
     if cfg.kind == "sim":
-        from fully_async.engines.sim import SimServers
+        from fully_async.engines.sim import SimKind
 
-        return SimServers(cfg, model_path, run_dir, addresses=addresses, device=device)
-    raise ConfigError(f"engine.kind must be one of ['vllm', 'sglang', 'sim'], got {cfg.kind!r}")
+        if addresses is not None:
+            raise EngineError("engine=sim emulates its servers in this process; it cannot attach to addresses")
+        sim = SimKind(cfg, model_path, device)
+        return EngineServers(sim, run_dir, addresses=sim.urls)
+    kind: EngineKind
+    if cfg.kind == "vllm":
+        from fully_async.engines.vllm import VLLMKind
+
+        kind = VLLMKind(cfg, model_path, device, lora)
+    elif cfg.kind == "sglang":
+        from fully_async.engines.sglang import SGLangKind
+
+        kind = SGLangKind(cfg, model_path, device, lora)
+    else:
+        raise ConfigError(f"engine.kind must be one of ['vllm', 'sglang', 'sim'], got {cfg.kind!r}")
+    return EngineServers(kind, run_dir, addresses=addresses, hosts=hosts, weight_receiver=weight_receiver)

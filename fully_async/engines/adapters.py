@@ -20,18 +20,42 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
+from fully_async.engines.types import EngineState
 from fully_async.weights.lora import LoraServing, adapter_name
 
+if TYPE_CHECKING:
+    import asyncio
+
+    from fully_async.engines.control import ControlPlane
+
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class AdaptedPool(Protocol):
+    """What the adapter state reads of its pool (pool.py `EngineServers`): the serving servers, their nodes, the
+    control plane that reaches them and the membership lock a sync's version holds."""
+
+    kind: EngineKind
+    state: EngineState
+    control: ControlPlane
+
+    @property
+    def membership(self) -> asyncio.Lock: ...
+    @property
+    def serving(self) -> list[int]: ...
+    def address(self, index: int) -> str: ...
+    def node_of(self, index: int) -> dict[str, Any]: ...
 
 
 class Adapters:
     """The adapter state of one pool (see the module docstring). Its methods run on the pool's event loop."""
 
-    def __init__(self, pool: Any, serving: LoraServing) -> None:
+    def __init__(self, pool: AdaptedPool, serving: LoraServing) -> None:
         self.pool = pool
         self.serving = serving
         self.current: str | None = None
@@ -78,7 +102,7 @@ class Adapters:
             self.loaded[name] = (Path(path), routed)
 
     def _load_call(self, name: str, path: Path, routed: dict[str, Path], node: str | None):
-        return self.pool.load_adapter_call(name, routed.get(node, path) if node is not None else path)
+        return self.pool.kind.load_adapter_call(name, routed.get(node, path) if node is not None else path)
 
     async def activate(self, name: str, version: int) -> None:
         """New requests name `name`, labelled `version`, from now on (every serving server holds it: `load`)."""
@@ -100,7 +124,7 @@ class Adapters:
         gone = [n for n in old if not self.in_use.get(n)]
         if gone:
             pool = self.pool
-            calls = [(url, pool.unload_adapter_call(n)) for url, names in self.held.items() for n in gone
+            calls = [(url, pool.kind.unload_adapter_call(n)) for url, names in self.held.items() for n in gone
                      if n in names and url in {pool.address(i) for i in pool.serving}]  # fmt: skip
             await pool.control.fan_out("unload adapters", calls, pool.control.deadline_s, pool_wide=True)
             for name in gone:

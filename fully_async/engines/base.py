@@ -6,7 +6,8 @@ cache, rpc), the router in front of the servers if the kind has one. Everything 
 room per idea: `pool.py` (`EngineServers`: the servers' lifecycle and membership, one state per slot in `slots.py`),
 `control.py` (`ControlPlane`: a control call fanned out to the serving servers within a deadline), `client.py`
 (`EngineClient`: generation with abort/continue), `service.py` (what the Rollouter actor answers about its pool).
-A kind is a subclass of `EngineServers` that fills these hooks (vllm.py, sglang.py, sim.py).
+A kind is an adapter the pool holds (`EngineServers(kind, run_dir)`, `pool.kind`), never a subclass of the pool: it
+knows one server of its kind and nothing of the pool's servers, states or locks (vllm.py, sglang.py, sim.py).
 
 The small shared types (`Sampling`, `Segment`, `GenerationResult`, `HttpCall`, `EngineState`) are in types.py and
 re-exported here, with `EngineError` (errors.py).
@@ -65,12 +66,14 @@ def parse_versions(spans: list[dict[str, Any]], length: int) -> list[int | None]
 
 
 class EngineKind(abc.ABC):
-    """The hooks an engine kind implements; `EngineServers` (pool.py) supplies `cfg`, `device`, `model_path` and
-    `run_dir`, and drives every server through these."""
+    """How to launch, address and control one server of a kind; `EngineServers` (pool.py) holds one and drives every
+    server through it."""
 
-    kind: str = "?"
+    name: str = "?"
+    """The kind's word (engine.kind): server names, logs and errors say it."""
     in_process = False
-    """True for emulated engines that answer generate requests through `send_direct` instead of HTTP."""
+    """True for emulated engines that answer generate requests through `send_direct` instead of HTTP; their pool
+    launches, stops and restarts no process (`restart_in_process`)."""
     health_path = "/health"
     liveness_path = "/health"
     """Answered by the server's HTTP front while it is busy (a weight reload): the control plane's probe that a server
@@ -78,8 +81,23 @@ class EngineKind(abc.ABC):
     unverifiable: str = "this engine kind reports no digest of the weights it loaded"
     """Why a weight sync into this kind's servers cannot be proven (fully_async/weights/verify.py); "" = it can:
     every server answers the worker extension's `fa_loaded_digest` (vLLM)."""
-    cfg: Any
-    device: str
+    control_class: Any = None
+    """The control plane class the pool delivers calls through (None: control.py's `ControlPlane`, over HTTP)."""
+
+    def __init__(self, cfg: Any, model_path: str | Path, device: str | None = None, lora: Any = None) -> None:
+        """device: 'cuda' or 'cpu' (the job's fully_async.host.device; None = this machine's). lora (a LoraServing):
+        the servers serve versioned LoRA adapters (engines/adapters.py), so they start with LoRA enabled."""
+        from fully_async.host import device as run_device
+
+        self.cfg = cfg
+        self.model_path = Path(model_path)
+        self.device = device or run_device("auto")
+        self.lora = lora
+
+    @property
+    def local_bind(self) -> str:
+        """Bind address of servers started as children of this process ("auto" = loopback)."""
+        return "127.0.0.1" if self.cfg.host == "auto" else self.cfg.host
 
     # ---- one server's process ----------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -95,8 +113,9 @@ class EngineKind(abc.ABC):
         """Worker processes per server (tensor-parallel ranks; one on CPU)."""
         return self.cfg.tensor_parallel_size if self.device == "cuda" else 1
 
-    def make_router(self) -> Any:
-        """The router this pool puts in front of its servers (engine.router), or None: the client balances itself."""
+    def make_router(self, run_dir: Path) -> Any:
+        """The router put in front of the servers (engine.router; its log under `run_dir`), or None: the client
+        balances itself."""
         return None
 
     # ---- generation --------------------------------------------------------------------------------------------------
@@ -109,7 +128,7 @@ class EngineKind(abc.ABC):
         which the engine expands itself: multimodal/processor.py). Kinds that cannot take images say so."""
         from fully_async.engines.errors import EngineError
 
-        raise EngineError(f"engine.kind={self.kind} cannot take images yet; use engine.kind=vllm (docs/vlm.md)")
+        raise EngineError(f"engine.kind={self.name} cannot take images yet; use engine.kind=vllm (docs/vlm.md)")
 
     @abc.abstractmethod
     def parse_generate(self, body: Any) -> Segment:
@@ -117,7 +136,11 @@ class EngineKind(abc.ABC):
 
     async def send_direct(self, idx: int, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> Segment:
         """Generate on server `idx` without HTTP (only where `in_process`)."""
-        raise NotImplementedError(f"{self.kind} servers are reached over HTTP")
+        raise NotImplementedError(f"{self.name} servers are reached over HTTP")
+
+    def restart_in_process(self, idx: int, version: int) -> None:
+        """Start emulated server `idx` afresh at `version` (only where `in_process`)."""
+        raise NotImplementedError(f"{self.name} servers are processes")
 
     # ---- control-call shapes (run on every server by control.py) -----------------------------------------------------
     @abc.abstractmethod
@@ -130,6 +153,13 @@ class EngineKind(abc.ABC):
     def is_paused_call(self) -> tuple[HttpCall, Any]:
         """The call and a function(response_json) -> bool."""
 
+    async def is_paused(self, url: str, control: Any) -> bool:
+        """Whether the server at `url` is paused, asked through the pool's `control` plane (a kind without an
+        is-paused endpoint answers otherwise)."""
+        call, read = self.is_paused_call()
+        (body,) = await control.call_all("is paused", call, [url])
+        return bool(read(body))
+
     @abc.abstractmethod
     def reload_weights_call(self, weights_dir: Path) -> HttpCall: ...
 
@@ -141,16 +171,16 @@ class EngineKind(abc.ABC):
 
     def rpc_call(self, method: str, spec: str) -> HttpCall:
         """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
-        raise NotImplementedError(f"{self.kind} servers have no weight receiver")
+        raise NotImplementedError(f"{self.name} servers have no weight receiver")
 
     # ---- LoRA adapters (engines/adapters.py; only kinds that serve them) ---------------------------------------------
     def load_adapter_call(self, name: str, path: Path) -> HttpCall:
         """Load the PEFT adapter directory `path` under `name` (again, in place, when the name exists)."""
-        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")
+        raise NotImplementedError(f"{self.name} servers cannot serve LoRA adapters")
 
     def unload_adapter_call(self, name: str) -> HttpCall:
-        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")
+        raise NotImplementedError(f"{self.name} servers cannot serve LoRA adapters")
 
     def adapter_fields(self, name: str) -> dict[str, Any]:
         """What a generate request's body gets so that adapter `name` serves it."""
-        raise NotImplementedError(f"{self.kind} servers cannot serve LoRA adapters")
+        raise NotImplementedError(f"{self.name} servers cannot serve LoRA adapters")

@@ -301,23 +301,23 @@ class EngineClient:
         self.stats.segments += 1
         tokens, finish = 0, "error"
         try:
-            if self.servers.in_process:  # emulated engines (engine=sim): the same request, without a socket
+            if self.servers.kind.in_process:  # emulated engines (engine=sim): the same request, without a socket
                 seg = await asyncio.wait_for(
-                    self.servers.send_direct(idx, prompt, max_tokens, sampling), self.request_timeout_s
+                    self.servers.kind.send_direct(idx, prompt, max_tokens, sampling), self.request_timeout_s
                 )
             else:
-                path, body = self.servers.generate_request(prompt, max_tokens, sampling)
+                path, body = self.servers.kind.generate_request(prompt, max_tokens, sampling)
                 if adapter is not None:
-                    body.update(self.servers.adapter_fields(adapter))
+                    body.update(self.servers.kind.adapter_fields(adapter))
                 if images:
-                    body.update(self.servers.image_fields(images))
+                    body.update(self.servers.kind.image_fields(images))
                 async with self.session.post(url + path, json=body) as resp:
                     text = await resp.text()
                 if resp.status >= 500:
                     raise _ServerFailure(f"HTTP {resp.status}: {text[:300]}")
                 if resp.status >= 400:
                     raise EngineError(f"{url} rejected the request: HTTP {resp.status}: {text[:500]}")
-                seg = self.servers.parse_generate(json.loads(text))
+                seg = self.servers.kind.parse_generate(json.loads(text))
             tokens, finish = len(seg.token_ids), seg.finish_reason
             return seg
         except ValueError as e:  # malformed JSON or an unexpected shape

@@ -29,14 +29,15 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
 from fully_async.engines.auth import auth_headers
+from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
-from fully_async.engines.slots import SlotState
-from fully_async.engines.types import HttpCall, PauseMode
+from fully_async.engines.slots import Slots, SlotState
+from fully_async.engines.types import EngineState, HttpCall, PauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +49,61 @@ NODE_TABLE_WAIT_S = 2.0
 server anyway: the question must not add a deadline of its own to a sync (it answers in milliseconds)."""
 
 
+@runtime_checkable
+class ControlledPool(Protocol):
+    """What the control plane reads of its pool (pool.py `EngineServers`), and nothing more."""
+
+    kind: EngineKind
+    state: EngineState
+    slots: Slots
+    procs: list[Any]
+    epoch: int
+    weights_dir: Path | None
+    node_dirs: dict[str, Path]
+
+    @property
+    def membership(self) -> asyncio.Lock: ...
+    @property
+    def live(self) -> list[int]: ...
+    @property
+    def serving(self) -> list[int]: ...
+    def address(self, index: int) -> str: ...
+    def is_alive(self, index: int) -> bool: ...
+    def log_for(self, url: str) -> str: ...
+    def node_of(self, index: int) -> dict[str, Any]: ...
+    def on_lost_nodes(self, indices: list[int]) -> list[int]: ...
+    def server_died(self, index: int) -> None: ...
+    async def sync_router_async(self) -> None: ...
+
+
 class Unanswered(EngineError):
     """A server did not answer a control call (or, under a slow call, a liveness probe) within its bound."""
+
+
+async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
+    """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
+    connection, or an answer the call's `check` refuses."""
+    try:
+        async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineError(f"HTTP {resp.status}: {text[:300]}")
+    except aiohttp.ClientError as e:
+        raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
+    try:
+        body = json.loads(text) if text.strip() else None
+    except ValueError:
+        body = text  # a plain-text answer (SGLang's /flush_cache); `check` may read it
+    if call.check is not None and (err := call.check(body)):
+        raise EngineError(err)
+    return body
 
 
 class ControlPlane:
     """Control calls on the serving servers of `pool` (an `EngineServers`): pool-wide ones within `deadline_s`,
     slow ones (reloads) within `timeout_s` while the server answers a liveness probe within `deadline_s`."""
 
-    def __init__(self, pool: Any, deadline_s: float, timeout_s: float | None = None) -> None:
+    def __init__(self, pool: ControlledPool, deadline_s: float, timeout_s: float | None = None) -> None:
         self.pool = pool
         self.deadline_s = deadline_s
         self.timeout_s = deadline_s if timeout_s is None else timeout_s
@@ -73,32 +120,30 @@ class ControlPlane:
         state.set_paused(True)
         state.clients_only = idle is not None and idle()
         if not state.clients_only:
-            await self.call_all("pause", self.pool.pause_call(mode))
+            await self.call_all("pause", self.pool.kind.pause_call(mode))
         return not state.clients_only
 
     async def resume(self) -> None:
         """Resume the servers (unless the pause held only the clients), then the clients."""
         if not self.pool.state.clients_only:
-            await self.call_all("resume", self.pool.resume_call())
+            await self.call_all("resume", self.pool.kind.resume_call())
         self.pool.state.clients_only = False
         self.pool.state.set_paused(False)
 
     async def set_version(self, version: int) -> None:
         """Label every serving server's next tokens with `version`. The caller holds the pool's membership lock."""
-        await self.call_all("set version", self.pool.set_version_call(version))
+        await self.call_all("set version", self.pool.kind.set_version_call(version))
         self.pool.state.version = version
 
     async def reset_prefix_cache(self) -> None:
-        await self.call_all("reset prefix cache", self.pool.reset_prefix_cache_call())
+        await self.call_all("reset prefix cache", self.pool.kind.reset_prefix_cache_call())
 
     async def is_paused(self, url: str) -> bool:
-        call, read = self.pool.is_paused_call()
-        (body,) = await self.call_all("is paused", call, [url])
-        return bool(read(body))
+        return await self.pool.kind.is_paused(url, self)
 
     async def rpc(self, url: str, method: str, spec: str, timeout_s: float) -> list[Any]:
         """`method(spec)` on every worker of the server at `url`, within `timeout_s`; the workers' answers."""
-        (body,) = await self.call_all(method, self.pool.rpc_call(method, spec), [url], timeout_s=timeout_s)
+        (body,) = await self.call_all(method, self.pool.kind.rpc_call(method, spec), [url], timeout_s=timeout_s)
         return (body or {}).get("results", body)
 
     async def rpc_all(self, method: str, spec: str) -> dict[str, Any]:
@@ -107,7 +152,7 @@ class ControlPlane:
         aside: the caller judges the answers (a weight sync's proof, fully_async/weights/verify.py)."""
         await self._set_aside_lost(method)
         urls = [self.pool.address(i) for i in self.pool.serving]
-        call = self.pool.rpc_call(method, spec)
+        call = self.pool.kind.rpc_call(method, spec)
         async with self.session() as session:
             bodies = await asyncio.gather(*(self._one(session, url, call, self.deadline_s, False) for url in urls),
                                           return_exceptions=True)  # fmt: skip
@@ -122,7 +167,8 @@ class ControlPlane:
 
     def _reload_calls(self, weights_dir: Path, node_dirs: dict[str, Path], urls: list[str], nodes: list[Any]):
         return [
-            (url, self.pool.reload_weights_call(node_dirs.get(node, weights_dir))) for url, node in zip(urls, nodes)
+            (url, self.pool.kind.reload_weights_call(node_dirs.get(node, weights_dir)))
+            for url, node in zip(urls, nodes)
         ]
 
     # ---- weight syncs ------------------------------------------------------------------------------------------------
@@ -229,7 +275,7 @@ class ControlPlane:
         failed = [f"{url}: {r} (log: {pool.log_for(url)})" for url, r in zip(urls, results) if isinstance(r, Exception)]
         if failed:
             raise EngineError(
-                f"{pool.kind} {what} failed on {len(failed)} of {len(urls)} servers: " + "; ".join(failed)
+                f"{pool.kind.name} {what} failed on {len(failed)} of {len(urls)} servers: " + "; ".join(failed)
             )
         return results
 
@@ -267,7 +313,7 @@ class ControlPlane:
 
     async def _watch(self, session: Any, url: str, call: HttpCall) -> None:
         """Probe the server at `url` until cancelled; Unanswered when a probe is not answered within `deadline_s`."""
-        probe = HttpCall("GET", self.pool.liveness_path)
+        probe = HttpCall("GET", self.pool.kind.liveness_path)
         while True:
             try:
                 await asyncio.wait_for(self.deliver(session, url, probe), self.deadline_s)
@@ -312,7 +358,7 @@ class ControlPlane:
         if not missed:
             return results
         if len(missed) == len(urls):
-            raise EngineError(f"{self.pool.kind} {what}: no engine server answered in time: "
+            raise EngineError(f"{self.pool.kind.name} {what}: no engine server answered in time: "
                               + "; ".join(f"{urls[k]}: {results[k]}" for k in missed))  # fmt: skip
         index = {self.pool.address(i): i for i in self.pool.live}
         out = list(results)
@@ -343,21 +389,4 @@ class ControlPlane:
             await pool.sync_router_async()
         return out
 
-    @staticmethod
-    async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
-        """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
-        connection, or an answer the call's `check` refuses."""
-        try:
-            async with session.request(call.method, url + call.path, params=call.params, json=call.json) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    raise EngineError(f"HTTP {resp.status}: {text[:300]}")
-        except aiohttp.ClientError as e:
-            raise EngineError(f"{call.method} {call.path}: {type(e).__name__}: {e}") from e
-        try:
-            body = json.loads(text) if text.strip() else None
-        except ValueError:
-            body = text  # a plain-text answer (SGLang's /flush_cache); `check` may read it
-        if call.check is not None and (err := call.check(body)):
-            raise EngineError(err)
-        return body
+    call_one = staticmethod(call_one)  # the module's, as the plane's own: the warm-up sends through it

@@ -13,18 +13,56 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
+from fully_async.config import EngineConfig
+from fully_async.engines.base import EngineKind
+from fully_async.engines.control import ControlPlane
 from fully_async.engines.errors import EngineError
 from fully_async.engines.hung import wait_for_host
 from fully_async.engines.process import ServerProcess, node_of
-from fully_async.engines.slots import SlotState
-from fully_async.engines.warmup import warm
+from fully_async.engines.slots import Slots, SlotState
+from fully_async.engines.types import EngineState
+from fully_async.engines.warmup import WarmupPlan, warm
 
 logger = logging.getLogger(__name__)
 
 
-async def join(pool: Any, count: int) -> list[int]:
+@runtime_checkable
+class ElasticPool(Protocol):
+    """What joins, leaves and comebacks read and change of the pool (pool.py `EngineServers`): its members, their
+    weights and hosts; the pool's own fields, since membership is what this room changes."""
+
+    kind: EngineKind
+    cfg: EngineConfig
+    state: EngineState
+    slots: Slots
+    procs: list[Any]
+    control: ControlPlane
+    adapters: Any
+    epoch: int
+    weights_dir: Path | None
+    node_dirs: dict[str, Path]
+    hosts: list[Any] | None
+    host_factory: Any
+    warmup: WarmupPlan | None
+    pool_events: list[tuple[str, int, str, str | None]]
+    closed: bool
+
+    @property
+    def membership(self) -> asyncio.Lock: ...
+    @property
+    def stale_on_return(self) -> bool: ...
+    def new_process(self, index: int, port: int | None = None, host: Any = None) -> Any: ...
+    def node_of(self, index: int) -> dict[str, Any]: ...
+    def node_dead(self, index: int) -> bool: ...
+    def replaceable(self, index: int) -> bool: ...
+    def retire(self, index: int) -> None: ...
+    async def sync_router_async(self) -> None: ...
+
+
+async def join(pool: ElasticPool, count: int) -> list[int]:
     """Start `count` more servers of `pool` at once (each on a new engine host from `host_factory` when the job placed
     the servers through Ray, else as child processes), load the current weights and version into them, and only then
     append them to the pool (the client picks them up from there): their first tokens carry the current version.
@@ -44,9 +82,9 @@ async def join(pool: Any, count: int) -> list[int]:
                 await pool.control.reload(pool.weights_dir, pool.node_dirs, started, nodes)
             if pool.adapters is not None:
                 await pool.adapters.bring_current(started)
-            await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
+            await pool.control.call_all("set version", pool.kind.set_version_call(pool.state.version), urls)
             if pool.state.paused and not pool.state.clients_only:  # joined during a sync: paused like the others
-                await pool.control.call_all("pause", pool.pause_call("abort"), urls)
+                await pool.control.call_all("pause", pool.kind.pause_call("abort"), urls)
         # The current weights in no directory (collective transport): it serves from the next sync on, which
         # re-forms the weight group with it (the epoch says the members changed).
         state = SlotState.STALE if pool.stale_on_return else SlotState.SERVING
@@ -60,13 +98,13 @@ async def join(pool: Any, count: int) -> list[int]:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         raise EngineError(
-            f"{len(failed)} of {count} new {pool.kind} servers did not start ({len(joined)} joined): "
+            f"{len(failed)} of {count} new {pool.kind.name} servers did not start ({len(joined)} joined): "
             + "; ".join(f"{type(e).__name__}: {e}" for e in failed)
         )
     return joined
 
 
-async def _start_one(pool: Any, index: int) -> ServerProcess:
+async def _start_one(pool: ElasticPool, index: int) -> ServerProcess:
     """Launch server `index` (on a new engine host when the pool's servers have hosts) and wait until healthy; on
     failure stop it and free its host."""
     host = None
@@ -86,7 +124,7 @@ async def _start_one(pool: Any, index: int) -> ServerProcess:
     return proc
 
 
-async def leave(pool: Any, index: int, drained: Any = None) -> None:
+async def leave(pool: ElasticPool, index: int, drained: Any = None) -> None:
     """Take server `index` out of `pool`: the caller has stopped sending to it; abort what it still runs (the client
     continues those requests elsewhere), wait for `drained()` (an awaitable factory: the client's requests on it are
     done), stop it and free its host."""
@@ -96,7 +134,7 @@ async def leave(pool: Any, index: int, drained: Any = None) -> None:
         pool.epoch += 1  # a weight group that spans it must be re-formed without it
     await pool.sync_router_async()  # before the abort: the router must not send the continuations back to it
     try:
-        await pool.control.call_all("pause", pool.pause_call("abort"), [url])
+        await pool.control.call_all("pause", pool.kind.pause_call("abort"), [url])
     except EngineError as e:  # a dead server has nothing to abort
         logger.warning("aborting the requests of %s on removal: %s", url, e)
     if drained is not None:
@@ -108,7 +146,7 @@ async def leave(pool: Any, index: int, drained: Any = None) -> None:
     pool.pool_events.append(("leave", index, url, None))
 
 
-async def bring_current(pool: Any, indices) -> None:
+async def bring_current(pool: ElasticPool, indices) -> None:
     """Servers `indices` of `pool`, healthy again (started or restarted): the current weights (or STALE where their
     node has no copy yet), the current adapter (adapter syncs), the current version, and paused when the pool is."""
     urls = [pool.procs[i].url for i in indices]
@@ -128,12 +166,12 @@ async def bring_current(pool: Any, indices) -> None:
             pool.epoch += 1
     if pool.adapters is not None:  # the current adapter, from its node's copy where there is one
         await pool.adapters.bring_current([pool.procs[i] for i in indices])
-    await pool.control.call_all("set version", pool.set_version_call(pool.state.version), urls)
+    await pool.control.call_all("set version", pool.kind.set_version_call(pool.state.version), urls)
     if pool.state.paused and not pool.state.clients_only:  # back during a sync: paused like the others
-        await pool.control.call_all("pause", pool.pause_call("abort"), urls)
+        await pool.control.call_all("pause", pool.kind.pause_call("abort"), urls)
 
 
-def came_back(pool: Any, index: int) -> None:
+def came_back(pool: ElasticPool, index: int) -> None:
     """Server `index`, restarted and brought current, serves again; or, where the current weights are in no directory
     (collective transport), waits as STALE for the next sync. A server that was down may have missed a weight group
     formed meanwhile without it: the epoch moves, so the next sync re-forms the group with it (else that group's
@@ -144,7 +182,7 @@ def came_back(pool: Any, index: int) -> None:
         pool.epoch += 1
 
 
-def relaunch(pool: Any, index: int) -> None:
+def relaunch(pool: ElasticPool, index: int) -> None:
     """Start server `index` of `pool` again and wait until healthy (weights not loaded yet). A server whose engine
     host is gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
     proc = pool.procs[index]
@@ -161,14 +199,14 @@ def relaunch(pool: Any, index: int) -> None:
     proc.wait_healthy(pool.cfg.startup_timeout_s)
 
 
-def host_verdict(pool: Any, index: int) -> str:
+def host_verdict(pool: ElasticPool, index: int) -> str:
     """Whether the engine host of server `index` is alive, gone, or hung past engine.hung_host_s (engines/hung.py)."""
     cfg = pool.cfg
     return wait_for_host(pool.procs[index], lambda: pool.node_dead(index), cfg.control_deadline_s, cfg.hung_host_s,
                          closed=lambda: pool.closed)  # fmt: skip
 
 
-def _replace(pool: Any, index: int, avoid: str | None = None) -> None:
+def _replace(pool: ElasticPool, index: int, avoid: str | None = None) -> None:
     old = pool.procs[index]
     # The old host first: a hung one that continues later must not run a server nobody sends to (its server dies
     # with it, through the watchdog's lifeline). A failed replacement is tried again from here: the killed host is

@@ -2,9 +2,10 @@
 elastic changes (add, remove), one state per server slot (slots.py), and the router's worker list.
 
 An `EngineServers` owns its server processes (children of this process, or each under an `EngineHost` actor on its
-node, or attached by address) and drives all of them at once through its `ControlPlane` (control.py). A subclass per
-engine kind (vllm.py, sglang.py, sim.py) fills the hooks of `EngineKind` (base.py); `EngineClient` (client.py) sends
-generate requests to the servers and tells the pool which ones died (`server_died`) or leave (`retire`).
+node, or attached by address) and drives all of them at once through its `ControlPlane` (control.py). It holds one
+engine kind (`kind`, an `EngineKind` of base.py: vllm.py, sglang.py, sim.py) that says how to launch, address and
+control one server; `EngineClient` (client.py) sends generate requests to the servers and tells the pool which ones
+died (`server_died`) or leave (`retire`).
 
 Versions: `state.version` is the number of completed weight syncs whose weights the serving servers hold. A server
 that joins or comes back gets the current weights and version before it serves (under `membership`, the lock a
@@ -17,54 +18,49 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fully_async.config import EngineConfig
+from fully_async.engines import lifecycle
 from fully_async.engines.adapters import Adapters
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
-from fully_async.engines.elastic import bring_current, came_back, join, leave, relaunch
+from fully_async.engines.elastic import join, leave, relaunch
 from fully_async.engines.errors import EngineError
-from fully_async.engines.process import ServerProcess, node_of, release_shm, shm_record
+from fully_async.engines.lifecycle import server_process
+from fully_async.engines.process import ServerProcess, node_of
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
-from fully_async.engines.warmup import WarmupPlan, warm
+from fully_async.engines.warmup import WarmupPlan
 from fully_async.handles import dead_nodes
-from fully_async.weights.lora import LoraServing
 
 logger = logging.getLogger(__name__)
 
 
-class EngineServers(EngineKind):
+class EngineServers:
     """A pool of engine servers of one kind (see the module docstring)."""
 
     def __init__(
         self,
-        cfg: EngineConfig,
-        model_path: str | Path,
+        kind: EngineKind,
         run_dir: str | Path,
         addresses: list[str] | None = None,
         hosts: list[Any] | None = None,
-        device: str | None = None,
         weight_receiver: bool = False,
-        lora: LoraServing | None = None,
     ):
-        """addresses: attach to servers already running there (nothing is launched, restart is impossible);
+        """kind: how to launch, address and control one server (its config, model, device and LoRA serving);
+        addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
-        host's node; neither: the servers are child processes of this one. device: 'cuda' or 'cpu' (the job's
-        fully_async.host.device; None = this machine's). weight_receiver: the run uses the collective transport
-        (async_training.weight_transport=collective); vLLM servers load the worker extension whatever it says.
-        lora: serve versioned LoRA adapters (the adapter sync; engines/adapters.py)."""
-        from fully_async.host import device as run_device
-
-        self.cfg = cfg
-        self.model_path = Path(model_path)
+        host's node; neither: the servers are child processes of this one. weight_receiver: the run uses the
+        collective transport (async_training.weight_transport=collective); vLLM servers load the worker extension
+        whatever it says."""
+        self.kind = kind
+        self.cfg: EngineConfig = kind.cfg
+        self.model_path = kind.model_path
         self.run_dir = Path(run_dir)
-        self.device = device or run_device("auto")
+        self.device = kind.device
         self.state = EngineState()
         self.weights_dir: Path | None = None
         """Directory of the weights loaded last; a restarted server reloads it (or its node's copy, below)."""
@@ -72,7 +68,7 @@ class EngineServers(EngineKind):
         """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
         transport, fully_async/weights/disk.py)."""
         self.weight_receiver = weight_receiver
-        self.adapters = Adapters(self, lora) if lora is not None else None
+        self.adapters = Adapters(self, kind.lora) if kind.lora is not None else None
         """The versioned LoRA adapters the servers hold (None: full-weight syncs only)."""
         self.epoch = 0
         """Bumped whenever the servers' workers change: a weight group formed at an older epoch must be re-formed."""
@@ -100,14 +96,11 @@ class EngineServers(EngineKind):
         if addresses is not None:
             self.procs = [ServerProcess.external(url) for url in addresses]
         else:
-            count = len(hosts) if hosts is not None else cfg.num_servers
+            count = len(hosts) if hosts is not None else self.cfg.num_servers
             self.procs = [self.new_process(i) for i in range(count)]
         self.slots = Slots(len(self.procs))
-        self.control = self.make_control()
-
-    def make_control(self) -> ControlPlane:
-        """The control plane that delivers this pool's control calls (engine=sim delivers them in process)."""
-        return ControlPlane(self, self.cfg.control_deadline_s, self.cfg.control_timeout_s)
+        control = kind.control_class or ControlPlane  # engine=sim delivers the same calls in process
+        self.control: ControlPlane = control(self, self.cfg.control_deadline_s, self.cfg.control_timeout_s)
 
     # ---- slots -------------------------------------------------------------------------------------------------------
     @property
@@ -157,11 +150,6 @@ class EngineServers(EngineKind):
 
     # ---- addresses, logs, router -------------------------------------------------------------------------------------
     @property
-    def local_bind(self) -> str:
-        """Bind address of servers started as children of this process ("auto" = loopback)."""
-        return "127.0.0.1" if self.cfg.host == "auto" else self.cfg.host
-
-    @property
     def addresses(self) -> list[str]:
         return [p.url for p in self.procs]
 
@@ -182,6 +170,8 @@ class EngineServers(EngineKind):
         return self.procs[index].log_path
 
     def log_for(self, url: str) -> str:
+        if self.kind.in_process:
+            return "emulated engine, no log"
         if self.router is not None and url == self.router.url:
             return str(self.router.proc.log_path)
         for p in self.procs:
@@ -286,82 +276,32 @@ class EngineServers(EngineKind):
     def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
         """For the collective transport: the pool's epoch and the servers a weight group spans now (all in the pool
         but `down`), each with its index, URL and worker count."""
-        servers = [{"index": i, "url": self.procs[i].url, "workers": self.workers_per_server}
+        servers = [{"index": i, "url": self.procs[i].url, "workers": self.kind.workers_per_server}
                    for i in self.live if i not in down]  # fmt: skip
         return {"epoch": self.epoch, "servers": servers}
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------------
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:
-        name, log_path = f"{self.kind}-{index}", self.run_dir / "engines" / f"{self.kind}-{index}.log"
+        """Server `index` as a process (lifecycle.py `server_process`), under its placed engine host if it has one."""
         if host is None and self.hosts is not None and index < len(self.hosts):
             host = self.hosts[index]
-        if host is not None:
-            from fully_async.engines.host import RemoteServer
-
-            return RemoteServer(
-                name, host, lambda port, bind: self.command(index, port, bind),
-                self.environment(index), log_path, self.health_path,
-            )  # fmt: skip
-        return ServerProcess(
-            name=name,
-            command=lambda port: self.command(index, port, self.local_bind),
-            env=self.environment(index),
-            log_path=log_path,
-            host=self.local_bind,
-            health_path=self.health_path,
-            port=port,
-        )
+        return server_process(self.kind, self.run_dir, index, host, port)
 
     def start(self) -> None:
         """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
-        try:
-            launched = time.time()
-            for p in self.procs:
-                p.launch()
-            for p in self.procs:
-                p.wait_healthy(self.cfg.startup_timeout_s)
-            run_sync(bring_current(self, range(len(self.procs))))
-            self.started_at["engine_launch"] = (launched, time.time())
-            run_sync(warm(self, self.procs, self.warmup))
-            self.started_at["engine_warmup"] = (self.started_at["engine_launch"][1], time.time())
-            self.router = self.make_router()
-            if self.router is not None:
-                self.router.start(self.routed_urls(), self.cfg.startup_timeout_s)
-        except BaseException:
-            self.stop()  # a half-started pool would hold memory and cores until interpreter exit
-            raise
+        lifecycle.start(self)
 
     def stop(self) -> None:
-        """Stop every launched server (and its children) and free the hosts made for added or replaced ones; safe to
-        call twice."""
-        self.closed = True
-        if self.router is not None:
-            self.router.stop()  # first: no request should reach a server that is going away
-        for p in self.procs:
-            p.stop()
-            if p.log_path is not None:  # a server whose host died with its node left its record: on this machine,
-                release_shm(shm_record(p.log_path))  # its files go now (process.py)
-        if self.host_factory is not None:
-            self.host_factory.close()
+        """Stop every launched server and free the hosts made for added or replaced ones; safe to call twice."""
+        lifecycle.stop(self)
 
     def restart(self, index: int) -> None:
-        """Restart server `index` with the latest weights and version (replaced on another node when its engine host
-        is gone; see `relaunch`). Blocks until healthy."""
-        self.relaunch(index)
-        run_sync(warm(self, [self.procs[index]], self.warmup))
-        run_sync(bring_current(self, [index]))
-        came_back(self, index)
-        self.sync_router()
+        """Restart server `index` with the latest weights and version (lifecycle.py). Blocks until healthy."""
+        lifecycle.restart(self, index)
 
     async def restart_async(self, index: int) -> None:
-        """`restart` from the event loop that runs the control plane: the launch in a thread, the weights and version
-        under `membership`, so a sync's reload and version never interleave with it."""
-        await asyncio.to_thread(self.relaunch, index)
-        await warm(self, [self.procs[index]], self.warmup)  # down still: out of rotation, outside the lock
-        async with self.membership:
-            await bring_current(self, [index])
-            came_back(self, index)
-        await self.sync_router_async()  # back (or replaced at a new address): the router sends to it again
+        """`restart` from the event loop that runs the control plane (lifecycle.py)."""
+        await lifecycle.restart_async(self, index)
 
     def relaunch(self, index: int) -> None:
         """Start server `index` again and wait until healthy, in place or on a new host (`elastic.relaunch`)."""
@@ -386,21 +326,3 @@ class EngineServers(EngineKind):
     async def remove(self, index: int, drained: Any = None) -> None:
         """Take server `index` out of the pool; its requests move to the others (`elastic.leave`)."""
         await leave(self, index, drained)
-
-
-def run_sync(coro) -> None:
-    """Run a control coroutine to completion from synchronous lifecycle code. A private thread gives it its own
-    event loop, so this works whether or not the caller's thread already runs one."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            asyncio.run(coro)
-        except BaseException as e:  # re-raised in the caller's thread below
-            errors.append(e)
-
-    thread = threading.Thread(target=target, name="engine-control")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]

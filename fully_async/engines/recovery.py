@@ -16,18 +16,41 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
-from fully_async.engines.slots import SlotState
+from fully_async.config import EngineConfig
+from fully_async.engines.slots import Slots, SlotState
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class RecoveredPool(Protocol):
+    """What a recovery reads of the pool (pool.py `EngineServers`) and asks it to do: restart a server, the router."""
+
+    cfg: EngineConfig
+    slots: Slots
+    router: Any
+    closed: bool
+
+    @property
+    def live(self) -> list[int]: ...
+    @property
+    def serving(self) -> list[int]: ...
+    def address(self, index: int) -> str: ...
+    def is_alive(self, index: int) -> bool: ...
+    def log_path(self, index: int) -> Path | None: ...
+    async def restart_async(self, index: int) -> None: ...
+    def restart_router(self) -> None: ...
+    async def sync_router_async(self) -> None: ...
 
 
 class Recovery:
     """Restarts (or replaces) the dead servers of `servers` (an `EngineServers`), once each, in the background;
     counts them in `stats.restarts`."""
 
-    def __init__(self, servers: Any, auto_restart: bool, stats: Any) -> None:
+    def __init__(self, servers: RecoveredPool, auto_restart: bool, stats: Any) -> None:
         self.servers = servers
         self.auto_restart = auto_restart
         self.stats = stats

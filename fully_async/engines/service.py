@@ -1,9 +1,12 @@
-"""What the Rollouter actor answers about its engine pool: to ParamSync and the weight transports (nodes, layout, rpc),
-to `python -m fully_async.ctl engines` (the rows, add, remove) and to its own stats (the pool's joins and leaves).
+"""The engine port: what the Rollouter actor answers about its engine pool, to the weight transports (nodes, layout,
+rpc, reloads, weight groups, adapters), to `python -m fully_async.ctl engines` (the rows, add, remove) and to its own
+stats (the pool's joins and leaves).
 
-The Rollouter owns the pool's lifetime (it builds and starts it with its client) and delegates these calls here in
-one line each, so the engine package holds every rule about its pool: engine.min_servers / max_servers, which
-servers a weight copy or a weight group spans, what a row of the `engines` table says.
+The Rollouter owns the pool's lifetime (it builds and starts it with its client) and hands the port out through one
+actor method, `Rollouter.engine(call, *args)`, which runs `EngineService.call`: a call named in `PORT`, nothing else.
+So the engine package holds every rule about its pool (engine.min_servers / max_servers, which servers a weight copy
+or a weight group spans, what a row of the `engines` table says), a new transport call is one method here, and the
+Rollouter learns of a sync only through `synced` (its staleness ledger and admission).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fully_async.engines.slots import SlotState
@@ -25,18 +29,37 @@ ROW_STATE = {
 }
 """The `state` column of `fully_async.ctl engines`: a stale server is in rotation again at the next sync."""
 
+PORT = frozenset({
+    "nodes", "layout", "rpc", "rpc_all", "unverifiable", "control_deadline_s",  # what a transport reads
+    "load_weights", "weights_received", "load_adapter", "activate_adapter", "unload_adapters",  # a sync's steps
+    "rows", "add", "remove",  # fully_async.ctl engines
+})  # fmt: skip
+"""The calls `Rollouter.engine` hands to the port: its methods of these names."""
+
 
 class EngineService:
-    """The pool-facing calls of the Rollouter over `servers` (an `EngineServers`) and its `client`."""
+    """The engine port over `servers` (an `EngineServers`) and its `client`. `synced(version, serving)` is told of
+    every completed weight sync: the servers hold `version` (`serving`: they serve it now, an adapter needs no
+    resume; else from the resume on)."""
 
-    def __init__(self, servers: Any, client: Any, tracer: Any = None) -> None:
+    def __init__(
+        self, servers: Any, client: Any, tracer: Any = None, synced: Callable[[int, bool], None] | None = None
+    ) -> None:
         self.servers = servers
         self.client = client
         self.tracer = tracer
+        self.synced = synced or (lambda version, serving: None)
         self.joins = 0
         self.leaves = 0
         self.join_s: list[float] = []
         """Seconds each `add` took, from the call to every new server holding the current weights."""
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """Port call `name` (one of `PORT`) with `args`, awaited when it is a coroutine."""
+        if name not in PORT:
+            raise ValueError(f"the engine port has no call {name!r}; it answers {sorted(PORT)}")
+        result = getattr(self, name)(*args)
+        return await result if asyncio.iscoroutine(result) else result
 
     # ---- weight transports -------------------------------------------------------------------------------------------
     def nodes(self) -> list[dict[str, Any]]:
@@ -58,11 +81,51 @@ class EngineService:
         client holds down), each with its index, URL and worker count."""
         return self.servers.layout(self.servers.down)
 
+    async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
+        """The weight receiver's `method(spec)` on every worker of server `index` (collective transport)."""
+        return await self.servers.rpc(index, method, spec, timeout_s)
+
+    def unverifiable(self) -> str:
+        """Why weight syncs into these engines cannot be proven ("" = they can: weights/verify.py)."""
+        return self.servers.kind.unverifiable
+
+    def control_deadline_s(self) -> float:
+        """engine.control_deadline_s: how long the disk transport waits on a node that stops answering in a copy."""
+        return self.servers.cfg.control_deadline_s
+
+    async def load_weights(
+        self, weights_dir: str, version: int, node_dirs: dict[str, str | None] | None = None
+    ) -> dict[str, Any] | None:
+        """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`,
+        between the Rollouter's pause and resume; returns their answers to the reload (the disk transport's proof
+        reads the digests in them)."""
+        answers = await self.servers.load_weights(weights_dir, version, node_dirs)
+        self.synced(version, False)
+        return answers
+
+    async def weights_received(self, version: int, epoch: int) -> None:
+        """Every server holds `version` (sent through a weight group formed at `epoch`): label it, no reload."""
+        await self.servers.weights_received(version, epoch)
+        self.synced(version, False)
+
+    async def load_adapter(self, name: str, path: str, node_dirs: dict[str, str | None] | None = None) -> None:
+        """Every engine loads the LoRA adapter in `path` (or its node's copy) as `name` (the adapter transport)."""
+        await self.servers.adapters.load(name, path, node_dirs)
+
+    async def activate_adapter(self, name: str, version: int) -> None:
+        """New requests name adapter `name`: the engines serve `version` from now on (no pause was needed)."""
+        await self.servers.adapters.activate(name, version)
+        self.synced(version, True)
+
+    async def unload_adapters(self) -> dict[str, list[str]]:
+        """Unload the adapters no request names any more, beyond the newest kept (engines/adapters.py)."""
+        return await self.servers.adapters.unload()
+
     async def rpc_all(self, method: str, spec: str) -> dict[str, Any] | None:
         """The worker extension's `method(spec)` on every serving server at once, each within
         engine.control_deadline_s: {url: the workers' answers, or why the server gave none (a string)}; None when
         this engine kind has no worker extension to ask (`unverifiable` says why)."""
-        if self.servers.unverifiable:
+        if self.servers.kind.unverifiable:
             return None
         answers = await self.servers.control.rpc_all(method, spec)
         return {url: f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for url, a in answers.items()}
@@ -79,10 +142,11 @@ class EngineService:
                  "busy_s": round(busy[i], 3), "node_id": nodes[i]}
                 for i, proc in enumerate(servers.procs)]  # fmt: skip
 
-    async def add(self, count: int, max_servers: int) -> dict[str, Any]:
+    async def add(self, count: int = 1, max_servers: int | None = None) -> dict[str, Any]:
         """Start `count` more engine servers; each serves only once it holds the current weights and version.
-        Refused (ValueError) past `max_servers` (engine.max_servers; 0 = no limit)."""
+        Refused (ValueError) past `max_servers` (default engine.max_servers; 0 = no limit)."""
         servers = self.servers
+        max_servers = servers.cfg.max_servers if max_servers is None else max_servers
         live = len(servers.live)
         if count < 1:
             raise ValueError(f"add needs a count >= 1, got {count}")
@@ -99,11 +163,16 @@ class EngineService:
                        servers.state.version, [servers.address(i) for i in joined])  # fmt: skip
         return {"joined": [servers.address(i) for i in joined], "seconds": took, "live": len(servers.live)}
 
-    async def remove(self, url: str, min_servers: int, drain_timeout_s: float) -> dict[str, Any]:
+    async def remove(
+        self, url: str, min_servers: int | None = None, drain_timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Take the server at `url` out of the pool: no new requests; what it runs is aborted and continued on the
-        others (restarted from the prompt with partial rollout off), within `drain_timeout_s`; then it is stopped and
-        its resources freed. Refused (ValueError) below `min_servers` (engine.min_servers)."""
+        others (restarted from the prompt with partial rollout off), within `drain_timeout_s` (default
+        engine.control_timeout_s); then it is stopped and its resources freed. Refused (ValueError) below
+        `min_servers` (default engine.min_servers)."""
         servers = self.servers
+        min_servers = servers.cfg.min_servers if min_servers is None else min_servers
+        drain_timeout_s = servers.cfg.control_timeout_s if drain_timeout_s is None else drain_timeout_s
         index = next((i for i in servers.live if servers.address(i) == url), None)
         if index is None:
             raise ValueError(f"no engine server at {url} in the pool: {[servers.address(i) for i in servers.live]}")

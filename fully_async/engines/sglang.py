@@ -22,9 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versions
+from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.errors import EngineError
-from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
@@ -73,8 +72,10 @@ def _sglang_finish(reason: Any) -> str:
     raise ValueError(f"unknown finish_reason {reason!r}")
 
 
-class SGLangServers(EngineServers):
-    kind = "sglang"
+class SGLangKind(EngineKind):
+    """One SGLang server: its command line, environment, generate shapes and control calls."""
+
+    name = "sglang"
     liveness_path = "/model_info"  # /health runs a one-token generation, which waits behind a weight reload
     # SGLang 0.5.23's only read-back, /get_weights_by_name, is missing for Qwen2 models ("Get parameter by name
     # failed") and returns the first values of the fused, repacked parameter, not what the loader took.
@@ -131,8 +132,7 @@ class SGLangServers(EngineServers):
             cmd += ["--chunked-prefill-size", "-1"]  # SGLang's word for chunked prefill off
         elif cfg.max_num_batched_tokens:
             cmd += ["--chunked-prefill-size", str(cfg.max_num_batched_tokens)]
-        if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py); GPUs only
-            lora = self.adapters.serving
+        if (lora := self.lora) is not None:  # versioned adapters loaded at run time (engines/adapters.py); GPUs only
             cmd += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras-per-batch",
                     str(lora.max_loras), "--max-loaded-loras", str(lora.max_cpu_loras),
                     # SGLang's word for PEFT's "all-linear" is "all".
@@ -186,13 +186,13 @@ class SGLangServers(EngineServers):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs: {str(body)[:300]}")
         return Segment(token_ids, logprobs, finish, parse_versions(spans, len(token_ids)))
 
-    def make_router(self) -> Any:
+    def make_router(self, run_dir: Path) -> Any:
         """engine.router=sglang: an sglang-router (from the SGLang environment) in front of the servers."""
         if self.cfg.router != "sglang":
             return None
         from fully_async.engines.router import SGLangRouter
 
-        return SGLangRouter(sglang_python(self.cfg.python), self.cfg, self.run_dir / "engines" / "sglang-router.log")
+        return SGLangRouter(sglang_python(self.cfg.python), self.cfg, Path(run_dir) / "engines" / "sglang-router.log")
 
     # ---- control plane ---------------------------------------------------------------------------------------------
     def pause_call(self, mode: PauseMode) -> HttpCall:
@@ -215,9 +215,9 @@ class SGLangServers(EngineServers):
 
     def is_paused_call(self) -> tuple[HttpCall, Any]:
         """Unused: SGLang has no is-paused endpoint; `is_paused` reads /ready's status code instead."""
-        raise NotImplementedError("SGLang reports pause through /ready's status code (SGLangServers.is_paused)")
+        raise NotImplementedError("SGLang reports pause through /ready's status code (SGLangKind.is_paused)")
 
-    async def is_paused(self, url: str) -> bool:
+    async def is_paused(self, url: str, control: Any) -> bool:
         """/ready: 200 when serving, 503 while paused (or not healthy: then the next request meets the failure)."""
         from fully_async.engines.auth import auth_headers
 
@@ -283,31 +283,34 @@ class SGLangServers(EngineServers):
         }
         return HttpCall("POST", "/update_weights_from_distributed", json=body, check=_success("NCCL weight update"))
 
-    async def init_weights_group(self, master_address: str, master_port: int, group_name: str) -> None:
-        """Every server joins one group with the caller as rank 0 (world = 1 + servers x tp); the caller must join
-        the same group (torch.distributed, rank 0) at the same time."""
-        tp = self.cfg.tensor_parallel_size
-        world = 1 + len(self.procs) * tp
-        await asyncio.gather(
-            *(
-                self.control.call_all(
-                    "join weight group",
-                    self.init_weights_group_call(master_address, master_port, 1 + i * tp, world, group_name),
-                    [url],
-                )
-                for i, url in enumerate(self.addresses)
+
+# ---- over a pool of SGLang servers (`pool.kind` an SGLangKind) ---------------------------------------------------------
+async def init_weights_group(pool: Any, master_address: str, master_port: int, group_name: str) -> None:
+    """Every server of `pool` joins one group with the caller as rank 0 (world = 1 + servers x tp); the caller must
+    join the same group (torch.distributed, rank 0) at the same time."""
+    tp = pool.cfg.tensor_parallel_size
+    world = 1 + len(pool.procs) * tp
+    call = pool.kind.init_weights_group_call
+    await asyncio.gather(
+        *(
+            pool.control.call_all(
+                "join weight group", call(master_address, master_port, 1 + i * tp, world, group_name), [url]
             )
+            for i, url in enumerate(pool.addresses)
         )
+    )
 
-    async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
-    ) -> None:
-        """Every server receives the bucket the caller broadcasts meanwhile; the servers' version becomes `version`."""
-        await self.control.call_all(
-            "NCCL weight update", self.update_weights_from_distributed_call(names, dtypes, shapes, group_name, version)
-        )
-        self.state.version = version
 
-    async def model_info(self) -> list[dict]:
-        """Per server, /model_info: model_path (the weights loaded last), weight_version, model_type, ..."""
-        return await self.control.call_all("model info", HttpCall("GET", "/model_info"))
+async def update_weights_from_distributed(
+    pool: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
+) -> None:
+    """Every server of `pool` receives the bucket the caller broadcasts meanwhile; the servers' version becomes
+    `version`."""
+    call = pool.kind.update_weights_from_distributed_call(names, dtypes, shapes, group_name, version)
+    await pool.control.call_all("NCCL weight update", call)
+    pool.state.version = version
+
+
+async def model_info(pool: Any) -> list[dict]:
+    """Per server of `pool`, /model_info: model_path (the weights loaded last), weight_version, model_type, ..."""
+    return await pool.control.call_all("model info", HttpCall("GET", "/model_info"))

@@ -2,7 +2,7 @@
 
 Why in-process and not HTTP: at hundreds of engines and ~10^4 requests per simulated minute, an aiohttp round trip
 (JSON of thousands of token ids both ways) would cost more CPU than everything else the rollout path does, and the
-benchmark would measure the emulation instead of the framework. So `SimServers` keeps the real control plane
+benchmark would measure the emulation instead of the framework. So a pool of `SimKind` keeps the real control plane
 (pause / resume / reload / set version / reset prefix cache go through the same `ControlPlane` methods and the same
 `HttpCall` descriptions as vLLM's; only `SimControl.deliver` hands each to an in-process engine instead of a socket),
 and `EngineClient` hands generate requests to `send_direct` instead of posting them, keeping its own balancing,
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
 from fully_async.engines.errors import EngineError
-from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.engines.vllm import VLLMControlCalls
 
@@ -266,52 +266,31 @@ def _trailing_run(ids: list[int], token: int) -> int:
     return n - lo
 
 
-class SimServers(VLLMControlCalls, EngineServers):
-    """engine.num_servers emulated engines in this process, behind the EngineServers control plane."""
+class SimKind(VLLMControlCalls, EngineKind):
+    """engine.num_servers emulated engines in this process; their pool (`EngineServers(kind, run_dir,
+    addresses=kind.urls)`) launches nothing and delivers its control calls through `SimControl`."""
 
-    kind = "sim"
+    name = "sim"
     in_process = True
     unverifiable = "engine=sim holds no weights"
 
-    def __init__(
-        self,
-        cfg: Any,
-        model_path: str | Path,
-        run_dir: str | Path,
-        addresses: list[str] | None = None,
-        device: str | None = None,
-    ) -> None:
-        if addresses is not None:
-            raise EngineError("engine=sim emulates its servers in this process; it cannot attach to addresses")
-        urls = [f"sim://engine-{i}" for i in range(cfg.num_servers)]
-        super().__init__(cfg, model_path, run_dir, addresses=urls, device=device or "cpu")
+    def __init__(self, cfg: Any, model_path: str | Path, device: str | None = None) -> None:
+        super().__init__(cfg, model_path, device or "cpu")
+        self.control_class = SimControl
+        self.urls = [f"sim://engine-{i}" for i in range(cfg.num_servers)]
+        """The emulated servers' addresses (what the pool attaches to)."""
         rng = random.Random(cfg.sim.seed)
         self.engines = [SimEngine(i, cfg.sim, random.Random(rng.random())) for i in range(cfg.num_servers)]
-        self.by_url = {url: i for i, url in enumerate(self.addresses)}
+        self.by_url = {url: i for i, url in enumerate(self.urls)}
 
-    # ---- lifecycle: nothing to launch --------------------------------------------------------------------------------
-    def start(self) -> None:
-        pass
+    def restart_in_process(self, idx: int, version: int) -> None:
+        old = self.engines[idx]
+        self.engines[idx] = SimEngine(idx, self.cfg.sim, old.lengths.rng)
+        self.engines[idx].version = version
 
-    def stop(self) -> None:
-        pass
-
-    def restart(self, index: int) -> None:
-        old = self.engines[index]
-        self.engines[index] = SimEngine(index, self.cfg.sim, old.lengths.rng)
-        self.engines[index].version = self.state.version
-        self.slots.back_up(index, stale=False)  # it holds the current (emulated) weights at once
-
-    async def restart_async(self, index: int) -> None:
-        self.restart(index)
-
-    # ---- generation ----------------------------------------------------------------------------------------------
     async def send_direct(self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling) -> Segment:
         """What a POST of generate_request() to server `idx` would return, without the socket."""
         return await self.engines[idx].generate(prompt, max_tokens, sampling)
-
-    def make_control(self) -> ControlPlane:
-        return SimControl(self, self.cfg.control_deadline_s, self.cfg.control_timeout_s)
 
     # ---- adapter hooks (the same endpoint descriptions as vLLM's) ----------------------------------------------------
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
@@ -326,12 +305,9 @@ class SimServers(VLLMControlCalls, EngineServers):
     def parse_generate(self, body: Any) -> Segment:
         raise EngineError("engine=sim answers generate requests in process (send_direct)")
 
-    def log_for(self, url: str) -> str:
-        return "emulated engine, no log"
-
 
 class SimControl(ControlPlane):
-    """The control plane of `SimServers`: the same fan-out, deadlines and set-aside as vLLM's (control.py), each call
+    """The control plane of a pool of `SimKind`: the same fan-out, deadlines and set-aside as vLLM's (control.py), each call
     delivered to an in-process engine instead of a socket. An engine marked `hung` answers nothing, as a server on a
     stopped node: the deadline sets it aside like a real one."""
 
@@ -339,11 +315,11 @@ class SimControl(ControlPlane):
         return contextlib.nullcontext()
 
     async def deliver(self, session: Any, url: str, call: HttpCall) -> Any:
-        pool = self.pool
-        engine = pool.engines[pool.by_url[url]]
+        kind: Any = self.pool.kind  # a SimKind
+        engine = kind.engines[kind.by_url[url]]
         while engine.hung:  # a stopped node: no answer until it continues (the caller's bound ends the wait)
             await asyncio.sleep(0.01)
-        sim = pool.cfg.sim
+        sim = kind.cfg.sim
         latency = {"/pause": sim.pause_s, "/resume": sim.resume_s, "/collective_rpc": sim.reload_s}.get(call.path, 0.0)
         if latency:
             await asyncio.sleep(latency / sim.time_scale)  # every engine at once: the fan-out runs them together
@@ -359,6 +335,6 @@ class SimControl(ControlPlane):
             engine.set_version(int(call.json["new_version"]))
         elif call.path == "/reset_prefix_cache":
             return {"success": True}
-        elif call.path != pool.liveness_path:
+        elif call.path != kind.liveness_path:
             raise EngineError(f"sim: no emulated endpoint {call.method} {call.path}")
         return None

@@ -13,8 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fully_async.engines.base import REPO_ROOT, engine_interpreter, parse_versions
-from fully_async.engines.pool import EngineServers
+from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
 from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 from fully_async.multimodal.images import data_url
@@ -79,8 +78,10 @@ class VLLMControlCalls:
         )
 
 
-class VLLMServers(VLLMControlCalls, EngineServers):
-    kind = "vllm"
+class VLLMKind(VLLMControlCalls, EngineKind):
+    """One vLLM server: its command line, environment and generate shapes (the control calls above)."""
+
+    name = "vllm"
     unverifiable = ""
 
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
@@ -121,8 +122,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         cmd += ["--worker-extension-cls", EXTENSION_CLS]  # every reload goes through it (fa_reload: digested)
         if self.vision:
             cmd += ["--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES_PER_PROMPT, "video": 0})]
-        if self.adapters is not None:  # versioned adapters loaded at run time (engines/adapters.py)
-            lora = self.adapters.serving
+        if (lora := self.lora) is not None:  # versioned adapters loaded at run time (engines/adapters.py)
             cmd += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-cpu-loras", str(lora.max_cpu_loras),
                     "--max-lora-rank", str(lora.max_rank)]  # fmt: skip
         if cuda:
@@ -140,7 +140,7 @@ class VLLMServers(VLLMControlCalls, EngineServers):
         env["PYTHONPATH"] = str(EXTENSION_DIR)
         if self.vision and self.device != "cuda":
             env["PYTHONPATH"] += os.pathsep + str(VISION_SHIM_DIR)
-        if self.adapters is not None:
+        if self.lora is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VIRTUAL_ENV"] = str(Path(engine_python(self.cfg.python)).parent.parent)
         return {**env, **{str(k): str(v) for k, v in self.cfg.env.items()}}

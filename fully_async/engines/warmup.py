@@ -21,12 +21,25 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
 from fully_async.engines.types import HttpCall, Sampling
 
+if TYPE_CHECKING:
+    from fully_async.engines.control import ControlPlane
+
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class WarmedPool(Protocol):
+    """What a warm-up reads of the pool: its kind (the generate shapes) and the control plane that sends the calls."""
+
+    kind: EngineKind
+    control: ControlPlane
+
 
 MAX_TOKENS = 64
 """Most tokens a warm-up request asks for: decode steps after the first few meet no new shape, while a long-response
@@ -54,17 +67,17 @@ class WarmupPlan:
         return cls(tuple(max(prompts, key=len)), min(max_tokens, MAX_TOKENS), sampling, requests, timeout_s)
 
 
-async def warm(pool: Any, procs: list[Any], plan: WarmupPlan | None) -> dict[str, float]:
+async def warm(pool: WarmedPool, procs: list[Any], plan: WarmupPlan | None) -> dict[str, float]:
     """Warm the servers `procs` of `pool` (processes with a `url`, in the pool or about to join it) by `plan`
     (None: nothing to do), all at once. {url: seconds} of each server's warm-up, failed ones included."""
-    if plan is None or not procs or pool.in_process:  # emulated engines (engine=sim) have no cold start
+    if plan is None or not procs or pool.kind.in_process:  # emulated engines (engine=sim) have no cold start
         return {}
     async with pool.control.session() as session:
         spent = await asyncio.gather(*(_warm_one(pool, session, p, plan) for p in procs))
     return dict(zip([p.url for p in procs], spent))
 
 
-async def _warm_one(pool: Any, session: Any, proc: Any, plan: WarmupPlan) -> float:
+async def _warm_one(pool: WarmedPool, session: Any, proc: Any, plan: WarmupPlan) -> float:
     start = time.monotonic()
     try:
         await asyncio.wait_for(_rounds(pool, session, proc, plan), plan.timeout_s)
@@ -74,11 +87,11 @@ async def _warm_one(pool: Any, session: Any, proc: Any, plan: WarmupPlan) -> flo
     return time.monotonic() - start
 
 
-async def _rounds(pool: Any, session: Any, proc: Any, plan: WarmupPlan) -> None:
+async def _rounds(pool: WarmedPool, session: Any, proc: Any, plan: WarmupPlan) -> None:
     await _one(pool, session, proc, plan)
     await asyncio.gather(*(_one(pool, session, proc, plan) for _ in range(plan.requests)))
 
 
-async def _one(pool: Any, session: Any, proc: Any, plan: WarmupPlan) -> None:
-    path, body = pool.generate_request(list(plan.prompt_ids), plan.max_tokens, plan.sampling)
-    pool.parse_generate(await pool.control.call_one(session, proc.url, HttpCall("POST", path, json=body)))
+async def _one(pool: WarmedPool, session: Any, proc: Any, plan: WarmupPlan) -> None:
+    path, body = pool.kind.generate_request(list(plan.prompt_ids), plan.max_tokens, plan.sampling)
+    pool.kind.parse_generate(await pool.control.call_one(session, proc.url, HttpCall("POST", path, json=body)))

@@ -120,7 +120,7 @@ class CollectiveTransport(WeightTransport):
         refs = []
         self._pending = {}
         for server, s in zip(self._servers, specs):
-            ref = self.rollouter.engine_rpc.remote(server["index"], method, json.dumps(s), timeout_s)
+            ref = self.rollouter.engine.remote("rpc", server["index"], method, json.dumps(s), timeout_s)
             self._pending[server["url"]] = ref
             refs.append(ref)
         return refs
@@ -158,7 +158,7 @@ class CollectiveTransport(WeightTransport):
 
     def _connect(self) -> None:
         """Check the plan against every engine, then (re-)form the group with the pool as it is now."""
-        info = resolve(self.rollouter.engine_layout.remote())
+        info = resolve(self.rollouter.engine.remote("layout"))
         self._servers = info["servers"]
         if self._plan is None:
             self._plan = self.sender.plan()
@@ -216,7 +216,7 @@ class CollectiveTransport(WeightTransport):
 
     def _reconnect_if_changed(self) -> bool:
         """Re-form the group when the pool changed (a server restarted) since it was formed; True when it did."""
-        if resolve(self.rollouter.engine_layout.remote())["epoch"] == self._epoch:
+        if resolve(self.rollouter.engine.remote("layout"))["epoch"] == self._epoch:
             return False
         self._connect()
         return True
@@ -291,7 +291,7 @@ class CollectiveTransport(WeightTransport):
         self.last = {"sender": stats, "engines": answers}
 
     def _set_version(self, version: int) -> None:
-        resolve(self.rollouter.weights_received.remote(version, self._epoch))
+        resolve(self.rollouter.engine.remote("weights_received", version, self._epoch))
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"

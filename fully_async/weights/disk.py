@@ -182,7 +182,7 @@ def file_chunks(directory: Path, put: Callable[[Any], Any], chunk_bytes: int = C
 
 
 def copy_plan(servers: list[dict[str, Any]], here: str | None) -> dict[str, dict[str, Any]]:
-    """The nodes that need a copy, from the engine servers' placement (the rollouter's `engine_nodes()`: per server
+    """The nodes that need a copy, from the engine servers' placement (the engine port's `nodes`: per server
     {"node_id", "node_ip", "host"}) and `here`, the node that reads the export: {node_id: the first server's entry on
     that node (its host writes the node's copy)}. A server without a node id (a child of an actor outside Ray) or on
     `here` needs none. A server elsewhere without a host cannot be written to: ValueError naming it."""
@@ -245,7 +245,7 @@ class DiskTransport(WeightTransport):
         def reload() -> None:
             # vLLM's workers answer the reload with their digests of what the loader took: the proof needs no
             # other round trip (an engine that answers none, a fake's older protocol, is asked in `verify`).
-            answers = resolve(self.rollouter.load_weights.remote(str(out), version, self.node_dirs or None))
+            answers = resolve(self.rollouter.engine.remote("load_weights", str(out), version, self.node_dirs or None))
             if answers and all(isinstance(a, list) and a and "digest" in (a[0] or {}) for a in answers.values()):
                 reloaded["answers"] = answers
             prune(self.root, keep={out.name, f"v{version - 1}"})
@@ -272,7 +272,7 @@ class DiskTransport(WeightTransport):
         remembers {node id: node-local directory} for the reload, None for a node that got no copy this time (Ray
         reports it dead, its host died, or it stopped answering: the reload sets its servers aside). A node whose
         copy fails otherwise raises RuntimeError naming it."""
-        servers = resolve(self.rollouter.engine_nodes.remote())
+        servers = resolve(self.rollouter.engine.remote("nodes"))
         plan = copy_plan(servers, _this_node())
         if not plan:
             self.node_dirs = {}
@@ -280,7 +280,7 @@ class DiskTransport(WeightTransport):
         import ray
 
         if self.deadline_s is None:
-            self.deadline_s = float(resolve(self.rollouter.control_deadline_s.remote()))
+            self.deadline_s = float(resolve(self.rollouter.engine.remote("control_deadline_s")))
         lost = dead_nodes() & set(plan)
         for node in lost:
             log.warning("weights v%d: node %s is dead in Ray; no copy, its servers are set aside", version,

@@ -146,7 +146,7 @@ class LoraTransport(WeightTransport):
             raise ValueError("version 0 is the base model: there is no adapter to sync")
 
         def load() -> None:
-            resolve(self.rollouter.load_adapter.remote(name, str(out), self.disk.node_dirs or None))
+            resolve(self.rollouter.engine.remote("load_adapter", name, str(out), self.disk.node_dirs or None))
 
         def verify() -> dict[str, str]:
             if not self.verifier.active():  # engines that report no digest (said once)
@@ -157,7 +157,7 @@ class LoraTransport(WeightTransport):
             ("distribute", lambda: self.disk.distribute(version)),
             ("load", load),
             ("verify", verify),
-            ("activate", lambda: resolve(self.rollouter.activate_adapter.remote(name, version))),
+            ("activate", lambda: resolve(self.rollouter.engine.remote("activate_adapter", name, version))),
             ("unload", self.unload),
         )
         return SyncPlan(reads=(("export", lambda: self.export(version)),), engines=engines, pause=False)
@@ -178,7 +178,7 @@ class LoraTransport(WeightTransport):
 
     def unload(self) -> dict[str, list[str]]:
         """Unload old names (engines/adapters.py's rule) and remove the directories of names no longer loaded."""
-        result = resolve(self.rollouter.unload_adapters.remote())
+        result = resolve(self.rollouter.engine.remote("unload_adapters"))
         kept = {f"v{name.rsplit('-v', 1)[1]}" for name in result["loaded"]}
         prune(self.root, keep=kept)
         return result

@@ -42,13 +42,13 @@ def verify_engines(rollouter: Any, expected: str, method: str, spec: dict, what:
 def ask_engines(rollouter: Any, method: str, spec: dict) -> dict[str, Any] | None:
     """The pool-wide fan-out of `verify_engines`: {url: the workers' answers, or why none}; None when the engine kind
     has no worker extension to ask."""
-    return resolve(rollouter.engine_rpc_all.remote(method, json.dumps(spec)))
+    return resolve(rollouter.engine.remote("rpc_all", method, json.dumps(spec)))
 
 
 def check_answers(rollouter: Any, answers: dict[str, Any] | None, expected: str, what: str) -> dict[str, str]:
     """`verify_engines`' judgement of the answers `ask_engines` collected (see there)."""
     if answers is None:
-        why = resolve(rollouter.engine_unverifiable.remote())
+        why = resolve(rollouter.engine.remote("unverifiable"))
         raise ParamSyncError(f"{what}: cannot verify the sync: {why}")
     if not answers:
         # Every server was set aside during this sync (its node lost, or it stopped answering): nothing serves, so
@@ -96,7 +96,7 @@ class SyncVerifier:
         """Whether syncs are verified (asks the engines' kind once)."""
         if self.enabled and not self._checked:
             self._checked = True
-            why = resolve(self.rollouter.engine_unverifiable.remote())
+            why = resolve(self.rollouter.engine.remote("unverifiable"))
             if why:
                 self.enabled = False
                 print(f"fully_async: weight syncs are not verified by a digest: {why}", flush=True)

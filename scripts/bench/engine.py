@@ -49,7 +49,7 @@ async def _direct(servers, session, prompts, tokens) -> None:
     url = servers.addresses[0]
 
     async def one(p):
-        path, body = servers.generate_request(p, tokens, SAMPLING)
+        path, body = servers.kind.generate_request(p, tokens, SAMPLING)
         for attempt in range(3):
             try:
                 async with session.post(url + path, json=body) as resp:
@@ -61,7 +61,7 @@ async def _direct(servers, session, prompts, tokens) -> None:
                 DIRECT_RETRIES[0] += 1
                 if attempt == 2:
                     raise
-        ids = out["output_ids"] if servers.kind == "sglang" else out["choices"][0]["token_ids"]
+        ids = out["output_ids"] if servers.kind.name == "sglang" else out["choices"][0]["token_ids"]
         assert len(ids) == tokens
 
     await asyncio.gather(*(one(p) for p in prompts))

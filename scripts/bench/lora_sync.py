@@ -26,24 +26,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from weights import REPO, SIZES, BenchRollouter, TensorBackend
 
 KINDS = ("adapter", "disk", "collective")
-
-
-class LoraBenchRollouter(BenchRollouter):
-    """BenchRollouter with the adapter sync's calls (the Rollouter's own, less its ledger, wake-up and validation)."""
-
-    async def load_adapter(self, name: str, path: str, node_dirs: Any = None) -> None:
-        await self.servers.adapters.load(name, path, node_dirs)
-
-    async def activate_adapter(self, name: str, version: int) -> None:
-        await self.servers.adapters.activate(name, version)
-
-    async def unload_adapters(self) -> dict:
-        return await self.servers.adapters.unload()
 
 
 def dir_bytes(path: Path) -> int:
@@ -70,7 +56,7 @@ def one_size(name: str, args) -> dict[str, dict[str, float]]:
     t0 = time.perf_counter()
     pool.start()
     print(f"[{name}] vLLM server with LoRA healthy in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    handle = LocalActor(LoraBenchRollouter(pool))
+    handle = LocalActor(BenchRollouter(pool))
     syncs = {kind: ParamSync(handle, adapter if kind == "adapter" else full, work / kind, "float32", 1200.0,
                              transport=kind, bucket_mb=args.bucket_mb) for kind in KINDS}  # fmt: skip
     measures: dict[str, list[float]] = {}

@@ -120,15 +120,14 @@ class TensorBackend:
 
 class BenchRollouter:
     """The Rollouter's weight-sync surface over an engine pool: pause and resume here (the real ones also stop
-    admission), every other call is the Rollouter's own method run on this object (load_weights, engine_nodes, and
-    the collective transport's calls where they exist)."""
+    admission), every other call is the Rollouter's own method run on this object (`engine`, the engine port, over
+    the pool's own `EngineService`)."""
 
     def __init__(self, servers: Any) -> None:
         from fully_async.engines.service import EngineService
 
         self.servers = servers
         self.engine_service = EngineService(servers, None)
-        self.ledger = _Ledger()
 
     async def pause(self) -> None:
         await self.servers.pause("abort")
@@ -143,11 +142,6 @@ class BenchRollouter:
         if fn is None or name.startswith("_"):
             raise AttributeError(name)
         return fn.__get__(self)
-
-
-class _Ledger:
-    def on_sync(self, version: int) -> None:
-        pass
 
 
 # ---- raw references ------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ async def _greedy(servers) -> list:
 def test_an_adapter_sync_into_sglang_serves_the_merged_models_tokens(tmp_path):
     model = build_tiny_model(TINY, tmp_path / "models")
     servers = build_engine(CFG, model, tmp_path / "run", device="cuda", lora=LoraServing(max_loras=3, max_rank=8))
-    assert "--enable-lora" in servers.command(0, 1)
+    assert "--enable-lora" in servers.kind.command(0, 1)
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     backend = AdapterBackend(model, LORA)

@@ -16,7 +16,7 @@ import pytest
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
 from fully_async.engines.process import free_port
-from fully_async.engines.sglang import SGLANG_VENV
+from fully_async.engines.sglang import SGLANG_VENV, init_weights_group, update_weights_from_distributed
 from fully_async.models import build_tiny_model
 
 pytestmark = [
@@ -51,7 +51,7 @@ def tp2(models, tmp_path_factory):
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs for --tp 2")
     servers = build_engine(CFG, models[0], tmp_path_factory.mktemp("run"), device="cuda")
-    assert "--tp" in (cmd := servers.command(0, 1)) and cmd[cmd.index("--tp") + 1] == "2"
+    assert "--tp" in (cmd := servers.kind.command(0, 1)) and cmd[cmd.index("--tp") + 1] == "2"
     servers.start()
     yield servers
     servers.stop()
@@ -93,7 +93,7 @@ async def test_nccl_weight_update_equals_a_disk_reload_of_the_same_weights(tp2, 
 
     port, group = free_port(), "fully_async_test"
     world = 1 + CFG.tensor_parallel_size
-    joined = asyncio.create_task(tp2.init_weights_group("127.0.0.1", port, group))
+    joined = asyncio.create_task(init_weights_group(tp2, "127.0.0.1", port, group))
     await asyncio.to_thread(
         dist.init_process_group, backend="nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0
     )
@@ -103,8 +103,8 @@ async def test_nccl_weight_update_equals_a_disk_reload_of_the_same_weights(tp2, 
         names = list(state)
         await tp2.pause("abort")
         received = asyncio.create_task(
-            tp2.update_weights_from_distributed(
-                names, ["bfloat16"] * len(names), [list(state[n].shape) for n in names], group, 4
+            update_weights_from_distributed(
+                tp2, names, ["bfloat16"] * len(names), [list(state[n].shape) for n in names], group, 4
             )
         )
 

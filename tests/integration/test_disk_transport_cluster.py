@@ -48,11 +48,8 @@ out = {"here": here, "worker": worker}
 
 
 class Pool:
-    # The Rollouter's weight-sync surface over a real engine pool (its own engine_nodes, unchanged).
-    engine_nodes = Rollouter.engine_nodes
-    control_deadline_s = Rollouter.control_deadline_s
-    engine_rpc_all = Rollouter.engine_rpc_all  # the proof of each sync (weights/verify.py)
-    engine_unverifiable = Rollouter.engine_unverifiable
+    # The Rollouter's weight-sync surface over a real engine pool: its own engine port, unchanged.
+    engine = Rollouter.engine
 
     def __init__(self, servers):
         self.servers = servers
@@ -65,8 +62,6 @@ class Pool:
     async def resume(self):
         await self.servers.resume()
 
-    async def load_weights(self, weights_dir, version, node_dirs=None):
-        await self.servers.load_weights(weights_dir, version, node_dirs)
 
 
 def hosts_on(node, count, tag):

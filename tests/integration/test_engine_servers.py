@@ -26,6 +26,7 @@ import torch
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
 from fully_async.engines.process import SHM, ServerProcess, shm_record
+from fully_async.engines.sglang import model_info
 from fully_async.models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -290,7 +291,7 @@ async def test_killed_lone_server_fails_with_its_log_then_restarts_on_its_weight
     out = await again.generate(PROMPTS[2], LONG, GREEDY)
     assert out.token_ids == expected and out.versions == [5] * LONG
     await again.close()
-    (info,) = await engine.model_info()
+    (info,) = await model_info(engine)
     assert info["weight_version"] == "5" and info["model_path"] == str(new.resolve())
 
 

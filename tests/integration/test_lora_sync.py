@@ -116,7 +116,7 @@ def _running(servers) -> int:
 
 def test_outputs_under_a_loaded_adapter_equal_the_merged_model_and_change_with_the_next_sync(pool, sync):
     servers, _ = pool
-    assert "--enable-lora" in servers.command(0, 1) and "--max-loras" in servers.command(0, 1)
+    assert "--enable-lora" in servers.kind.command(0, 1) and "--max-loras" in servers.kind.command(0, 1)
     base = asyncio.run(_generate(servers))
     backend = sync.backend
     timings = sync.sync(1)

@@ -63,7 +63,7 @@ def run_with_syncs(ray, tmp_path, partial: bool, min_syncs: int = 3, max_syncs: 
             time.sleep(0.3)
             version += 1
             ray.get(rollouter.pause.remote(), timeout=60)
-            ray.get(rollouter.load_weights.remote(model, version), timeout=60)
+            ray.get(rollouter.engine.remote("load_weights", model, version), timeout=60)
             ray.get(rollouter.resume.remote(), timeout=60)
         groups = []
         while len(groups) < 4 * max_syncs and not any(shows_the_mode(t) for g in groups for t in g.trajectories):

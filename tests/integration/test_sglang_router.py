@@ -19,6 +19,7 @@ import pytest
 
 from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
+from fully_async.engines.sglang import model_info
 from fully_async.models import build_tiny_model
 
 pytestmark = [
@@ -109,7 +110,7 @@ async def test_pool_pause_reaches_each_server_and_reload_changes_routed_outputs(
         await pool.pause("abort")
         assert [await pool.is_paused(url) for url in pool.addresses] == [True, True]
         await pool.load_weights(models[1], 1)
-        assert [info["weight_version"] for info in await pool.model_info()] == ["1", "1"]
+        assert [info["weight_version"] for info in await model_info(pool)] == ["1", "1"]
         await pool.resume()
         assert [await pool.is_paused(url) for url in pool.addresses] == [False, False]
         results = await asyncio.gather(*long)

@@ -113,7 +113,7 @@ def test_a_collective_sync_makes_both_servers_equal_a_fresh_server_on_the_new_we
     pool, models, reference, tmp_path
 ):
     servers, handle = pool
-    assert "--worker-extension-cls" in servers.command(0, 1)
+    assert "--worker-extension-cls" in servers.kind.command(0, 1)
     before = asyncio.run(_outputs(servers, 0))
     assert [r[0] for r in before] != [r[0] for r in reference]  # the two weight sets are told apart
     sync = _sync(handle, StateDictBackend(models[1]), tmp_path)

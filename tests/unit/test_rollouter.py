@@ -56,7 +56,7 @@ async def until(predicate, what: str, timeout: float = 30.0) -> None:
 async def sync(rollouter: Rollouter, tmp_path, version: int) -> None:
     """What ParamSync does: pause, load the weights as `version`, resume."""
     await rollouter.pause()
-    await rollouter.load_weights(str(tmp_path), version)
+    await rollouter.engine("load_weights", str(tmp_path), version)
     await rollouter.resume()
 
 
@@ -201,7 +201,7 @@ async def test_a_sync_pauses_no_idle_server_and_lets_the_trainers_next_batch_fin
         await until(lambda: rollouter.ledger.accepted == 8 and client.idle(), "version 0's groups")
         await rollouter.pause()  # nothing in flight: the servers are not paused, only the client holds
         assert state.paused and state.clients_only
-        await rollouter.load_weights(str(tmp_path), 1)
+        await rollouter.engine("load_weights", str(tmp_path), 1)
         await rollouter.resume()
         assert not state.paused and not state.clients_only
         for _ in range(2):  # the trainer takes version 0's groups: the queue has room for what comes next
@@ -213,7 +213,7 @@ async def test_a_sync_pauses_no_idle_server_and_lets_the_trainers_next_batch_fin
         await rollouter.pause()
         assert client.idle() and client.stats.aborts == aborts and state.clients_only  # finished, not aborted
         assert time.monotonic() - start < 5.0  # until the batch was in, not the whole bound
-        await rollouter.load_weights(str(tmp_path), 2)
+        await rollouter.engine("load_weights", str(tmp_path), 2)
         await rollouter.resume()
         # With no hold to spare (the first sync's case) a request in flight is aborted and the servers paused.
         await until(lambda: not client.idle(), "version 2's groups in flight")
@@ -221,6 +221,6 @@ async def test_a_sync_pauses_no_idle_server_and_lets_the_trainers_next_batch_fin
         await rollouter.pause()
         assert not state.clients_only
         await asyncio.sleep(0.05)
-        await rollouter.load_weights(str(tmp_path), 3)
+        await rollouter.engine("load_weights", str(tmp_path), 3)
         await rollouter.resume()
         await until(lambda: client.stats.aborts > aborts, "the aborted requests to come back")

@@ -126,16 +126,16 @@ async def test_engine_sim_sets_a_hung_engine_aside_through_the_same_path():
     servers = build_engine(cfg, "/nonexistent", "/tmp")
     handed: list[int] = []
     servers.on_dead = handed.append
-    servers.engines[1].hung = True
+    servers.kind.engines[1].hung = True
     start = time.monotonic()
     await servers.pause("abort")
     assert time.monotonic() - start < 0.5 + 1.0
-    assert handed == [1] and [e.paused for e in servers.engines] == [True, False, True]
-    servers.engines[2].hung = True  # stops during the sync: the reload's liveness probe sets it aside
+    assert handed == [1] and [e.paused for e in servers.kind.engines] == [True, False, True]
+    servers.kind.engines[2].hung = True  # stops during the sync: the reload's liveness probe sets it aside
     start = time.monotonic()
     await servers.load_weights("/tmp", 1)
     assert time.monotonic() - start < 0.5 + 1.0
-    assert handed == [1, 2] and [e.version for e in servers.engines] == [1, 0, 0]
-    servers.engines[0].hung = True
+    assert handed == [1, 2] and [e.version for e in servers.kind.engines] == [1, 0, 0]
+    servers.kind.engines[0].hung = True
     with pytest.raises(EngineError, match="no engine server answered in time"):
         await servers.resume()

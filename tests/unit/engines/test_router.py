@@ -26,7 +26,7 @@ def test_router_command_line_and_where_generate_requests_go(model, tmp_path, pyt
     cfg = EngineConfig(kind="sglang", python=python, router="sglang", router_policy="round_robin", num_servers=2)
     pool = build_engine(cfg, model, tmp_path, device="cpu")
     assert pool.router is None and pool.generate_url(1) == pool.address(1)  # no router before start()
-    router = pool.make_router()
+    router = pool.kind.make_router(tmp_path)
     assert isinstance(router, SGLangRouter)
     router._initial = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     cmd = router.command(4321)
@@ -39,7 +39,12 @@ def test_router_command_line_and_where_generate_requests_go(model, tmp_path, pyt
     assert pool.log_for(router.url).endswith("sglang-router.log")
     pool.slots.mark_stale(1)
     assert pool.routed_urls() == [pool.address(0)]  # a stale server (old weights) is out of the router
-    assert build_engine(EngineConfig(kind="sglang", python=python), model, tmp_path, device="cpu").make_router() is None
+    assert (
+        build_engine(EngineConfig(kind="sglang", python=python), model, tmp_path, device="cpu").kind.make_router(
+            tmp_path
+        )
+        is None
+    )
 
 
 def test_servers_behind_the_auth_proxy_are_refused(monkeypatch):

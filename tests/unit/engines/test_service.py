@@ -4,12 +4,17 @@ servers a weight copy or a weight group spans."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import ray
 
+import fully_async
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, build_engine
-from fully_async.engines.service import EngineService
+from fully_async.engines.service import PORT, EngineService
+from fully_async.rollouter import Rollouter
 from fully_async.trainer import step_window
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,3 +92,59 @@ async def test_weights_reach_the_servers_in_the_pool_that_are_not_down(service):
     here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     assert [n["node_id"] for n in service.nodes()] == [here]
     assert [s["index"] for s in service.layout()["servers"]] == [1]
+
+
+async def test_the_port_answers_its_calls_tells_the_rollouter_of_syncs_and_refuses_others(tmp_path):
+    servers = build_engine(EngineConfig(kind="sim", num_servers=2, min_servers=1), "/nonexistent", "/tmp")
+    client = EngineClient(servers, auto_restart=False)
+    synced: list[tuple[int, bool]] = []
+    port = EngineService(servers, client, synced=lambda version, serving: synced.append((version, serving)))
+    try:
+        assert await port.call("control_deadline_s") == servers.cfg.control_deadline_s
+        assert await port.call("unverifiable") == "engine=sim holds no weights"
+        await port.call("load_weights", str(tmp_path), 3)
+        assert servers.state.version == 3 and synced == [(3, False)]  # a reload serves from the resume on
+        await port.call("weights_received", 4, servers.epoch)
+        assert servers.state.version == 4 and synced == [(3, False), (4, False)]
+        assert (await port.call("remove", "sim://engine-1"))["live"] == 1  # engine.min_servers=1 from the config
+        with pytest.raises(ValueError, match="engine.min_servers=1"):
+            await port.call("remove", "sim://engine-0")
+        with pytest.raises(ValueError, match="no call 'stop'"):
+            await port.call("stop")  # the pool's lifetime is the Rollouter's, not the port's
+    finally:
+        await client.close()
+
+
+def _port_calls_in(path) -> tuple[set[str], set[str]]:
+    """(methods called on a rollouter handle, engine port calls named) in one module of ours."""
+    methods, calls = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func, args = ast.unparse(node.func), [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if func.endswith(".remote") and func.rsplit(".", 2)[0].endswith("rollouter"):
+            methods.add(func.rsplit(".", 2)[1])  # rollouter.<method>.remote(...)
+        elif func == "self._call" and args:
+            methods.add(args[0])  # fully_async.ctl's calls by name
+        else:
+            continue
+        if func.endswith("rollouter.engine.remote") and args:
+            calls.add(args[0])
+        elif func == "self._call" and args[0] == "engine":
+            calls.add(args[1])
+    return methods, calls
+
+
+def test_every_call_a_transport_or_ctl_sends_the_rollouter_is_its_own_or_a_port_call():
+    root = Path(fully_async.__file__).parent
+    methods, calls = set(), set()
+    for path in [*root.glob("weights/*.py"), *root.glob("sync/*.py"), root / "param_sync.py", root / "ctl.py"]:
+        m, c = _port_calls_in(path)
+        methods |= m
+        calls |= c
+    assert {"engine", "pause", "resume"} <= methods and {"load_weights", "nodes", "rpc", "layout", "add"} <= calls
+    public = {n for n in vars(Rollouter) if not n.startswith("_")}
+    assert methods <= public, f"calls to no Rollouter method: {sorted(methods - public)}"
+    assert calls <= PORT, f"engine port calls that do not exist: {sorted(calls - PORT)}"
+    assert all(callable(getattr(EngineService, name, None)) for name in PORT)
+    assert not public & ({f"engine_{n}" for n in PORT} | PORT)  # the port's calls are no Rollouter pass-throughs

@@ -11,7 +11,7 @@ import pytest
 
 from fully_async.config import ConfigError, EngineConfig, compose
 from fully_async.engines import Sampling, build_engine, sglang
-from fully_async.engines.sglang import SHIMS, SGLangServers, kv_tokens
+from fully_async.engines.sglang import SHIMS, SGLangKind, kv_tokens
 
 
 def _servers(model, tmp_path, python, device, **kw):
@@ -25,26 +25,26 @@ def _flag(cmd, name):
 
 def test_cpu_command_and_environment_follow_the_recipe(model, tmp_path, python):
     s = _servers(model, tmp_path, python, "cpu", kv_cache_gib=2, extra_args=["--x"], env={"A": "1"})
-    assert isinstance(s, SGLangServers)
-    cmd = s.command(0, 4321, "127.0.0.1")
+    assert isinstance(s.kind, SGLangKind)
+    cmd = s.kind.command(0, 4321, "127.0.0.1")
     assert cmd[:3] == [python, "-m", "sglang.launch_server"] and cmd[-1] == "--x"
     assert _flag(cmd, "--port") == "4321" and _flag(cmd, "--device") == "cpu" and _flag(cmd, "--dtype") == "float32"
     assert _flag(cmd, "--attention-backend") == "torch_native" and _flag(cmd, "--sampling-backend") == "pytorch"
     assert {"--skip-tokenizer-init", "--sleep-on-idle", "--disable-overlap-schedule"} <= set(cmd)
     assert "--tp" not in cmd
     assert _flag(cmd, "--max-total-tokens") == str(kv_tokens(model, 2))
-    env = s.environment(0)
+    env = s.kind.environment(0)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"] == str(SHIMS) and env["A"] == "1"
     assert env["VIRTUAL_ENV"] == str(tmp_path / "venv")
 
 
 def test_gpu_command_has_tp_and_memory_fraction_and_no_cpu_shims(model, tmp_path, python):
     s = _servers(model, tmp_path, python, "cuda", tensor_parallel_size=2, gpu_memory_utilization=0.5)
-    cmd = s.command(0, 1)
+    cmd = s.kind.command(0, 1)
     assert _flag(cmd, "--tp") == "2" and _flag(cmd, "--mem-fraction-static") == "0.5"
     assert _flag(cmd, "--dtype") == "bfloat16" and "--disable-cuda-graph" in cmd
     assert "--device" not in cmd and "--sleep-on-idle" not in cmd
-    env = s.environment(0)
+    env = s.kind.environment(0)
     assert "SGLANG_USE_CPU_ENGINE" not in env and env["PYTHONPATH"] == ""
 
 
@@ -71,7 +71,7 @@ def test_engine_kind_accepts_sglang_and_names_the_kinds_otherwise():
 
 def test_generate_request_is_token_level_with_output_logprobs_only(model, tmp_path, python):
     s = _servers(model, tmp_path, python, "cpu")
-    path, body = s.generate_request([5, 6, 7], 9, Sampling(temperature=0.7, seed=3, stop_token_ids=(2,)))
+    path, body = s.kind.generate_request([5, 6, 7], 9, Sampling(temperature=0.7, seed=3, stop_token_ids=(2,)))
     assert path == "/generate" and body["input_ids"] == [5, 6, 7]
     assert body["return_logprob"] is True and body["logprob_start_len"] == 3
     p = body["sampling_params"]
@@ -88,30 +88,32 @@ def _response(ids, finish, spans):
 def test_parse_generate_reads_tokens_logprobs_finish_and_per_token_versions(model, tmp_path, python):
     s = _servers(model, tmp_path, python, "cpu")
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]
-    seg = s.parse_generate(_response([11, 12, 13], {"type": "length", "length": 3}, spans))
+    seg = s.kind.parse_generate(_response([11, 12, 13], {"type": "length", "length": 3}, spans))
     assert seg.token_ids == [11, 12, 13] and seg.logprobs == [-0.5, -1.5, -2.5]
     assert seg.versions == [3, 3, 4] and seg.finish_reason == "length"
-    aborted = s.parse_generate(_response([1], {"type": "abort", "message": "Aborted"}, [{"version": "default",
+    aborted = s.kind.parse_generate(_response([1], {"type": "abort", "message": "Aborted"}, [{"version": "default",
                                                                                           "start": 0, "end": 1}]))  # fmt: skip
     assert aborted.finish_reason == "abort" and aborted.versions == [None]
-    assert s.parse_generate(_response([2], {"type": "stop", "matched": 2}, [])).finish_reason == "stop"
+    assert s.kind.parse_generate(_response([2], {"type": "stop", "matched": 2}, [])).finish_reason == "stop"
     with pytest.raises(ValueError, match="log-probs"):
-        s.parse_generate({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-1.0, 1, None]],
+        s.kind.parse_generate({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-1.0, 1, None]],
                                                               "finish_reason": {"type": "length"}}})  # fmt: skip
     with pytest.raises(ValueError, match="unknown finish_reason"):
-        s.parse_generate(_response([1], {"type": "weird"}, []))
+        s.kind.parse_generate(_response([1], {"type": "weird"}, []))
 
 
 def test_control_calls(model, tmp_path, python):
     s = _servers(model, tmp_path, python, "cpu")
-    assert s.pause_call("abort").json == {"mode": "abort"} and s.pause_call("keep").json == {"mode": "in_place"}
-    assert s.resume_call().path == "/continue_generation"
-    reload = s.reload_weights_call(tmp_path)
+    assert s.kind.pause_call("abort").json == {"mode": "abort"} and s.kind.pause_call("keep").json == {
+        "mode": "in_place"
+    }
+    assert s.kind.resume_call().path == "/continue_generation"
+    reload = s.kind.reload_weights_call(tmp_path)
     assert reload.path == "/update_weights_from_disk" and reload.json["model_path"] == str(tmp_path)
     assert reload.check({"success": True}) is None and "refused" in reload.check({"success": False, "message": "x"})
-    version = s.set_version_call(7)
+    version = s.kind.set_version_call(7)
     assert version.json == {"new_version": "7", "abort_all_requests": False}
-    assert s.reset_prefix_cache_call().path == "/flush_cache"
+    assert s.kind.reset_prefix_cache_call().path == "/flush_cache"
 
 
 SHIM_CHECK = """
@@ -154,9 +156,9 @@ def test_engine_options_verl_sets_reach_both_engines_servers(
     """engine.enable_chunked_prefill / max_num_batched_tokens (verl's actor_rollout_ref.rollout keys) in each engine's
     spelling; SGLang has no switch for chunked prefill on (its default) and caps a step's prefill by its chunk size."""
     for kind, want in (("vllm", vllm_flags), ("sglang", sglang_flags)):
-        cmd = build_engine(EngineConfig(kind=kind, python=python, **options), model, tmp_path, device="cpu").command(
-            0, 4321, "127.0.0.1"
-        )
+        cmd = build_engine(
+            EngineConfig(kind=kind, python=python, **options), model, tmp_path, device="cpu"
+        ).kind.command(0, 4321, "127.0.0.1")
         found = [a for a in cmd if "chunked-prefill" in a or "batched-tokens" in a]
         found += [cmd[cmd.index(a) + 1] for a in found if a in ("--max-num-batched-tokens", "--chunked-prefill-size")]
         assert sorted(found) == sorted(want), (kind, cmd)

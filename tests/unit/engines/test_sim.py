@@ -56,7 +56,7 @@ async def test_abort_continue_keeps_budget_and_splits_versions(tmp_path, pause_a
     assert list(out.versions) == [0] * k + [1] * (budget - k)
     assert client.stats.carried_tokens == k
     assert k < budget and (k > 0 or pause_after_s < 0.02)
-    assert servers.engines[0].reloads == [str(tmp_path.resolve())] and servers.state.version == 1
+    assert servers.kind.engines[0].reloads == [str(tmp_path.resolve())] and servers.state.version == 1
 
 
 async def test_a_continuation_keeps_the_sample_length(tmp_path):
@@ -102,7 +102,7 @@ async def test_pause_keep_freezes_and_the_segment_gets_the_older_version():
 async def test_requests_arriving_while_paused_wait_for_the_resume():
     client = make(length_median=5)
     await client.servers.pause("abort")
-    engine = client.servers.engines[0]
+    engine = client.servers.kind.engines[0]
     task = asyncio.create_task(engine.generate([1], 10, SAMPLING))
     await asyncio.sleep(0.05)
     assert not task.done()
@@ -121,7 +121,7 @@ async def test_decode_slows_with_the_batch_and_requests_spread_over_engines():
     assert all(len(o.token_ids) == 100 for o in outs)
     # 8 sequences per engine: 9 ms steps instead of 2 ms.
     assert crowded > 2.5 * alone
-    assert [e.generated_tokens for e in client.servers.engines] == [900, 800]
+    assert [e.generated_tokens for e in client.servers.kind.engines] == [900, 800]
 
 
 def test_length_model_conditioning_and_trailing_run():

@@ -92,8 +92,8 @@ async def test_a_stale_server_gets_the_next_sync_and_serves_again():
     await pool.weights_received(1, pool.epoch - 1)  # a weight group formed before it came back: still stale
     assert pool.stale == {1}
     await pool.load_weights("/tmp", 2)  # a disk sync reloads every serving server, stale ones included
-    assert pool.stale == frozenset() and [e.version for e in pool.engines] == [2, 2]
-    assert pool.engines[1].reloads == ["/tmp"]
+    assert pool.stale == frozenset() and [e.version for e in pool.kind.engines] == [2, 2]
+    assert pool.kind.engines[1].reloads == ["/tmp"]
 
 
 async def test_a_dead_server_back_on_old_weights_is_stale_until_a_group_formed_after_its_return_reaches_it(tmp_path):

@@ -181,10 +181,10 @@ def test_vllm_request_and_command_of_a_vision_model(vlm, tmp_path, python):
 
     servers = build_engine(EngineConfig(python=python), vlm, tmp_path / "run")
     png = _png()
-    assert servers.image_fields([png]) == {"content_parts": [{"type": "image_url", "url": data_url(png)}]}
-    cmd = servers.command(0, 8000)
+    assert servers.kind.image_fields([png]) == {"content_parts": [{"type": "image_url", "url": data_url(png)}]}
+    cmd = servers.kind.command(0, 8000)
     assert json.loads(cmd[cmd.index("--limit-mm-per-prompt") + 1]) == {"image": 4, "video": 0}
-    assert str(VISION_SHIM_DIR) in servers.environment(0)["PYTHONPATH"].split(":")
+    assert str(VISION_SHIM_DIR) in servers.kind.environment(0)["PYTHONPATH"].split(":")
     sglang = build_engine(EngineConfig(kind="sglang", python=python), vlm, tmp_path / "run2")
     with pytest.raises(EngineError, match="engine.kind=sglang cannot take images"):
-        sglang.image_fields([png])
+        sglang.kind.image_fields([png])

@@ -27,6 +27,7 @@ from fully_async.weights.collective_sender import (
     pack_and_send,
 )
 from fully_async.weights.verify import VERIFIED_METRIC
+from tests.fakes import EnginePortByName
 
 
 def _receiver_module():
@@ -148,25 +149,25 @@ class _Worker(receiver.WeightReceiver):
         self.model_config, self.model_runner = _ModelConfig(model_dir), _Runner(hold)
 
 
-class _ThreadEngines:
+class _ThreadEngines(EnginePortByName):
     """The Rollouter's weight-sync calls, each server one extension worker in a thread of this process."""
 
     def __init__(self, workers):
         self.workers, self.epoch, self.version, self.received = workers, 0, 0, []
 
-    def engine_layout(self):
+    def layout(self):
         servers = [{"index": i, "url": f"http://127.0.0.1:{9000 + i}", "workers": 1} for i in range(len(self.workers))]
         return {"epoch": self.epoch, "servers": servers}
 
-    async def engine_rpc(self, index, method, spec, timeout_s):
+    async def rpc(self, index, method, spec, timeout_s):
         return [await asyncio.to_thread(getattr(self.workers[index], method), spec)]
 
-    async def engine_rpc_all(self, method, spec):
+    async def rpc_all(self, method, spec):
         """The proof's fan-out (weights/verify.py): every worker's answer, by its server's URL."""
-        urls = [s["url"] for s in self.engine_layout()["servers"]]
-        return {url: await self.engine_rpc(i, method, spec, 10) for i, url in enumerate(urls)}
+        urls = [s["url"] for s in self.layout()["servers"]]
+        return {url: await self.rpc(i, method, spec, 10) for i, url in enumerate(urls)}
 
-    def engine_unverifiable(self):
+    def unverifiable(self):
         return ""
 
     async def weights_received(self, version, epoch):
@@ -433,7 +434,7 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
 
     for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
                     build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
-        cmd, env = servers.command(0, 8000), servers.environment(0)
+        cmd, env = servers.kind.command(0, 8000), servers.kind.environment(0)
         assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
         assert env["PYTHONPATH"] == str(EXTENSION_DIR)
     # the engine's interpreter finds the class on that path, with nothing of ours importable

@@ -65,19 +65,21 @@ def _flag(cmd, name):
 def test_vllm_servers_start_with_runtime_lora_loading_and_the_worker_extension(model, tmp_path, python):
     cfg = EngineConfig(python=python)
     plain = build_engine(cfg, model, tmp_path, device="cpu")
-    assert "--enable-lora" not in plain.command(0, 1) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.environment(0)
+    assert "--enable-lora" not in plain.kind.command(
+        0, 1
+    ) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.kind.environment(0)
     s = build_engine(cfg, model, tmp_path, device="cpu", lora=LoraServing(max_loras=3, max_rank=16))
-    cmd = s.command(0, 1)
+    cmd = s.kind.command(0, 1)
     assert "--enable-lora" in cmd and _flag(cmd, "--max-loras") == "3" and _flag(cmd, "--max-cpu-loras") == "5"
     assert _flag(cmd, "--max-lora-rank") == "16" and _flag(cmd, "--worker-extension-cls").startswith("fa_weight")
-    env = s.environment(0)
+    env = s.kind.environment(0)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["PYTHONPATH"].endswith("vllm_ext")
 
 
 def test_sglang_servers_on_gpus_start_with_lora_flags(model, tmp_path, python):
     cfg = EngineConfig(kind="sglang", python=python)
     serving = LoraServing(max_loras=3, max_rank=8, target_modules=("all-linear",))
-    cmd = build_engine(cfg, model, tmp_path, device="cuda", lora=serving).command(0, 1)
+    cmd = build_engine(cfg, model, tmp_path, device="cuda", lora=serving).kind.command(0, 1)
     assert "--enable-lora" in cmd and _flag(cmd, "--max-lora-rank") == "8"
     assert _flag(cmd, "--max-loras-per-batch") == "3" and _flag(cmd, "--max-loaded-loras") == "5"
     assert _flag(cmd, "--lora-target-modules") == "all"
