@@ -104,12 +104,12 @@ def _bytes_to_unicode() -> list[str]:
     return [table[b] for b in range(NUM_BYTES)]
 
 
-def _model_config(cfg: TinyModelConfig):
-    from transformers import LlamaConfig, Qwen2Config
-
-    eos, im_end = NUM_BYTES, NUM_BYTES + 2
-    common = dict(
-        vocab_size=VOCAB_SIZE,
+def text_fields(cfg: TinyModelConfig, vocab_size: int) -> dict:
+    """The language model's config fields of a tiny build (any architecture): its sizes, initialisation and the
+    end-of-sequence token as bos / eos / pad."""
+    eos = NUM_BYTES
+    return dict(
+        vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
@@ -122,9 +122,15 @@ def _model_config(cfg: TinyModelConfig):
         eos_token_id=eos,
         pad_token_id=eos,
     )
+
+
+def _model_config(cfg: TinyModelConfig):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = text_fields(cfg, VOCAB_SIZE)
     config = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
     config.dtype = "float32"
-    return config, [eos, im_end]
+    return config, [NUM_BYTES, NUM_BYTES + 2]
 
 
 def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:

@@ -25,6 +25,7 @@ from fully_async.models.tiny import (
     NUM_BYTES,
     SPECIAL_TOKENS,
     build_tokenizer,
+    text_fields,
 )
 
 VISION_START = "<|vision_start|>"
@@ -49,22 +50,9 @@ def vlm_config(cfg: TinyModelConfig):
     from transformers import Qwen2VLConfig
 
     eos, im_end = NUM_BYTES, NUM_BYTES + 2
-    text = dict(
-        vocab_size=VLM_VOCAB_SIZE,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.init_std,
-        # mrope: the head dimension split into (temporal, height, width) sections of rotary pairs.
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(cfg)},
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        tie_word_embeddings=False,
-    )
+    # mrope: the head dimension split into (temporal, height, width) sections of rotary pairs.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(cfg)}
+    text = text_fields(cfg, VLM_VOCAB_SIZE) | {"rope_parameters": rope}
     config = Qwen2VLConfig(
         text_config=text,
         vision_config={**VISION, "hidden_size": cfg.hidden_size, "initializer_range": cfg.init_std},
