@@ -61,15 +61,17 @@ async def test_abort_continue_keeps_budget_and_splits_versions(tmp_path, pause_a
 
 async def test_a_continuation_keeps_the_sample_length(tmp_path):
     """An aborted sample continued under new weights still ends at its own length, not at a fresh draw's."""
-    client = make(length_median=60)
-    task = asyncio.create_task(client.generate([5], 500, SAMPLING))
+    # Long enough (2000 tokens) that a busy machine cannot finish it before the pause; it has begun when the pause
+    # comes (the sleep), so some tokens are version 0's.
+    client = make(length_median=2000)
+    task = asyncio.create_task(client.generate([5], 5000, SAMPLING))
     await asyncio.sleep(0.06)
     await client.servers.pause("abort")
     await client.servers.load_weights(tmp_path, 1)
     await client.servers.resume()
     out = await task
-    assert out.num_aborts == 1 and 0 < list(out.versions).count(0) < 60
-    assert len(out.token_ids) == 60 and out.finish_reason == "stop" and out.token_ids[-1] == STOP
+    assert out.num_aborts == 1 and 0 < list(out.versions).count(0) < 2000
+    assert len(out.token_ids) == 2000 and out.finish_reason == "stop" and out.token_ids[-1] == STOP
 
 
 async def test_without_partial_rollout_an_aborted_sample_restarts_under_the_new_version(tmp_path):
