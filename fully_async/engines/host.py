@@ -212,7 +212,7 @@ class RemoteServer:
             ray.get(self.host.wait_healthy.remote(timeout_s), timeout=timeout_s + 60)
         except ray.exceptions.RayTaskError as e:
             text = str(e.cause) if e.cause is not None else str(e)
-            if any(ord(c) < 32 and c not in "\n\t" for c in text):
+            if "\x00" in text:
                 # A message that is not text (seen once at a start-up, cause unknown): say where it came from instead.
                 text = f"{self.name} at {self.url}: {type(e.cause).__name__} with a binary message {text[:120]!r}; {e}"
             raise EngineError(text) from None
