@@ -141,17 +141,25 @@ def _write_model(cfg: TinyModelConfig, out_dir: Path) -> None:
         return
     if cfg.arch not in ("qwen2", "llama"):
         raise ValueError(f"no writer registered for model.tiny.arch={cfg.arch!r} (fully_async/models/__init__.py)")
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     config, eos_ids = _model_config(cfg)
-    # fork_rng keeps the caller's global RNG untouched; the seed alone decides the weights.
-    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    # Engines stop on any of these: a chat turn ends with <|im_end|>, plain text with <|endoftext|>.
-    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0], bos_token_id=eos_ids[0]).save_pretrained(out_dir)
+    write_seeded(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32), cfg.seed, eos_ids, out_dir)
     build_tokenizer(out_dir)
+
+
+def write_seeded(make, seed: int, eos_ids: list[int], out_dir: Path) -> None:
+    """The model `make()` builds under `seed` (fork_rng keeps the caller's global RNG untouched; the seed alone
+    decides the weights), saved as safetensors with its generation config (engines stop on any of `eos_ids`: a chat
+    turn ends with <|im_end|>, plain text with <|endoftext|>)."""
+    import torch
+    from transformers import GenerationConfig
+
+    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = make()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0], bos_token_id=eos_ids[0]).save_pretrained(out_dir)
 
 
 def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) -> Path:

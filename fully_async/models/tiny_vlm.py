@@ -20,12 +20,12 @@ from pathlib import Path
 
 from fully_async.config import TinyModelConfig
 from fully_async.models.tiny import (
-    _RNG_LOCK,
     CHAT_TEMPLATE,
     NUM_BYTES,
     SPECIAL_TOKENS,
     build_tokenizer,
     text_fields,
+    write_seeded,
 )
 
 VISION_START = "<|vision_start|>"
@@ -77,14 +77,11 @@ def _mrope(cfg: TinyModelConfig) -> list[int]:
 def write_vlm(cfg: TinyModelConfig, out_dir: Path) -> None:
     """Weights, generation config, tokenizer and processor of the tiny Qwen2-VL into out_dir."""
     import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     config, eos_ids = vlm_config(cfg)
-    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0], bos_token_id=eos_ids[0]).save_pretrained(out_dir)
+    write_seeded(lambda: Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32), cfg.seed, eos_ids,
+                 out_dir)  # fmt: skip
     build_tokenizer(out_dir, VISION_SPECIALS)
     tok_cfg = json.loads((out_dir / "tokenizer_config.json").read_text())
     # The processor finds its image token by these names (Qwen2VLProcessor), in either transformers.
