@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -239,30 +240,8 @@ class EngineClient:
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
-            versions = seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
-            if self.servers.adapters is not None:
-                # The adapter this segment named produced every token of it, whatever the pool activated meanwhile
-                # (an adapter sync does not pause: the servers' version spans would say the newest).
-                versions = [sent_version] * len(seg.token_ids)
-            elif state.version != sent_version and seg.finish_reason != "abort":
-                # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
-                # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
-                # with the older version, which can only overstate staleness, never hide it.
-                versions = [sent_version] * len(seg.token_ids)
-            whole = not result.token_ids and seg.finish_reason != "abort" and take == len(seg.token_ids)
-            if whole and (isinstance(versions, np.ndarray) or None not in versions):
-                # The common case, one segment kept whole and fully labelled: its sequences as they are (no per-token
-                # copy; an engine's arrays stay arrays).
-                result.token_ids, result.logprobs, result.versions = seg.token_ids, seg.logprobs, versions
-            else:
-                # extend(), not +=: a list += a numpy array would add elementwise.
-                result.token_ids.extend(seg.token_ids[:take])
-                result.logprobs.extend(seg.logprobs[:take])
-                versions = versions[:take]
-                # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
-                result.versions.extend(
-                    versions if None not in versions else [sent_version if v is None else v for v in versions]
-                )
+            adapters = self.servers.adapters is not None
+            _append(result, seg, take, _labels(seg, sent_version, state.version, adapters), sent_version)
             result.servers.append(url)
             if seg.finish_reason != "abort":
                 result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
@@ -359,3 +338,33 @@ class EngineClient:
                 return
             await asyncio.sleep(0.05)
         raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
+
+
+def _labels(seg: Segment, sent_version: int, version_now: int, adapters: bool) -> Any:
+    """The weight version of each token of `seg` (sent at `sent_version`; the pool is at `version_now`)."""
+    if adapters:
+        # The adapter this segment named produced every token of it, whatever the pool activated meanwhile
+        # (an adapter sync does not pause: the servers' version spans would say the newest).
+        return [sent_version] * len(seg.token_ids)
+    if version_now != sent_version and seg.finish_reason != "abort":
+        # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
+        # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
+        # with the older version, which can only overstate staleness, never hide it.
+        return [sent_version] * len(seg.token_ids)
+    return seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
+
+
+def _append(result: GenerationResult, seg: Segment, take: int, versions: Any, sent_version: int) -> None:
+    """The first `take` tokens of `seg` onto `result`, unlabelled tokens labelled `sent_version`."""
+    whole = not result.token_ids and seg.finish_reason != "abort" and take == len(seg.token_ids)
+    if whole and (isinstance(versions, np.ndarray) or None not in versions):
+        # The common case, one segment kept whole and fully labelled: its sequences as they are (no per-token
+        # copy; an engine's arrays stay arrays).
+        result.token_ids, result.logprobs, result.versions = seg.token_ids, seg.logprobs, versions
+        return
+    # extend(), not +=: a list += a numpy array would add elementwise.
+    result.token_ids.extend(seg.token_ids[:take])
+    result.logprobs.extend(seg.logprobs[:take])
+    versions = versions[:take]
+    # Per-token work is the client's main cost at scale: skip the relabelling pass when no label is missing.
+    result.versions.extend(versions if None not in versions else [sent_version if v is None else v for v in versions])
