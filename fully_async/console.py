@@ -51,6 +51,7 @@ QUIET = re.compile(
             r"Platform override from VERL_PLATFORM",
             r"is_fx_tracing will return true",  # torch.fx, once per process
             r"Skipping monkey patch for",  # verl's model build: its per-rank set-up lines
+            r"^Monkey patch \w+ model forward",  # the same for a vision-language model
             r"contains [\d.]+[KMGT]? parameters",
             r"memory allocated \(GB\)",
             r"^Total steps: \d+, num_warmup_steps",

@@ -80,6 +80,7 @@ CHATTER = [
     '  warnings.warn(f"megatron engine is not available: {e!r}", stacklevel=1)',
     "[rank0]:W1125 06:30:14.703000 21564 torch/fx/_symbolic_trace.py:56] is_fx_tracing will return true for both",
     "Skipping monkey patch for Qwen2ForCausalLM as use_fused_kernels is False or fused_kernels_backend is None",
+    "Monkey patch Qwen2VLForConditionalGeneration model forward",
     "Qwen2ForCausalLM contains 362.37K parameters",
     "Before FSDP, memory allocated (GB): 0.00, memory reserved (GB): 0.00, device memory used/total (GB): 0.00/0.00",
     "Total steps: 6, num_warmup_steps: 0",
