@@ -200,13 +200,15 @@ def _files_digest(path: Path) -> str:
     """What vLLM's worker extension answers after a reload (fa_weight_receiver.fa_reload): the digest of each tensor
     as loaded from the files, never the digest the writer recorded in the index (that is the trainer's own number,
     so a writer whose record and files disagree would pass unseen)."""
-    from safetensors.torch import load_file
-
     from fully_async.vllm_ext.fa_digest import Digest
 
     loaded = Digest()
-    for file in sorted(path.glob("*.safetensors")):
-        loaded.update(load_file(str(file)).items())
+    files = sorted(path.glob("*.safetensors"))
+    if files:  # torch is imported only for tensors: its import holds this process for seconds on a loaded machine
+        from safetensors.torch import load_file
+
+        for file in files:
+            loaded.update(load_file(str(file)).items())
     return loaded.hexdigest()
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _servers(tmp_path, mode: str, **cfg) -> FakeProcessServers:
-    servers = FakeProcessServers(EngineConfig(**{"startup_timeout_s": 5.0, **cfg}), tmp_path, tmp_path)
+    servers = FakeProcessServers(EngineConfig(**{"startup_timeout_s": 20.0, **cfg}), tmp_path, tmp_path)
     servers.mode = mode
     return servers
 
@@ -47,11 +47,12 @@ def _processes_with(arg: str) -> list[int]:
 
 
 def test_never_healthy_server_fails_with_its_log_and_is_cleaned_up(tmp_path):
-    servers = _servers(tmp_path, "never_healthy", startup_timeout_s=3.0)
+    # 10 s: the fake's banner (the log tail checked below) comes after its imports, seconds on a loaded machine
+    servers = _servers(tmp_path, "never_healthy", startup_timeout_s=10.0)
     with pytest.raises(EngineError) as err:
         servers.start()
     msg = str(err.value)
-    assert "not healthy after 3 s" in msg and servers.addresses[0] in msg
+    assert "not healthy after 10 s" in msg and servers.addresses[0] in msg
     assert str(servers.log_path(0)) in msg and "fake engine (never_healthy)" in msg  # the log tail
     assert servers.procs[0].popen is None  # start() stopped what it had launched before raising
     assert not _processes_with(str(servers.procs[0].port))

@@ -43,7 +43,7 @@ def judge(server: JudgeServer, **kw) -> RewardSourceConfig:
     judge_kw = {"base_url": server.url, "model": "judge-model", "api_key_env": "JUDGE_TEST_KEY"}
     judge_kw.update(kw.pop("judge", {}))
     return RewardSourceConfig(
-        **{"kind": "judge", "timeout_s": 2.0, "retries": 3, "backoff_s": 0.05, "backoff_max_s": 5.0,
+        **{"kind": "judge", "timeout_s": 10.0, "retries": 3, "backoff_s": 0.05, "backoff_max_s": 5.0,
            "judge": JudgeConfig(**judge_kw), **kw}
     )  # fmt: skip
 
