@@ -24,7 +24,7 @@ fi
 workers="${FULLY_ASYNC_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" -gt 1 ]; then
-    parallel=(-n "$workers" --dist loadfile)
+    parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
 echo "[test] pytest ${parallel[*]} $*" >&2
 set +e

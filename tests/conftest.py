@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import durations
 from tests.cluster import two_node_cluster  # noqa: F401  (the 2-node loopback cluster, started by scripts/cluster/)
 from tests.helpers import in_ci
 
@@ -28,10 +29,16 @@ def ray_local():
     ray.shutdown()
 
 
+def pytest_configure(config):
+    durations.register(config)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where CUDA is (tests/gpu/); elsewhere they are skipped, with the reason."""
+    """Files in order of their recorded time, longest first (tests/durations.py). Tests marked `gpu` run only where
+    CUDA is (tests/gpu/); elsewhere they are skipped, with the reason."""
     from fully_async.host import local_cuda
 
+    durations.longest_first(items, durations.load())
     if local_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -73,7 +80,10 @@ def pytest_unconfigure(config):
     """The exit guard: a CI run must end when its tests have. Interpreter exit waits for every non-daemon thread and
     atexit handler; one that never returns (a thread blocked on a peer that is gone) would hold CI until its time
     limit with nothing printed. If this process is still alive EXIT_GRACE_S after pytest is done, every thread's
-    stack goes to stderr (what blocked) and the process exits with pytest's status."""
+    stack goes to stderr (what blocked) and the process exits with pytest's status. Not in an xdist worker: a
+    worker done with its files waits, as it should, for the controller to close it."""
+    if hasattr(config, "workerinput"):
+        return
     import faulthandler
     import sys
     import threading
