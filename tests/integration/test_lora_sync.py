@@ -45,7 +45,12 @@ TINY = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=
 LORA = LoraConfig(rank=8, alpha=12)
 """alpha / rank = 1.5: vLLM folds a scaling that is not a power of two into lora_B (the digest must follow)."""
 CFG = EngineConfig(
-    num_servers=1, max_model_len=1024, kv_cache_gib=1, startup_timeout_s=900, control_timeout_s=30, control_deadline_s=5
+    num_servers=1,
+    max_model_len=1024,
+    kv_cache_gib=1,
+    startup_timeout_s=900,
+    control_timeout_s=30,
+    control_deadline_s=20,
 )
 SERVING = LoraServing(max_loras=2, max_rank=8)
 """max_staleness 0: the newest two names stay loaded."""
