@@ -30,7 +30,7 @@ def ray_local():
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where CUDA is (tests/gpu/); elsewhere they are skipped, with the reason."""
-    from fully_async.host import local_cuda
+    from fully_async.device import local_cuda
 
     if local_cuda():
         return
