@@ -16,7 +16,7 @@ first step, `timing_s/startup/*` in its metrics, the trace's `startup` lane), an
 Where things run (fully_async/placement.py has the layout): the driver (this process: trainer loop, ParamSync), the
 MessageQueue and the Rollouter (with its reward workers) on the driver's node; one `EngineHost` actor per engine
 server in its placement-group bundle, on whatever node Ray granted; the trainer ranks in verl's RayResourcePool built
-on the plan's trainer groups. The device and the engine dtype come from fully_async/host.py, decided once here and
+on the plan's trainer groups. The device and the engine dtype come from fully_async/device.py, decided once here and
 written into the config every actor gets. `RUN_DIR/placement.json` records the plan and where each engine server and
 trainer rank actually ran (node, pid, CUDA_VISIBLE_DEVICES).
 """
@@ -46,7 +46,7 @@ def connect_ray(cfg: FullyAsyncConfig) -> None:
     A local Ray starts its workers at niceness 15: the trainer ranks and the engines then lose the cores to any other
     process on the host; measured on 2 shared cores, an update took 1.9x as long as the same code at niceness 0.
     They are the job, so they run at the driver's priority (a cluster started by scripts/cluster/ does the same).
-    Its logical CPUs are placement tokens (real cores are split by fully_async/host.py), so a local Ray declares at
+    Its logical CPUs are placement tokens (real cores are split by fully_async/device.py), so a local Ray declares at
     least as many as the run's placement groups need."""
     import ray
 
@@ -66,8 +66,8 @@ def connect_ray(cfg: FullyAsyncConfig) -> None:
 
 
 def resolve_devices(cfg: FullyAsyncConfig, cluster_gpus: float) -> FullyAsyncConfig:
-    """A copy of `cfg` with trainer.device and engine.dtype decided (fully_async/host.py): every actor gets these."""
-    from fully_async.host import device, engine_dtype
+    """A copy of `cfg` with trainer.device and engine.dtype decided (fully_async/device.py): every actor gets these."""
+    from fully_async.device import device, engine_dtype
 
     dev = device(cfg.trainer.device, cluster_gpus)
     return dataclasses.replace(
@@ -136,9 +136,9 @@ class Job:
         """Build every part and start the engines (resuming from a checkpoint when trainer.resume says so)."""
         import ray
 
+        from fully_async.device import cpu_split
         from fully_async.engines.auth import ensure_token
         from fully_async.handles import rollouter_name
-        from fully_async.host import cpu_split
         from fully_async.message_queue import create_message_queue
         from fully_async.rollouter import create_rollouter
         from fully_async.trace import Tracer

@@ -10,7 +10,7 @@ Resources (`placement.resources`): with gpu, the trainer takes `trainer.nnodes` 
 `trainer.n_gpus_per_node` one-GPU bundles (STRICT_PACK: each group on one node, as verl's RayResourcePool makes
 them), and each engine server one bundle of `engine.tensor_parallel_size` GPUs (one node). The groups reserve
 disjoint GPUs, so trainer and engine GPUs never overlap. With cpu, the same groups hold CPUs only (logical Ray
-CPUs: placement tokens; the real cores are split by fully_async/host.py). The driver (trainer loop, ParamSync),
+CPUs: placement tokens; the real cores are split by fully_async/device.py). The driver (trainer loop, ParamSync),
 the MessageQueue and the Rollouter with its reward workers stay on the driver's node.
 
 The table is Ray's actual placement (read back from the granted groups), not a prediction. Before asking Ray,

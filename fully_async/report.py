@@ -113,62 +113,8 @@ def _weighted(rows: Sequence[dict[str, float]], key: str) -> float:
 def summary(run: Run) -> str:
     lines = [f"run {run.run_dir}"]
     if run.spans:
-        t0, t1 = run.spans[0].start, max(s.end for s in run.spans)
-        wall = max(1e-9, t1 - t0)
-        lines.append(f"traced wall time {wall:.1f} s, {len(run.spans)} spans")
-        by_lane: dict[str, list[Span]] = defaultdict(list)
-        for s in run.spans:
-            by_lane[s.lane].append(s)
-        lines.append("")
-        lines.append("where the time went (busy = covered by at least one span; share of the traced wall time)")
-        engines = sorted(lane for lane in by_lane if lane.startswith("engine/"))
-        for lane in engines:
-            spans = by_lane[lane]
-            busy = busy_seconds([(s.start, s.end) for s in spans], t0, t1)
-            tokens = sum(s.args.get("tokens", 0) for s in spans)
-            lines.append(
-                f"  {lane:<12} busy {busy:8.1f} s ({busy / wall:6.1%})  {len(spans)} requests, {tokens} tokens, "
-                f"peak {_peak_concurrency(spans)} at once"
-            )
-        idle_engines = run.num_engines - len(engines)
-        if idle_engines > 0:
-            lines.append(f"  {idle_engines} engine server(s) served no request")
-        for lane in LANES:
-            if lane not in by_lane:
-                continue
-            spans = by_lane[lane]
-            busy = busy_seconds([(s.start, s.end) for s in spans], t0, t1)
-            lines.append(f"  {lane:<12} busy {busy:8.1f} s ({busy / wall:6.1%})")
-            per_name: dict[str, list[float]] = defaultdict(list)
-            for s in spans:
-                per_name[s.name].append(s.dur)
-            for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
-                if lane == "trainer" and name not in TRAINER_TOP:
-                    name = f"  {name} (in update)"
-                lines.append(
-                    f"      {name:<26} {sum(durs):8.1f} s ({sum(durs) / wall:6.1%})  n={len(durs)}, "
-                    f"mean {sum(durs) / len(durs):.3f} s, max {max(durs):.3f} s"
-                )
-    rows = step_idle_ratios(run)
-    if rows and not run.spans:
-        lines += [
-            "",
-            f"idle ratios over steps {rows[0]['step']}-{rows[-1]['step']} (time-weighted, metrics.jsonl; no trace)",
-            f"  trainer {_weighted(rows, 'trainer_logged'):.3f}, rollouter {_weighted(rows, 'rollouter_logged'):.3f}",
-        ]
-    elif rows:
-        trainer_trace, trainer_logged = _weighted(rows, "trainer_trace"), _weighted(rows, "trainer_logged")
-        roll_trace, roll_logged = _weighted(rows, "rollouter_trace"), _weighted(rows, "rollouter_logged")
-        lines += [
-            "",
-            f"idle ratios over steps {rows[0]['step']}-{rows[-1]['step']} (time-weighted; trace vs metrics.jsonl)",
-            f"  trainer   (waiting for a batch)          {trainer_trace:.3f} vs {trainer_logged:.3f}",
-            f"  rollouter (engine-seconds with no request) {roll_trace:.3f} vs {roll_logged:.3f}",
-            f"  largest per-step difference: trainer "
-            f"{max(abs(r['trainer_trace'] - r['trainer_logged']) for r in rows):.4f}, rollouter "
-            f"{max(abs(r['rollouter_trace'] - r['rollouter_logged']) for r in rows):.4f}",
-            "  " + _verdict(trainer_trace, roll_trace),
-        ]
+        lines += _time_spent(run)
+    lines += _idle_ratios(run)
     if run.trajectories:
         stale = Counter(t["trained_version"] - t["min_version"] for t in run.trajectories)
         lines += ["", "staleness of trained trajectories: " + ", ".join(f"{k}: {v}" for k, v in sorted(stale.items()))]
@@ -179,6 +125,72 @@ def summary(run: Run) -> str:
             f"{last.get('reward/mean', math.nan):.3f}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _time_spent(run: Run) -> list[str]:
+    """Where the traced wall time went: per engine lane, then per lane of LANES with its spans by name."""
+    t0, t1 = run.spans[0].start, max(s.end for s in run.spans)
+    wall = max(1e-9, t1 - t0)
+    lines = [f"traced wall time {wall:.1f} s, {len(run.spans)} spans"]
+    by_lane: dict[str, list[Span]] = defaultdict(list)
+    for s in run.spans:
+        by_lane[s.lane].append(s)
+    lines.append("")
+    lines.append("where the time went (busy = covered by at least one span; share of the traced wall time)")
+    engines = sorted(lane for lane in by_lane if lane.startswith("engine/"))
+    for lane in engines:
+        spans = by_lane[lane]
+        busy = busy_seconds([(s.start, s.end) for s in spans], t0, t1)
+        tokens = sum(s.args.get("tokens", 0) for s in spans)
+        lines.append(
+            f"  {lane:<12} busy {busy:8.1f} s ({busy / wall:6.1%})  {len(spans)} requests, {tokens} tokens, "
+            f"peak {_peak_concurrency(spans)} at once"
+        )
+    idle_engines = run.num_engines - len(engines)
+    if idle_engines > 0:
+        lines.append(f"  {idle_engines} engine server(s) served no request")
+    for lane in LANES:
+        if lane not in by_lane:
+            continue
+        spans = by_lane[lane]
+        busy = busy_seconds([(s.start, s.end) for s in spans], t0, t1)
+        lines.append(f"  {lane:<12} busy {busy:8.1f} s ({busy / wall:6.1%})")
+        per_name: dict[str, list[float]] = defaultdict(list)
+        for s in spans:
+            per_name[s.name].append(s.dur)
+        for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
+            if lane == "trainer" and name not in TRAINER_TOP:
+                name = f"  {name} (in update)"
+            lines.append(
+                f"      {name:<26} {sum(durs):8.1f} s ({sum(durs) / wall:6.1%})  n={len(durs)}, "
+                f"mean {sum(durs) / len(durs):.3f} s, max {max(durs):.3f} s"
+            )
+    return lines
+
+
+def _idle_ratios(run: Run) -> list[str]:
+    """The idle ratios over the logged steps: from metrics.jsonl alone, or the trace's beside them."""
+    rows = step_idle_ratios(run)
+    if rows and not run.spans:
+        return [
+            "",
+            f"idle ratios over steps {rows[0]['step']}-{rows[-1]['step']} (time-weighted, metrics.jsonl; no trace)",
+            f"  trainer {_weighted(rows, 'trainer_logged'):.3f}, rollouter {_weighted(rows, 'rollouter_logged'):.3f}",
+        ]
+    if not rows:
+        return []
+    trainer_trace, trainer_logged = _weighted(rows, "trainer_trace"), _weighted(rows, "trainer_logged")
+    roll_trace, roll_logged = _weighted(rows, "rollouter_trace"), _weighted(rows, "rollouter_logged")
+    return [
+        "",
+        f"idle ratios over steps {rows[0]['step']}-{rows[-1]['step']} (time-weighted; trace vs metrics.jsonl)",
+        f"  trainer   (waiting for a batch)          {trainer_trace:.3f} vs {trainer_logged:.3f}",
+        f"  rollouter (engine-seconds with no request) {roll_trace:.3f} vs {roll_logged:.3f}",
+        f"  largest per-step difference: trainer "
+        f"{max(abs(r['trainer_trace'] - r['trainer_logged']) for r in rows):.4f}, rollouter "
+        f"{max(abs(r['rollouter_trace'] - r['rollouter_logged']) for r in rows):.4f}",
+        "  " + _verdict(trainer_trace, roll_trace),
+    ]
 
 
 def _verdict(trainer_idle: float, engine_idle: float) -> str:

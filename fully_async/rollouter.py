@@ -32,13 +32,13 @@ from fully_async.agents import build_agent_loop
 from fully_async.agents.tokens import stop_token_ids
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import EpochCursor, PromptRow, dataset
+from fully_async.device import device as run_device
+from fully_async.device import pin_all_threads
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.engines.service import EngineService
 from fully_async.engines.warmup import WarmupPlan
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.handles import NAMESPACE, resolve_async
-from fully_async.host import device as run_device
-from fully_async.host import pin_all_threads
 from fully_async.production import COUNTERS, Production, validate
 from fully_async.production import sample_id as _sample_id
 from fully_async.reward import RewardAgent, RewardFatal

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fully_async.handles import CallThread, one_line, resolve, settle
+from fully_async.handles import one_line, resolve
 from fully_async.metrics import JsonlWriter, batch_metrics, trajectory_records
+from fully_async.threads import CallThread, settle
 
 log = logging.getLogger(__name__)
 

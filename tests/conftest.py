@@ -36,7 +36,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Files in order of their recorded time, longest first (tests/durations.py). Tests marked `gpu` run only where
     CUDA is (tests/gpu/); elsewhere they are skipped, with the reason."""
-    from fully_async.host import local_cuda
+    from fully_async.device import local_cuda
 
     durations.longest_first(items, durations.load())
     if local_cuda():

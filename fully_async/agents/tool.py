@@ -105,19 +105,13 @@ class ToolAgentLoop(AgentLoop):
         cfg = self.multi_turn
         episode = f"{sample.prompt.uid}#{sample.sample_index}"
         tr = Transcript(self.prompt_ids(sample))
-        info: dict[str, Any] = {"turns": 0, "env_turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
-        info.update({f"tool_errors/{k}": 0 for k in ERROR_KINDS})
-        info["tool_truncated"] = 0
+        info = _episode_info()
         timings = {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0}
         start_version, num_aborts, finish = None, 0, "stop"
         created = await self._create(episode)
         try:
             for turn in range(cfg.max_turns):
-                left = self.response_length - len(tr)
-                budget = min(left, cfg.max_tokens_per_turn) if cfg.max_tokens_per_turn else left
-                t0 = time.monotonic()
-                out = await client.generate(tr.ids, budget, self.sampling, continue_on_abort=self.continue_on_abort)
-                timings["generate_s"] += time.monotonic() - t0
+                out = await self._model_turn(client, tr, timings)
                 if start_version is None:
                     start_version = out.start_version
                 if not self.continue_on_abort and any(v != start_version for v in out.versions):
@@ -162,6 +156,16 @@ class ToolAgentLoop(AgentLoop):
             reward_info=info,
             timings=timings,
         )
+
+    async def _model_turn(self, client: EngineClient, tr: Transcript, timings: dict[str, float]) -> Any:
+        """One generation of the model, within what is left of the response (and of a turn's token budget)."""
+        left = self.response_length - len(tr)
+        per_turn = self.multi_turn.max_tokens_per_turn
+        budget = min(left, per_turn) if per_turn else left
+        t0 = time.monotonic()
+        out = await client.generate(tr.ids, budget, self.sampling, continue_on_abort=self.continue_on_abort)
+        timings["generate_s"] += time.monotonic() - t0
+        return out
 
     async def _run_tools(self, calls: list[ToolCall], episode: str, info: dict[str, Any]) -> list[dict[str, str]]:
         """Run the first max_parallel_calls calls concurrently; their tool messages, in call order."""
@@ -248,3 +252,11 @@ class ToolAgentLoop(AgentLoop):
                     await tool.release(episode)
                 except Exception as e:  # a failed cleanup must not lose the episode
                     log.warning("releasing tool %s for %s failed: %s", tool.name, episode, e)
+
+
+def _episode_info() -> dict[str, Any]:
+    """An episode's counters in its reward info, each at zero."""
+    info: dict[str, Any] = {"turns": 0, "env_turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_calls_skipped": 0}
+    info.update({f"tool_errors/{k}": 0 for k in ERROR_KINDS})
+    info["tool_truncated"] = 0
+    return info

@@ -12,6 +12,7 @@ import os
 import sys
 import textwrap
 from dataclasses import dataclass, field
+from typing import Any
 
 from fully_async.config.verl_table import (
     _IN_DICT,
@@ -113,49 +114,68 @@ def translate(overrides: list[str]) -> Translation:
             kind = "ours"  # a config of ours (an example's)
         if kind == "ours":
             plain.append(o)
-        elif kind in ("mapped", "pass"):
-            if detail in _ONE_OR_LIST and not value.strip().startswith("["):
-                value = f"[{value}]"
-            plus = "++" if detail.startswith(_IN_DICT) else ""  # our schema has the key: verl's `+` would fail
-            out.append((detail, f"{plus}{detail}={value}"))
-            t.said("renamed", f"{key} -> {detail}" if kind == "mapped" else f"{key} (passed on)")
-        elif kind == "choice":
-            ours = detail.get(_plain(value))
-            if ours is None and key in NUMERIC and _plain(value).lstrip("-").isdigit():
-                ours = f"{NUMERIC[key]}={_plain(value)}"
-            if ours is None:
-                t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(detail)}")
-            elif ours:
-                out.append((ours.partition("=")[0], ours))
-                t.said("set", f"{key}={value} -> {ours}")
-            else:
-                t.said("already so, nothing to set", f"{key}={value}")
-        elif kind == "same":
-            accepted, why = detail
-            if accepted and _plain(value) not in accepted:
-                t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
-            else:
-                t.said("so here anyway", f"{key}={value}")
-        elif key == CRITIC_PATH and _plain(value) != _plain(_value_of(overrides, "actor_rollout_ref.model.path")):
-            t.problems.append(f"{key}={value} differs from actor_rollout_ref.model.path: {detail}")
-        elif kind == "noted" and key == "--config-name" and "megatron" in _plain(value):
-            out.append(("trainer.strategy", "trainer.strategy=megatron"))  # verl's megatron config: its strategy
-            t.said("set", f"{key}={value} -> trainer.strategy=megatron")
-        elif kind == "noted":
-            t.said("already so, nothing to set", f"{key}={value}")
-        elif kind == "unused":
-            t.said("configures a part not in use", f"{key}={value}")
-        elif kind == "converted":
-            given[key] = value
-        elif kind == "replaced":
-            t.problems.append(f"{key}={value} has no one-to-one reading here; use {detail}")
-        else:  # refused
-            t.problems.append(f"{key}={value} is refused: {detail}")
+        else:
+            _read(key, value, kind, detail, overrides, out, given, t)
     mine = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in plain} | {
         k: o.partition("=")[2] for k, o in out
     }
     t.converted = len(given)
     out += _convert(given, mine, t)
+    out += _implied(overrides, mine, given, t)
+    t.overrides = plain + _without_clashes(out, plain, t.problems)
+    return t
+
+
+def _read(
+    key: str, value: str, kind: str, detail: Any, overrides: list[str], out: list, given: dict[str, str], t: Translation
+) -> None:
+    """One verl key of `kind` (rule()): what it sets goes to `out`, a key converted with others to `given`, what it
+    says or refuses to `t`."""
+    if kind in ("mapped", "pass"):
+        if detail in _ONE_OR_LIST and not value.strip().startswith("["):
+            value = f"[{value}]"
+        plus = "++" if detail.startswith(_IN_DICT) else ""  # our schema has the key: verl's `+` would fail
+        out.append((detail, f"{plus}{detail}={value}"))
+        t.said("renamed", f"{key} -> {detail}" if kind == "mapped" else f"{key} (passed on)")
+    elif kind == "choice":
+        ours = detail.get(_plain(value))
+        if ours is None and key in NUMERIC and _plain(value).lstrip("-").isdigit():
+            ours = f"{NUMERIC[key]}={_plain(value)}"
+        if ours is None:
+            t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(detail)}")
+        elif ours:
+            out.append((ours.partition("=")[0], ours))
+            t.said("set", f"{key}={value} -> {ours}")
+        else:
+            t.said("already so, nothing to set", f"{key}={value}")
+    elif kind == "same":
+        accepted, why = detail
+        if accepted and _plain(value) not in accepted:
+            t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
+        else:
+            t.said("so here anyway", f"{key}={value}")
+    elif key == CRITIC_PATH and _plain(value) != _plain(_value_of(overrides, "actor_rollout_ref.model.path")):
+        t.problems.append(f"{key}={value} differs from actor_rollout_ref.model.path: {detail}")
+    elif kind == "noted" and key == "--config-name" and "megatron" in _plain(value):
+        out.append(("trainer.strategy", "trainer.strategy=megatron"))  # verl's megatron config: its strategy
+        t.said("set", f"{key}={value} -> trainer.strategy=megatron")
+    elif kind == "noted":
+        t.said("already so, nothing to set", f"{key}={value}")
+    elif kind == "unused":
+        t.said("configures a part not in use", f"{key}={value}")
+    elif kind == "converted":
+        given[key] = value
+    elif kind == "replaced":
+        t.problems.append(f"{key}={value} has no one-to-one reading here; use {detail}")
+    else:  # refused
+        t.problems.append(f"{key}={value} is refused: {detail}")
+
+
+def _implied(
+    overrides: list[str], mine: dict[str, str], given: dict[str, str], t: Translation
+) -> list[tuple[str, str]]:
+    """What verl's line implies without saying it: steps counted by its epochs, the engine's context length."""
+    out: list[tuple[str, str]] = []
     steps = ("trainer.total_steps", "trainer.total_training_steps", ROLLOUT_STEPS)
     if t.read and "trainer.total_epochs" in mine and not any(k in mine or k in given for k in steps):
         out.append(("trainer.total_steps", "trainer.total_steps=0"))
@@ -166,8 +186,7 @@ def translate(overrides: list[str]) -> Translation:
             "verl derives the engine's context length from the prompt and response lengths: read as "
             "engine.max_model_len=0 (= data.max_prompt_length + rollout.response_length)"
         )
-    t.overrides = plain + _without_clashes(out, plain, t.problems)
-    return t
+    return out
 
 
 def _keys(overrides: list[str]) -> list[str]:

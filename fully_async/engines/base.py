@@ -85,9 +85,9 @@ class EngineKind(abc.ABC):
     """The control plane class the pool delivers calls through (None: control.py's `ControlPlane`, over HTTP)."""
 
     def __init__(self, cfg: Any, model_path: str | Path, device: str | None = None, lora: Any = None) -> None:
-        """device: 'cuda' or 'cpu' (the job's fully_async.host.device; None = this machine's). lora (a LoraServing):
+        """device: 'cuda' or 'cpu' (the job's fully_async.device.device; None = this machine's). lora (a LoraServing):
         the servers serve versioned LoRA adapters (engines/adapters.py), so they start with LoRA enabled."""
-        from fully_async.host import device as run_device
+        from fully_async.device import device as run_device
 
         self.cfg = cfg
         self.model_path = Path(model_path)

@@ -58,8 +58,8 @@ class EngineHost:
         `token`: the run's token (required by the auth proxy off loopback)."""
         import ray
 
+        from fully_async.device import pin_all_threads
         from fully_async.engines.auth import TOKEN_ENV
-        from fully_async.host import pin_all_threads
 
         if token:
             os.environ[TOKEN_ENV] = token

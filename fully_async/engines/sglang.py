@@ -22,10 +22,10 @@ from typing import Any
 
 import aiohttp
 
+from fully_async.device import cpu_binding, host_cpus, resolve_dtype
 from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.errors import EngineError
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
-from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

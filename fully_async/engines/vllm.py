@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fully_async.device import cpu_binding, host_cpus, resolve_dtype
 from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.types import HttpCall, PauseMode, Sampling, Segment
-from fully_async.host import cpu_binding, host_cpus, resolve_dtype
 from fully_async.multimodal.images import data_url
 from fully_async.multimodal.processor import is_vision_model
 

@@ -30,7 +30,7 @@ from fully_async.config import RewardConfig
 from fully_async.config.sections import GROUP_FN_NAME as NAME
 from fully_async.plugins import load
 from fully_async.reward.errors import RewardDrop, RewardFatal
-from fully_async.reward.pool import RewardTimeout, ScoringPool
+from fully_async.reward.workers import RewardTimeout, ScoringPool
 
 log = logging.getLogger(__name__)
 

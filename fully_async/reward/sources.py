@@ -18,7 +18,7 @@ from fully_async.config import RewardSourceConfig
 from fully_async.data import SYNTHETIC_SOURCE
 from fully_async.plugins import load
 from fully_async.reward.judge import Judge, Reply
-from fully_async.reward.pool import ScoringPool
+from fully_async.reward.workers import ScoringPool
 
 SYNTHETIC_SCORER = "fully_async.reward.rule:synthetic_score"
 VERL_SCORER = "verl.utils.reward_score:default_compute_score"

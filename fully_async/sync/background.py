@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fully_async.handles import CallThread
+from fully_async.threads import CallThread
 from fully_async.weights.base import ParamSyncError
 
 Timed = Callable[[dict[str, float]], None]

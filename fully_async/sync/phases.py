@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fully_async.handles import CallThread
+from fully_async.threads import CallThread
 from fully_async.trace import Tracer
 from fully_async.weights.base import ParamSyncError
 

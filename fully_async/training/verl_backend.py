@@ -64,7 +64,7 @@ class VerlBackend(TrainingBackend):
         """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
         `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md)."""
-        from fully_async.host import device as run_device
+        from fully_async.device import device as run_device
 
         if not ray.is_initialized():
             raise RuntimeError("VerlBackend needs a running Ray (call ray.init first)")

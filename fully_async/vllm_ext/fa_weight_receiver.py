@@ -140,6 +140,77 @@ def check_plan(tensors: list, headers: dict[str, list[int]], limit: int = 5) -> 
     return problems
 
 
+class BucketStream:
+    """One fa_receive's buckets, streamed: a thread receives bucket k+1 from the group while the loader takes the
+    tensors of bucket k from `weights()` (two buckets in flight, so buffers get reused). A failure on the receiving
+    side, or a bucket that does not arrive within `patience` seconds, ends the iterator early and is kept in
+    `failure` ({"error", "bucket"}); `loaded` counts the tensors the loader took."""
+
+    def __init__(self, buckets: list, pool: BucketPool, pg, device: torch.device, patience: float) -> None:
+        self.buckets, self.pool, self.pg, self.device, self.patience = buckets, pool, pg, device, patience
+        self.arrived: queue.Queue = queue.Queue()
+        self.taken = threading.Semaphore(0)
+        self.stop = threading.Event()
+        self.stats = {"receive_s": 0.0, "stall_s": 0.0, "digest_s": 0.0}
+        self.digest = Digest()
+        self.failure: dict = {}
+        self.loaded = 0
+
+    def load_into(self, reload_weights) -> None:
+        """Run `reload_weights(weights_iterator=...)` over the buckets as they arrive; the receiving thread is
+        stopped and joined whatever the loader does."""
+        receiver = threading.Thread(target=self.receive, name="fa-weight-receive", daemon=True)
+        receiver.start()
+        try:
+            reload_weights(weights_iterator=self.weights())
+        finally:
+            self.stop.set()
+            receiver.join(timeout=self.patience)
+
+    def receive(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            for k, bucket in enumerate(self.buckets):
+                # Receive bucket k once the load took bucket k-1: two in flight, so buffers get reused.
+                while k and not self.taken.acquire(timeout=0.5):
+                    if self.stop.is_set():
+                        return
+                if self.stop.is_set():
+                    return
+                buf = self.pool.take(int(bucket["numel"]))
+                t0 = time.monotonic()
+                self.pg.broadcast(buf, 0).wait()
+                self.stats["receive_s"] += time.monotonic() - t0
+                self.arrived.put((k, buf))
+                del buf  # this thread must not keep the bucket's storage referenced
+        except BaseException as e:  # handed to the loading side, which ends its iterator and reports it
+            self.arrived.put((None, e))
+
+    def weights(self):
+        for k, bucket in enumerate(self.buckets):
+            t0 = time.monotonic()
+            try:
+                got, buf = self.arrived.get(timeout=self.patience)
+            except queue.Empty:
+                self.failure["error"] = TimeoutError(f"bucket {k} did not arrive within {self.patience:g} s")
+                return
+            self.stats["stall_s"] += time.monotonic() - t0
+            self.taken.release()
+            if got is None:
+                self.failure["error"], self.failure["bucket"] = buf, k
+                return
+            for name, shape, offset, numel in bucket["tensors"]:
+                tensor = buf[int(offset) : int(offset) + int(numel)].view(shape)
+                t1 = time.monotonic()
+                self.digest.add(name, tensor)
+                self.stats["digest_s"] += time.monotonic() - t1
+                yield name, tensor
+                self.loaded += 1
+            del buf  # views still held by the loader keep the storage; this frame must not
+        self.stats["iterated_at"] = time.monotonic()
+
+
 class WeightReceiver(AdapterDigest):
     """Mixed into vLLM's worker class (see the module docstring)."""
 
@@ -209,82 +280,25 @@ class WeightReceiver(AdapterDigest):
         problems = check_plan(flat, self._fa_headers())
         if problems:
             raise ValueError("weight plan does not fit this engine: " + "; ".join(problems))
-        device, pg = self._fa_device(), state["pg"]
+        device = self._fa_device()
         pool = self._fa_pool(DTYPES[s["dtype"]], device)
         fresh_before = pool.fresh
-        arrived: queue.Queue = queue.Queue()
-        taken = threading.Semaphore(0)
-        stop = threading.Event()
-        stats = {"receive_s": 0.0, "stall_s": 0.0, "digest_s": 0.0}
-        digest = Digest()
         self._fa_loaded = None  # until this load completes, the server holds no proven set
         # Far longer than the group's own timeout, which bounds every broadcast: only a bug could reach it.
-        patience = 2 * float(s.get("timeout_s", 300.0)) + 60
-
-        def receive() -> None:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            try:
-                for k, bucket in enumerate(buckets):
-                    # Receive bucket k once the load took bucket k-1: two in flight, so buffers get reused.
-                    while k and not taken.acquire(timeout=0.5):
-                        if stop.is_set():
-                            return
-                    if stop.is_set():
-                        return
-                    buf = pool.take(int(bucket["numel"]))
-                    t0 = time.monotonic()
-                    pg.broadcast(buf, 0).wait()
-                    stats["receive_s"] += time.monotonic() - t0
-                    arrived.put((k, buf))
-                    del buf  # this thread must not keep the bucket's storage referenced
-            except BaseException as e:  # handed to the loading side, which ends its iterator and reports it
-                arrived.put((None, e))
-
-        receiver = threading.Thread(target=receive, name="fa-weight-receive", daemon=True)
-        failure: dict = {}
-        loaded = [0]
-
-        def weights():
-            for k, bucket in enumerate(buckets):
-                t0 = time.monotonic()
-                try:
-                    got, buf = arrived.get(timeout=patience)
-                except queue.Empty:
-                    failure["error"] = TimeoutError(f"bucket {k} did not arrive within {patience:g} s")
-                    return
-                stats["stall_s"] += time.monotonic() - t0
-                taken.release()
-                if got is None:
-                    failure["error"], failure["bucket"] = buf, k
-                    return
-                for name, shape, offset, numel in bucket["tensors"]:
-                    tensor = buf[int(offset) : int(offset) + int(numel)].view(shape)
-                    t1 = time.monotonic()
-                    digest.add(name, tensor)
-                    stats["digest_s"] += time.monotonic() - t1
-                    yield name, tensor
-                    loaded[0] += 1
-                del buf  # views still held by the loader keep the storage; this frame must not
-            stats["iterated_at"] = time.monotonic()
-
+        stream = BucketStream(buckets, pool, state["pg"], device, patience=2 * float(s.get("timeout_s", 300.0)) + 60)
         start = time.monotonic()
-        receiver.start()
-        try:
-            self.model_runner.reload_weights(weights_iterator=weights())
-        finally:
-            stop.set()
-            receiver.join(timeout=patience)
+        stream.load_into(self.model_runner.reload_weights)
         end = time.monotonic()
+        stats, failure = stream.stats, stream.failure
         if failure:
             raise RuntimeError(
                 f"receiving weights failed at bucket {failure.get('bucket', '?')} of {len(buckets)} "
-                f"({type(failure['error']).__name__}: {failure['error']}); {loaded[0]} of {len(flat)} tensors were "
-                "loaded, so this server holds a mix of weight versions until the next sync succeeds"
+                f"({type(failure['error']).__name__}: {failure['error']}); {stream.loaded} of {len(flat)} tensors "
+                "were loaded, so this server holds a mix of weight versions until the next sync succeeds"
             )
         nbytes = sum(int(b["numel"]) for b in buckets) * torch.empty((), dtype=pool.dtype).element_size()
-        self._fa_loaded = {"digest": digest.hexdigest(), "tensors": len(digest), "source": f"group {s['group']}",
-                           "digest_s": stats["digest_s"]}  # fmt: skip
+        self._fa_loaded = {"digest": stream.digest.hexdigest(), "tensors": len(stream.digest),
+                           "source": f"group {s['group']}", "digest_s": stats["digest_s"]}  # fmt: skip
         return {"tensors": len(flat), "bytes": nbytes, "buckets": len(buckets), "fresh_buffers": pool.fresh - fresh_before,
                 "receive_s": stats["receive_s"], "stall_s": stats["stall_s"], "digest_s": stats["digest_s"],
                 "load_s": stats.get("iterated_at", end) - start - stats["stall_s"],

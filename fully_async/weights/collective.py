@@ -3,7 +3,7 @@
 One torch.distributed group, outside every default group: rank 0 is the sender (where the full weights are), ranks
 1.. are the engine workers (world = 1 + the sum of the servers' tensor-parallel sizes). It rendezvous through a
 TCPStore the sender opens (`PrefixStore` per group name); the backend is gloo on CPU and nccl on GPUs, chosen by
-fully_async.host's device rule, and nothing else differs. The engine side is a vLLM worker extension
+fully_async.device's device rule, and nothing else differs. The engine side is a vLLM worker extension
 (fully_async/vllm_ext/fa_weight_receiver.py, run by the engine's own interpreter) reached through
 `/collective_rpc` with JSON-string arguments; no pickle crosses the network.
 

@@ -120,7 +120,7 @@ class LoraTransport(WeightTransport):
         self, rollouter: Any, backend: Any, root: str | Path, dtype: str, device: str = "cpu", verify: bool = True
     ) -> None:
         """`verify`: async_training.verify_sync (the verify phase; off: adapters are loaded and activated unproven)."""
-        from fully_async.host import resolve_dtype
+        from fully_async.device import resolve_dtype
 
         self.rollouter, self.backend = rollouter, backend
         self.dtype = resolve_dtype(dtype, device)

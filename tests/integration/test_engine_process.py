@@ -11,8 +11,8 @@ import os
 import pytest
 
 from fully_async.config import EngineConfig
+from fully_async.device import cpu_binding, engine_cpus
 from fully_async.engines import EngineClient, EngineError
-from fully_async.host import cpu_binding, engine_cpus
 from tests.fakes import FakeProcessServers
 
 pytestmark = pytest.mark.timeout(120)

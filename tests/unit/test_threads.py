@@ -1,4 +1,4 @@
-"""handles.CallThread: calls run in one kept thread, in the order given, each result or exception handed to whoever
+"""threads.CallThread: calls run in one kept thread, in the order given, each result or exception handed to whoever
 resolves its future (the trainer's prefetched batch, its step report and writes; ParamSync's syncs and phases)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from fully_async.handles import CallThread, resolve
+from fully_async.handles import resolve
 from fully_async.message_queue import QueueTimeout
+from fully_async.threads import CallThread
 
 
 def _later(outcome, after_s: float = 0.2) -> concurrent.futures.Future:

@@ -32,8 +32,8 @@ from fully_async.reward.errors import RewardDrop, RewardFatal
 from fully_async.reward.group import GroupScorer
 from fully_async.reward.judge import ParseError, RemoteError, WaitRetryAfter, retryable
 from fully_async.reward.limiter import RateLimiter, build_limiter
-from fully_async.reward.pool import RewardCallError, RewardTimeout, ScoringPool
 from fully_async.reward.sources import VERL_SCORER, JudgeSource, RuleSource, Source, compute_score_kwargs
+from fully_async.reward.workers import RewardCallError, RewardTimeout, ScoringPool
 
 log = logging.getLogger(__name__)
 
@@ -177,58 +177,16 @@ class RewardAgent:
         return result
 
     async def _score_one(self, g: _Guarded, solution: str, meta: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-        src, cfg = g.source, g.source.cfg
         start = time.monotonic()
-        attempts = 0
-        wait_s = 0.0
+        tally = _Tally()
         g.counts["calls"] += 1
         g.in_flight += 1
-
-        async def once():
-            nonlocal attempts, wait_s
-            attempts += 1
-            permit = None
-            if g.limiter is not None:
-                permit = await g.limiter.acquire(src.estimate_tokens(solution, meta))
-                wait_s += permit.wait_s
-            used = None
-            try:
-                reply = await src.attempt(solution, meta)
-                used = reply.used_tokens
-                return reply
-            except ParseError as e:
-                used = getattr(e, "used_tokens", None)
-                raise
-            except RemoteError as e:
-                if e.status is not None:
-                    used = 0.0  # refused or failed by the server before any generation
-                raise
-            except (RewardTimeout, asyncio.TimeoutError):
-                g.counts["timeouts"] += 1
-                raise
-            finally:
-                if permit is not None:
-                    g.limiter.release(permit, used)
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            g.counts["retries"] += 1
-
         try:
-            if src.remote and cfg.retries:
-                retrying = tenacity.AsyncRetrying(
-                    stop=tenacity.stop_after_attempt(cfg.retries + 1),
-                    wait=WaitRetryAfter(cfg.backoff_s, cfg.backoff_max_s),
-                    # A server that asks for a longer pause than backoff_max_s ends the retries (the policy applies)
-                    # rather than being retried early or stalling the sample for as long as it says.
-                    retry=tenacity.retry_if_exception(
-                        lambda e: retryable(e) and (getattr(e, "retry_after", None) or 0.0) <= cfg.backoff_max_s
-                    ),
-                    before_sleep=before_sleep,
-                    reraise=True,
-                )
-                reply = await retrying(once)
+            retrying = self._retrying(g)
+            if retrying is not None:
+                reply = await retrying(self._attempt, g, solution, meta, tally)
             else:
-                reply = await once()
+                reply = await self._attempt(g, solution, meta, tally)
             info = {"score": reply.score, **reply.info}
             score = reply.score
         except asyncio.CancelledError:
@@ -239,10 +197,60 @@ class RewardAgent:
             g.in_flight -= 1
         latency = time.monotonic() - start
         g.latency_s += latency
-        info.update({"latency_s": latency, "attempts": attempts})
+        info.update({"latency_s": latency, "attempts": tally.attempts})
         if g.limiter is not None:
-            info["limiter_wait_s"] = wait_s
+            info["limiter_wait_s"] = tally.wait_s
         return score, info
+
+    @staticmethod
+    async def _attempt(g: _Guarded, solution: str, meta: dict[str, Any], tally: _Tally) -> Any:
+        """One call of the source through its limiter, settling the tokens it used (none when refused early)."""
+        src = g.source
+        tally.attempts += 1
+        permit = None
+        if g.limiter is not None:
+            permit = await g.limiter.acquire(src.estimate_tokens(solution, meta))
+            tally.wait_s += permit.wait_s
+        used = None
+        try:
+            reply = await src.attempt(solution, meta)
+            used = reply.used_tokens
+            return reply
+        except ParseError as e:
+            used = getattr(e, "used_tokens", None)
+            raise
+        except RemoteError as e:
+            if e.status is not None:
+                used = 0.0  # refused or failed by the server before any generation
+            raise
+        except (RewardTimeout, asyncio.TimeoutError):
+            g.counts["timeouts"] += 1
+            raise
+        finally:
+            if permit is not None:
+                g.limiter.release(permit, used)
+
+    @staticmethod
+    def _retrying(g: _Guarded) -> tenacity.AsyncRetrying | None:
+        """The retry policy of a remote source with retries (None: one attempt)."""
+        cfg = g.source.cfg
+        if not (g.source.remote and cfg.retries):
+            return None
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            g.counts["retries"] += 1
+
+        return tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(cfg.retries + 1),
+            wait=WaitRetryAfter(cfg.backoff_s, cfg.backoff_max_s),
+            # A server that asks for a longer pause than backoff_max_s ends the retries (the policy applies)
+            # rather than being retried early or stalling the sample for as long as it says.
+            retry=tenacity.retry_if_exception(
+                lambda e: retryable(e) and (getattr(e, "retry_after", None) or 0.0) <= cfg.backoff_max_s
+            ),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
 
     def _on_failure(self, g: _Guarded, e: Exception) -> tuple[float, dict[str, Any]]:
         cfg = g.source.cfg
@@ -316,6 +324,14 @@ class RewardAgent:
         self.sources = []
         if self.pool is not None:
             self.pool.close()
+
+
+@dataclass
+class _Tally:
+    """One sample's calls of one source, across its retries."""
+
+    attempts: int = 0
+    wait_s: float = 0.0
 
 
 def _resolve_group_fn(path: str):

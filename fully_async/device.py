@@ -1,4 +1,4 @@
-"""Host concerns in one place: which device the run computes on, the engine dtype, and on a CPU host the split of
+"""The run's device decided in one place: which device the run computes on, the engine dtype, and on a CPU host the split of
 the cores between the engine servers and the trainer (pinning, affinity).
 
 One rule for the device, used by the job, the engine adapters and the training backend alike:
