@@ -168,8 +168,8 @@ def synthetic_rows(
     A 2-layer model learns `copy` from random init by RL in minutes (the answer is a lookup of the prompt's digit,
     shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
     which RL then never learned); `add` needs both digits and learns more slowly; `guess` can only be solved
-    reliably from an earlier turn's answer. `reverse` ('reverse 472' -> '274', `reverse_length` digits) is answered by
-    several tokens, graded per position (reward/rule.py). `colors` is visual: a small image of one flat color,
+    reliably from an earlier turn's answer. `reverse` ('reverse 44444 77777' -> '74', `reverse_length` digits, each
+    shown `copy_repeats` times as for copy) is answered by several tokens, graded per position (reward/rule.py). `colors` is visual: a small image of one flat color,
     answered by the color's letter (multimodal/colors.py; needs a vision-language model, model.tiny.arch=qwen2_vl).
     Train and validation draw from disjoint seeds."""
     if task not in SYNTHETIC_TASKS:
@@ -186,7 +186,7 @@ def synthetic_rows(
             content, answer = f"echo {str(a) * copy_repeats}", a
         elif task == "reverse":
             digits = "".join(str(rng.randint(0, 9)) for _ in range(reverse_length))
-            content, answer = f"reverse {digits}", digits[::-1]
+            content, answer = "reverse " + " ".join(d * copy_repeats for d in digits), digits[::-1]
         elif task == "guess":
             content, answer = GUESS_PROMPT, a
             extra["env_delay_s"] = [float(x) for x in env_delay_s]

@@ -113,8 +113,9 @@ def test_reverse_task_answers_with_the_reversed_string_graded_per_position():
     rows = synthetic_rows(40, seed=1, task="reverse", reverse_length=3)
     assert len({r.ground_truth for r in rows}) > 20
     for r in rows:
-        shown = r.messages[0]["content"].removeprefix("reverse ")
-        assert len(shown) == 3 and shown.isdigit() and r.ground_truth == shown[::-1]
+        blocks = r.messages[0]["content"].removeprefix("reverse ").split(" ")
+        assert len(blocks) == 3 and all(len(set(b)) == 1 and len(b) == 5 and b.isdigit() for b in blocks)
+        assert r.ground_truth == "".join(b[0] for b in blocks)[::-1]
     info = rows[0].extra_info
     assert synthetic_score(SYNTHETIC_SOURCE, "274<junk", "274", info) == {"score": 1.0, "acc": 1.0}
     assert synthetic_score(SYNTHETIC_SOURCE, "294", "274", info) == {"score": pytest.approx(2 / 3), "acc": 0.0}

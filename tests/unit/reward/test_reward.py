@@ -45,7 +45,8 @@ async def test_a_hanging_function_is_killed_and_the_pool_keeps_working(agent_fac
     pids = {w.proc.pid for w in agent.pool._workers}
     start = time.monotonic()
     results = await asyncio.gather(*(agent.score("x", SYN) for _ in range(3)))
-    assert time.monotonic() - start < 8
+    # hanging_score never returns: only a kill at timeout_s ends these calls (30 s: a loaded box respawns workers slowly)
+    assert time.monotonic() - start < 30
     for r in results:
         assert r.score == -1.0 and r.info["reward_failed"] and "timeout" in r.info["reward_error"]
     assert agent.pool.killed >= 4 and agent.timeouts >= 4
