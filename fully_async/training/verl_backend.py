@@ -60,10 +60,13 @@ class VerlBackend(TrainingBackend):
         cpu_set: Sequence[int] | None = None,
         placement_groups: list | None = None,
         lora: LoraConfig | None = None,
+        freeze_vision_tower: bool = True,
     ):
         """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
-        `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md)."""
+        `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md).
+        `freeze_vision_tower` (model.freeze_vision_tower): a vision-language policy's tower does not train and no sync
+        sends it (training/vision_tower.py)."""
         from fully_async.host import device as run_device
 
         if not ray.is_initialized():
@@ -96,7 +99,8 @@ class VerlBackend(TrainingBackend):
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
         try:
-            self.ranks.start("policy", twc, lora_dropout=self.lora.dropout if self.lora else 0.0)
+            self.ranks.start("policy", twc, lora_dropout=self.lora.dropout if self.lora else 0.0,
+                             freeze_vision_tower=freeze_vision_tower and self.vision is not None)  # fmt: skip
             if use_reference:
                 self.ranks.start("reference", reference_config(twc))
             if self.use_critic:
@@ -295,10 +299,10 @@ class VerlBackend(TrainingBackend):
         return metrics
 
     # ----------------------------------------------------------------- weights and state
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         out = Path(out_dir)
         bucket = self.trainer.weight_bucket_mb << 20
-        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket)
+        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket, sync)
         files = next(f for f in answers if f is not None)
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]
