@@ -45,3 +45,8 @@ def without_tower(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     for name, tensor in named:
         if not is_tower(name):
             yield name, tensor
+
+
+LORA_EXCLUDE = r"(.*\.)?visual(\..*)?"
+"""PEFT's exclude_modules (a regex it matches against whole module names): LoRA adapts the language model only,
+never a module of the tower (with target_modules=all-linear it would otherwise wrap the tower's linears too)."""

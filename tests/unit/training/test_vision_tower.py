@@ -66,3 +66,26 @@ def test_a_sync_without_the_tower_sends_every_other_tensor_and_drains_its_source
 def test_a_text_model_has_nothing_to_freeze():
     layer = torch.nn.Linear(2, 2)
     assert freeze(layer) == 0 and all(p.requires_grad for p in layer.parameters())
+
+
+def test_lora_adapts_the_language_model_only(vlm):
+    """verl builds its PEFT model from these fields (its FSDP engine's _build_lora_module): no adapter in the tower."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from fully_async.config import LoraConfig
+    from fully_async.training.verl_config import lora_fields
+
+    fields = lora_fields(LoraConfig(rank=4))
+    peft = get_peft_model(
+        vlm,
+        PeftLora(
+            r=4, lora_alpha=16, target_modules=fields["target_modules"], exclude_modules=fields["exclude_modules"]
+        ),
+    )
+    try:
+        adapted = [n for n, _ in peft.named_parameters() if ".lora_A." in n]
+        assert adapted and not any(is_tower(n) for n in adapted)
+        assert any("q_proj" in n for n in adapted)
+    finally:
+        peft.unload()  # the module fixture's model without the adapter layers again
