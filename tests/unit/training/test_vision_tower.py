@@ -76,7 +76,8 @@ def test_lora_adapts_the_language_model_only(vlm):
     from fully_async.config import LoraConfig
     from fully_async.training.verl_config import lora_fields
 
-    fields = lora_fields(LoraConfig(rank=4))
+    fields = lora_fields(LoraConfig(rank=4), vision=True)
+    assert "exclude_modules" not in lora_fields(LoraConfig(rank=4))  # a text model: nothing to exclude
     peft = get_peft_model(
         vlm,
         PeftLora(
