@@ -172,6 +172,7 @@ class Job:
             self.backend = build_backend(
                 cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
                 cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
+                freeze_vision_tower=cfg.model.freeze_vision_tower,
             )  # fmt: skip
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
         self.sync = self._param_sync(tracer)

@@ -601,7 +601,7 @@ class StateDictBackend:
         self.sender = CollectiveSender(self.named_tensors, self.device)
         return self.sender
 
-    def export_weights(self, out_dir, dtype: str = "float32"):
+    def export_weights(self, out_dir, dtype: str = "float32", *, sync: bool = False):
         from safetensors.torch import save_file
 
         out = Path(out_dir)
@@ -709,7 +709,7 @@ class AdapterBackend:
             state.pop("lm_head.weight", None)
         return state
 
-    def export_weights(self, out_dir, dtype: str = "float32"):
+    def export_weights(self, out_dir, dtype: str = "float32", *, sync: bool = False):
         from safetensors.torch import save_file
 
         out = Path(out_dir)

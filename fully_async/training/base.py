@@ -43,10 +43,12 @@ class TrainingBackend(ABC):
         `version` (the current weight version) adds token-staleness metrics."""
 
     @abstractmethod
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         """Write the current weights as Hugging Face safetensors (plus the model's config and tokenizer files) into
         `out_dir`, cast to `dtype`; returns the weight files written. With LoRA, the merged model (base + adapter,
-        Hugging Face names), so every full-weight transport serves it unchanged; `weight_sender()` sends the same."""
+        Hugging Face names), so every full-weight transport serves it unchanged; `weight_sender()` sends the same.
+        `sync`: a weight sync's export, which leaves out the weights that never change (a frozen vision tower: the
+        engines keep the one they loaded from model.path); `stage_weights` and `weight_sender()` always do."""
 
     stages_exports: bool = False
     """Whether `stage_weights` leaves the writing to a later call (then the disk transport's background sync has a

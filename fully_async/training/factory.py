@@ -24,6 +24,7 @@ def build_backend(
     cpu_set: Sequence[int] | None = None,
     placement_groups: list | None = None,
     lora: LoraConfig | None = None,
+    freeze_vision_tower: bool = True,
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
@@ -31,7 +32,7 @@ def build_backend(
     defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
     the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
     job's trainer groups (fully_async/placement.py); None = the backend reserves its own. `lora`: model.lora
-    (rank 0 or None = full fine-tuning).
+    (rank 0 or None = full fine-tuning). `freeze_vision_tower`: model.freeze_vision_tower (vision-language models).
     Ray must already be initialised by the caller.
     """
     if trainer.backend == "verl":
@@ -47,6 +48,7 @@ def build_backend(
             cpu_set=cpu_set,
             placement_groups=placement_groups,
             lora=lora,
+            freeze_vision_tower=freeze_vision_tower,
         )
     if trainer.backend == "sim":
         if lora is not None and lora.enabled:

@@ -63,7 +63,7 @@ class SimBackend(TrainingBackend):
         self.step += 1
         return {"sim/train_s": train_s, "sim/logprob_s": logprob_s, "sim/tokens": float(tokens)}
 
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         self._spend(self.sim.model_gb / self.sim.export_gb_per_s)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ from fully_async.training import batch as B
 from fully_async.training import correction, hf_files
 from fully_async.training.base import TrainingBackend
 from fully_async.training.verl_config import critic_config, engine_configs, reference_config, value_loss_config
+from fully_async.training.verl_forward import RankForward
 from fully_async.training.verl_ranks import RankGroups, TrainerTimeout, WeightSender
 
 __all__ = ["TrainerTimeout", "VerlBackend"]
@@ -60,10 +61,13 @@ class VerlBackend(TrainingBackend):
         cpu_set: Sequence[int] | None = None,
         placement_groups: list | None = None,
         lora: LoraConfig | None = None,
+        freeze_vision_tower: bool = True,
     ):
         """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
-        `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md)."""
+        `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md).
+        `freeze_vision_tower` (model.freeze_vision_tower): a vision-language policy's tower does not train and no sync
+        sends it (training/vision_tower.py)."""
         from fully_async.device import device as run_device
 
         if not ray.is_initialized():
@@ -95,13 +99,20 @@ class VerlBackend(TrainingBackend):
         twc, self.actor_config = engine_configs(trainer, algorithm, str(model_path), self.cpu, self.lora)
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
+        self.forward = RankForward(self.ranks, lambda: self.trainer.max_token_len_per_gpu, self.temperature,
+                                   pad_token_id, self.vision)  # fmt: skip
+        self._start_ranks(twc, use_reference, freeze_vision_tower and self.vision is not None)
+
+    def _start_ranks(self, twc, use_reference: bool, freeze_vision_tower: bool) -> None:
+        """Start the worker groups (policy, then reference and critic when wanted) and give them the loss."""
         try:
-            self.ranks.start("policy", twc, lora_dropout=self.lora.dropout if self.lora else 0.0)
+            self.ranks.start("policy", twc, lora_dropout=self.lora.dropout if self.lora else 0.0,
+                             freeze_vision_tower=freeze_vision_tower)  # fmt: skip
             if use_reference:
                 self.ranks.start("reference", reference_config(twc))
             if self.use_critic:
-                self.ranks.start("critic", critic_config(twc, trainer))
-            self.set_algorithm(algorithm)
+                self.ranks.start("critic", critic_config(twc, self.trainer))
+            self.set_algorithm(self.algorithm)
         except BaseException:
             # Protects the Ray cluster from orphaned ranks when a later group fails to start; the error propagates.
             log.error("training backend failed to start; stopping the ranks already started")
@@ -134,86 +145,22 @@ class VerlBackend(TrainingBackend):
     def dp_size(self) -> int:
         return self.ranks.dp_size
 
-    def _engine_td(self, batch: B.PaddedBatch, **extra: torch.Tensor):
-        """Engine batch with the micro-batch token budget read from `self.trainer` at each call (so the budget can
-        be changed between calls without rebuilding the workers)."""
-        from verl.utils import tensordict_utils as tu
-
-        budget = self.trainer.max_token_len_per_gpu
-        longest = int(batch.attention_mask.sum(-1).max())
-        if longest > budget:
-            raise ValueError(
-                f"a sequence of {longest} tokens exceeds trainer.max_token_len_per_gpu={budget}; raise the budget to "
-                "at least data.max_prompt_length + rollout.response_length"
-            )
-        td = B.to_engine_td(batch, self.temperature, **extra)
-        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
-        return td
-
-    # ----------------------------------------------------------------- log-probs
-    def _log_probs(self, role: str, batch: B.PaddedBatch, sum_pi_squared: bool = False):
-        """(B, R) log-probs of `batch` (already laid out for DP) under `role`'s weights; with `sum_pi_squared`, the
-        pair (log-probs, sum over the vocabulary of pi^2 per token) from the same forward pass."""
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import no_padding_2_padding
-
-        td = self._engine_td(batch)
-        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, calculate_sum_pi_squared=sum_pi_squared)
-        outs, chunks = self.ranks.data_call(role, "infer_batch", td)
-
-        def gather(key: str) -> torch.Tensor:
-            parts = [no_padding_2_padding(tu.get(o, key), c) for o, c in zip(outs, chunks, strict=True)]
-            return torch.cat(parts, dim=0).float()
-
-        return (gather("log_probs"), gather("sum_pi_squared")) if sum_pi_squared else gather("log_probs")
-
-    def _values(self, batch: B.PaddedBatch) -> torch.Tensor:
-        """(B, R) critic values of `batch` (laid out for DP): V(state before each response token)."""
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import no_padding_2_padding
-
-        td = self._engine_td(batch)
-        tu.assign_non_tensor(td, compute_loss=False)
-        outs, chunks = self.ranks.data_call("critic", "infer_batch", td)
-        parts = [no_padding_2_padding(tu.get(o, "values"), c) for o, c in zip(outs, chunks, strict=True)]
-        return torch.cat(parts, dim=0).float()
-
     def compute_values(self, groups: Sequence[TrajectoryGroup]) -> list[np.ndarray]:
         """The critic's value per response token, one float32 array per trajectory in `flatten(groups)` order."""
         if "critic" not in self.ranks:
             raise RuntimeError("this backend was built without a critic")
-        full = B.assemble(groups, self.pad_token_id, self.vision)
-        rows, _ = B.dp_layout(full.size, self.dp_size, 1)
-        laid = full.select(rows)
-        values = self._values(laid)
-        out: list[np.ndarray] = [None] * full.size  # type: ignore[list-item]
-        for k, src in enumerate(laid.source):
-            if src >= 0:
-                out[src] = values[k, : int(laid.response_lengths[k])].numpy().copy()
-        return out
+        return self.forward.per_trajectory(groups, self.forward.values)
 
     def compute_log_probs(self, groups: Sequence[TrajectoryGroup], *, reference: bool = False) -> list[np.ndarray]:
         role = "reference" if reference else "policy"
         if role not in self.ranks:
             raise RuntimeError("this backend was built without a reference model")
-        full = B.assemble(groups, self.pad_token_id, self.vision)
-        rows, _ = B.dp_layout(full.size, self.dp_size, 1)
-        laid = full.select(rows)
-        lp = self._log_probs(role, laid)
-        out: list[np.ndarray] = [None] * full.size  # type: ignore[list-item]
-        lengths = laid.response_lengths
-        for k, src in enumerate(laid.source):
-            if src >= 0:
-                out[src] = lp[k, : int(lengths[k])].numpy().copy()
-        return out
+        return self.forward.per_trajectory(groups, partial(self.forward.log_probs, role))
 
     # ----------------------------------------------------------------- update
     def update(self, groups: Sequence[TrajectoryGroup], *, version: int | None = None) -> dict[str, float]:
-        from verl.utils import tensordict_utils as tu
-
         t0 = time.perf_counter()
         full = B.assemble(groups, self.pad_token_id, self.vision)
-        algo = self.algorithm
         metrics: dict[str, float] = {"batch/trajectories": float(full.size), "batch/groups": float(len(groups))}
         if version is not None:
             metrics.update(B.version_metrics(full, version))
@@ -225,80 +172,106 @@ class VerlBackend(TrainingBackend):
             return metrics
         rows, num_mini = B.dp_layout(full.size, self.dp_size, self.trainer.num_mini_batches)
         laid = full.select(rows)
-        extra: dict[str, torch.Tensor] = {}
-        mask = laid.response_mask.bool()
         t1 = time.perf_counter()
-        by_prox: dict[str, torch.Tensor] = {}  # inputs of the estimator that come from the proximal pass, full order
-        if not algo.bypass:
-            otb = algo.adv_estimator in NEEDS_PROX
-            prox = self._log_probs("policy", laid, sum_pi_squared=otb)
-            if otb:
-                prox, spsq = prox
-                by_prox["sum_pi_squared"] = _unlay(spsq, laid.source, full.size)
-            weights, corr = correction.correct(
-                prox, laid.behaviour_logprobs, mask, algo.rollout_correction, laid.group_index
-            )
-            metrics.update(corr)
-            metrics.update(correction.diagnostics(prox, laid.behaviour_logprobs, mask, laid.token_versions, version))
-            if weights is not None:
-                extra["rollout_is_weights"] = weights * laid.response_mask
-                by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, full.size)
-            by_prox["old_log_probs"] = _unlay(prox, laid.source, full.size)
-        else:  # bypass: pi_old is the behaviour policy; verl's bypass_mode loss weighs and rejects per micro-batch
-            prox = laid.behaviour_logprobs
+        extra, by_prox = self._proximal(laid, full.size, version, metrics)
+        critic_td = self._advantages(groups, full, laid, rows, extra, by_prox, metrics)
+        if "reference" in self.ranks and self.algorithm.use_kl_loss:
+            extra["ref_log_prob"] = self.forward.log_probs("reference", laid)
+        t2 = time.perf_counter()
+        actor, critic_s = self._train(laid, extra, critic_td, full.size / num_mini, num_mini, metrics)
+        metrics.update({"timing_s/prepare": t1 - t0, "timing_s/log_probs": t2 - t1})
+        metrics["timing_s/train"] = time.perf_counter() - t2
+        if critic_td is not None:
+            metrics["timing_s/critic_train"] = critic_s  # part of timing_s/train
+        metrics.update(actor)
+        self.step += 1
+        metrics["trainer/step"] = float(self.step)
+        return metrics
+
+    def _proximal(self, laid: B.PaddedBatch, size: int, version: int | None, metrics: dict) -> tuple[dict, dict]:
+        """The loss's inputs from pi_prox: (`extra`: old_log_probs and the rollout-correction weights, laid out;
+        `by_prox`: the estimator's inputs from the same pass, in `flatten` order). In bypass mode pi_prox is the
+        behaviour policy (verl's bypass_mode loss weighs and rejects per micro-batch) and no pass runs."""
+        algo = self.algorithm
+        extra: dict[str, torch.Tensor] = {}
+        by_prox: dict[str, torch.Tensor] = {}
+        if algo.bypass:
+            extra["old_log_probs"] = laid.behaviour_logprobs
+            return extra, by_prox
+        mask = laid.response_mask.bool()
+        otb = algo.adv_estimator in NEEDS_PROX
+        prox = self.forward.log_probs("policy", laid, sum_pi_squared=otb)
+        if otb:
+            prox, spsq = prox
+            by_prox["sum_pi_squared"] = _unlay(spsq, laid.source, size)
+        weights, corr = correction.correct(
+            prox, laid.behaviour_logprobs, mask, algo.rollout_correction, laid.group_index
+        )
+        metrics.update(corr)
+        metrics.update(correction.diagnostics(prox, laid.behaviour_logprobs, mask, laid.token_versions, version))
+        if weights is not None:
+            extra["rollout_is_weights"] = weights * laid.response_mask
+            by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, size)
+        by_prox["old_log_probs"] = _unlay(prox, laid.source, size)
         extra["old_log_probs"] = prox
-        # Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows).
+        return extra, by_prox
+
+    def _advantages(self, groups, full, laid, rows, extra, by_prox, metrics):
+        """Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows),
+        laid out into `extra`; returns the critic's engine batch (values and returns) when there is a critic."""
+        algo = self.algorithm
         critic_td = None
         if "critic" in self.ranks:
             # GAE with the critic as it is now (before this step's update) on these trajectories, whichever policy
             # sampled them (docs/algorithms.md, "PPO with a critic under staleness").
-            laid_values = self._values(laid) * laid.response_mask
+            laid_values = self.forward.values(laid) * laid.response_mask
             values = _unlay(laid_values, laid.source, full.size)
             advantages, returns = B.gae(full, values, algo.gamma, algo.lam)
             metrics.update(B.value_metrics(values, returns, full.response_mask))
             laid_returns = returns[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
-            critic_td = self._engine_td(laid, values=laid_values, returns=laid_returns)
+            critic_td = self.forward.engine_td(laid, values=laid_values, returns=laid_returns)
         else:
             components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
             owners = B.sample_owners(groups)  # rows split off one sample share its advantage
             advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
         extra["advantages"] = (advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask).float()
-        if "reference" in self.ranks and algo.use_kl_loss:
-            extra["ref_log_prob"] = self._log_probs("reference", laid)
-        t2 = time.perf_counter()
-        td = self._engine_td(laid, **extra)
+        return critic_td
+
+    def _train(self, laid, extra, critic_td, mini_size: float, num_mini: int, metrics: dict[str, float]):
+        """The policy's optimizer steps on `laid` with the loss inputs `extra`, then the critic's on the same
+        mini-batches (with `critic_td`; its metrics into `metrics`); returns (the policy's metrics, the critic's
+        seconds)."""
+        from verl.utils import tensordict_utils as tu
+
+        td = self.forward.engine_td(laid, **extra)
         schedule = dict(
             # Used by the seq-mean loss modes only: sequences per global mini-batch (exact when the batch divides
             # evenly into mini-batches; dp_layout spreads the rows so they differ by at most the DP size).
-            global_batch_size=full.size / num_mini,
+            global_batch_size=mini_size,
             num_mini_batch=num_mini,
             epochs=self.trainer.ppo_epochs,
             seed=self.step,
             compute_loss=True,
         )
-        tu.assign_non_tensor(td, calculate_entropy=algo.entropy_coeff > 0, **schedule)
+        tu.assign_non_tensor(td, calculate_entropy=self.algorithm.entropy_coeff > 0, **schedule)
         outs, _ = self.ranks.data_call("policy", "train_mini_batch", td)
-        t3 = time.perf_counter()
+        t0 = time.perf_counter()
         if critic_td is not None:  # the critic's step on the same mini-batches, towards this batch's returns
             tu.assign_non_tensor(critic_td, **schedule)
             critic_outs, _ = self.ranks.data_call("critic", "train_mini_batch", critic_td)
             for key, value in tu.get(critic_outs[0], "metrics").items():
                 metrics[key if key.startswith("critic/") else f"critic/{key}"] = _mean(value)
-        t4 = time.perf_counter()
-        metrics.update({"timing_s/prepare": t1 - t0, "timing_s/log_probs": t2 - t1, "timing_s/train": t4 - t2})
-        if critic_td is not None:
-            metrics["timing_s/critic_train"] = t4 - t3  # part of timing_s/train
-        for key, value in tu.get(outs[0], "metrics").items():
-            metrics[key if "/" in key else f"actor/{key}"] = _mean(value)
-        self.step += 1
-        metrics["trainer/step"] = float(self.step)
-        return metrics
+        critic_s = time.perf_counter() - t0
+        actor = {
+            key if "/" in key else f"actor/{key}": _mean(value) for key, value in tu.get(outs[0], "metrics").items()
+        }
+        return actor, critic_s
 
     # ----------------------------------------------------------------- weights and state
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         out = Path(out_dir)
         bucket = self.trainer.weight_bucket_mb << 20
-        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket)
+        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket, sync)
         files = next(f for f in answers if f is not None)
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]

@@ -7,6 +7,8 @@ import dataclasses
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
 from fully_async.config.sections.model import LoraConfig
+from fully_async.multimodal.processor import is_vision_model
+from fully_async.training import vision_tower
 
 _NO_MODULE = "FullyAsyncNoSuchModule"
 
@@ -42,7 +44,7 @@ def engine_configs(
         enable_gradient_checkpointing=not cpu
         if trainer.gradient_checkpointing is None
         else trainer.gradient_checkpointing,
-        **(_lora_fields(lora) if lora_on else {}),
+        **(lora_fields(lora, is_vision_model(model_path)) if lora_on else {}),
     )
     budget = {
         "use_dynamic_bsz": True,
@@ -109,14 +111,17 @@ def engine_configs(
     return twc, actor
 
 
-def _lora_fields(lora: LoraConfig) -> dict:
+def lora_fields(lora: LoraConfig, vision: bool = False) -> dict:
     """HFModelConfig's LoRA fields (verl's FSDP engine); PEFT takes "all-linear" as a string, not in a list. The
-    dropout goes to the ranks separately (verl builds its PEFT config without one; verl_worker.py)."""
+    dropout goes to the ranks separately (verl builds its PEFT config without one; verl_worker.py). A vision-language
+    model's (`vision`) tower never gets an adapter (vision_tower.LORA_EXCLUDE; for a text model PEFT would warn that
+    it excluded nothing)."""
     modules = list(lora.target_modules)
     return {
         "lora_rank": lora.rank,
         "lora_alpha": lora.alpha,
         "target_modules": "all-linear" if modules == ["all-linear"] else modules,
+        **({"exclude_modules": vision_tower.LORA_EXCLUDE} if vision else {}),
     }
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import TrainingWorker
 
-from fully_async.training import hf_files, lora
+from fully_async.training import hf_files, lora, vision_tower
 
 
 def _init_gloo(timeout_s: float) -> None:
@@ -64,12 +64,23 @@ def _lora_dropout(p: float) -> None:
 
 
 def _trainable_optimizer(engine, module):
-    """verl's optimizer over the parameters that train (with LoRA, the adapter's only), not every parameter: the
-    frozen base then appears in neither the optimizer's groups nor its state, so checkpoints carry only the
-    adapter's moments."""
+    """verl's optimizer over the parameters that train (with LoRA, the adapter's only; with a frozen vision tower,
+    all but the tower's), not every parameter: the frozen ones then appear in neither the optimizer's groups nor its
+    state, so checkpoints carry only the moments of what trains."""
     from verl.workers.config.optimizer import build_optimizer
 
     return build_optimizer([p for p in module.parameters() if p.requires_grad], engine.optimizer_config)
+
+
+def _freezing_tower(build):
+    """verl's module build followed by `vision_tower.freeze`: before LoRA, FSDP and the optimizer see the module."""
+
+    def build_module():
+        module = build()
+        vision_tower.freeze(module)
+        return module
+
+    return build_module
 
 
 class FullyAsyncTrainingWorker(TrainingWorker):
@@ -83,7 +94,10 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         dist_timeout_s: float = 600.0,
         cpu_set: list[int] | None = None,
         lora_dropout: float = 0.0,
+        freeze_vision_tower: bool = False,
     ):
+        """`freeze_vision_tower`: a vision-language model's tower gets no gradient, no optimizer state, and is left out
+        of every weight sync (training/vision_tower.py); nothing changes for a text model."""
         if lora_dropout:
             _lora_dropout(lora_dropout)
         if cpu:
@@ -98,7 +112,10 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             if config.model_type == "value_model":
                 _value_models_with_eager_attention()
         super().__init__(config)
-        if config.model_config.lora_rank > 0 and config.optimizer_config is not None:
+        self.tower_frozen = freeze_vision_tower
+        if freeze_vision_tower:
+            self.engine._build_module = _freezing_tower(self.engine._build_module)
+        if (config.model_config.lora_rank > 0 or freeze_vision_tower) and config.optimizer_config is not None:
             self.engine._build_optimizer = partial(_trainable_optimizer, self.engine)
 
     def where(self) -> dict:
@@ -124,15 +141,20 @@ class FullyAsyncTrainingWorker(TrainingWorker):
             if keep is None or keep(name):
                 yield name, value.full_tensor() if isinstance(value, DTensor) else value.detach()
 
-    def _policy_tensors(self):
+    def _policy_tensors(self, sync: bool = False):
         """(Hugging Face name, full tensor) of the policy as an engine serves it: with LoRA the merged model
         (fully_async/training/lora.py; verl's own iterator would give the base without the adapter here), else
-        verl's per-tensor iterator."""
+        verl's per-tensor iterator. `sync`: what a weight sync sends, the frozen vision tower left out."""
         peft = self._peft_model()
         if peft is None:
-            return self.engine.get_per_tensor_param()[0]
-        config = lora.adapter_config(peft.peft_config["default"])
-        return lora.merged_tensors(self._full_tensors(), lora.scaling(config))
+            tensors = self.engine.get_per_tensor_param()[0]
+        else:
+            config = lora.adapter_config(peft.peft_config["default"])
+            tensors = lora.merged_tensors(self._full_tensors(), lora.scaling(config))
+        return vision_tower.without_tower(tensors) if sync and self.tower_frozen else tensors
+
+    def _sync_tensors(self):
+        return self._policy_tensors(sync=True)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_adapter(self, out_dir: str, dtype: str = "float32", base_model: str | None = None) -> str | None:
@@ -150,11 +172,14 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         return lora.write_adapter(tensors, config, out_dir, dtype)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def export_weights(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> list[str] | None:
+    def export_weights(
+        self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20, sync: bool = False
+    ) -> list[str] | None:
         """Write the full (unsharded) weights, merged with the LoRA adapter when there is one, as Hugging Face
         safetensors shards of about `bucket_bytes` each, with a `model.safetensors.index.json`. Floating tensors are
-        cast to `dtype`. Returns the file names on rank 0, None on the other ranks."""
-        params = self._policy_tensors()
+        cast to `dtype`. `sync`: a weight sync's export (a frozen vision tower left out). Returns the file names on
+        rank 0, None on the other ranks."""
+        params = self._policy_tensors(sync)
         if not self._rank0():  # every rank drains the generator: each step is a collective
             for _ in params:
                 pass
@@ -163,11 +188,11 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def stage_export(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> bool | None:
-        """`export_weights` in two halves: copy the full weights into host memory now (every rank gathers; rank 0
-        keeps the copy) and write them from that copy in a thread of this process, while the next update already
+        """A weight sync's `export_weights` in two halves: copy the weights a sync sends into host memory now (every
+        rank gathers; rank 0 keeps the copy) and write them from that copy in a thread of this process, while the next update already
         changes the parameters. `out_dir` appears complete or not at all (hf_files.write_staged). True on rank 0,
         None on the other ranks."""
-        params = [(name, t.detach().to("cpu", copy=True)) for name, t in self._policy_tensors()]
+        params = [(name, t.detach().to("cpu", copy=True)) for name, t in self._sync_tensors()]
         if not self._rank0():
             return None
         writer = threading.Thread(target=hf_files.write_staged, args=(params, out_dir, dtype, bucket_bytes),
@@ -193,8 +218,9 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         if engine.optimizer is not None:
             raw = hf_files.merged_optimizer(local_path)
             # torch keys the saved state by parameter index, in the order of the parameters it was built over (all of
-            # module.parameters(); with LoRA the adapter's alone, _trainable_optimizer); the setter wants names.
-            every = self._peft_model() is None
+            # module.parameters(); with LoRA or a frozen tower those that train, _trainable_optimizer); the setter wants
+            # names.
+            every = self._peft_model() is None and not self.tower_frozen
             names = [name for name, p in engine.module.named_parameters() if every or p.requires_grad]
             osd = {
                 "state": {names[i]: entry for i, entry in raw["state"].items()},
@@ -217,7 +243,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
         if getattr(self, "_weight_sender", None) is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._weight_sender = CollectiveSender(self._policy_tensors, device)
+            self._weight_sender = CollectiveSender(self._sync_tensors, device)
         return self._weight_sender
 
     @staticmethod
@@ -243,7 +269,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
         """The sender's `method` (send | stage) on rank 0; the other ranks take part in the gathers its iterator
         needs."""
         if not self._rank0():
-            for _ in self._policy_tensors():
+            for _ in self._sync_tensors():
                 pass
             return None
         return getattr(self._sender(), method)(json.loads(buckets_json), dtype, *args)

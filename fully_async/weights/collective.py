@@ -295,7 +295,7 @@ class CollectiveTransport(WeightTransport):
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"
-        self.backend.export_weights(out, dtype=self.dtype)
+        self.backend.export_weights(out, dtype=self.dtype, sync=True)
         return out
 
     def close(self, remove: bool = True) -> None:

@@ -264,7 +264,7 @@ class DiskTransport(WeightTransport):
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"
-        self.backend.export_weights(out, dtype=self.dtype)
+        self.backend.export_weights(out, dtype=self.dtype, sync=True)
         return out
 
     def distribute(self, version: int) -> dict[str, str | None]:

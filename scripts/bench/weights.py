@@ -101,7 +101,7 @@ class TensorBackend:
     def params(self) -> int:
         return sum(t.numel() for t in self.state.values())
 
-    def export_weights(self, out_dir: str | Path, dtype: str = "float32") -> list[Path]:
+    def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         from safetensors.torch import save_file
 
         out = Path(out_dir)

@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from fully_async.config import AlgorithmConfig, EngineConfig, TinyModelConfig, TrainerConfig
 from fully_async.protocol import PromptRef, TrajectoryGroup
@@ -64,9 +65,16 @@ def _gap(backend, groups):
     return max(float(np.abs(t.behaviour_logprobs - lp).max()) for t, lp in zip(flatten(groups), trainer, strict=True))
 
 
+def _tensors(files) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: t for f in files for name, t in load_file(str(f)).items()}
+
+
 def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sync(engine, tmp_path):
     from fully_async.models.tiny_vlm import IMAGE_PAD_ID
     from fully_async.training import build_backend
+    from fully_async.training.vision_tower import is_tower
 
     model, servers = engine
     groups = asyncio.run(_sample(model, servers))
@@ -79,8 +87,16 @@ def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sy
     )  # fmt: skip
     try:
         assert _gap(backend, groups) < 1e-4
+        before = _tensors(backend.export_weights(tmp_path / "w0"))
         backend.update(groups)
-        backend.export_weights(tmp_path / "w1", dtype="float32")
+        # model.freeze_vision_tower (the default): the update moves the language model, never the tower ...
+        after = _tensors(backend.export_weights(tmp_path / "hf"))
+        tower = [n for n in before if is_tower(n)]
+        assert tower and all(torch.equal(before[n], after[n]) for n in tower)
+        assert any(not torch.equal(before[n], after[n]) for n in before if not is_tower(n))
+        # ... and a sync's export leaves it out: the engine reloads the rest and keeps the tower it started with.
+        sent = _tensors(backend.export_weights(tmp_path / "w1", dtype="float32", sync=True))
+        assert sorted(sent) == sorted(n for n in after if not is_tower(n))
 
         async def reload():
             await servers.pause("abort")

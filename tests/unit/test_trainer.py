@@ -242,7 +242,7 @@ class _SlowExport(SimBackend):
 
     EXPORT_S = 0.3
 
-    def export_weights(self, out_dir, dtype="float32"):
+    def export_weights(self, out_dir, dtype="float32", *, sync=False):
         time.sleep(self.EXPORT_S)
         return super().export_weights(out_dir, dtype)
 

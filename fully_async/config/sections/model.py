@@ -113,6 +113,9 @@ class ModelConfig:
     """Hugging Face model directory; null = build the tiny model (model.tiny) locally and cache it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Settings of the locally built tiny model (used when path is null)."""
+    freeze_vision_tower: bool = True
+    """A vision-language model's vision tower (with its merger) does not train: no gradient, no optimizer state, and no
+    weight sync sends it (docs/vlm.md). Ignored for a text model."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA training and adapter-only weight sync (docs/lora.md); model.lora.rank=0 (the default) is off."""
     cache_dir: str | None = field(default=None, metadata=PATH)
