@@ -350,7 +350,7 @@ def step_window(
     if pool:  # the elastic engine pool (fully_async/ctl.py): its size, and who joined or left since the start
         m["fully_async/engines/pool_size"] = pool["size"]
         m["fully_async/engines/pool_down"] = pool["down"]
-        for key in ("joins", "leaves", "replacements", "moved"):
+        for key in ("joins", "leaves", "replacements", "restarts", "moved"):
             m[f"fully_async/count/engine_{key}"] = pool[key]
         joins = pool["join_s"][len(pool_last.get("join_s", [])) :]
         if joins:  # servers that joined during this step: seconds from the add to serving

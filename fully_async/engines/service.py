@@ -193,7 +193,8 @@ class EngineService:
         servers = self.servers
         replacements = sum(1 for e in servers.pool_events if e[0] == "replace")
         return {"size": len(servers.serving), "down": len(servers.down), "joins": self.joins, "leaves": self.leaves,
-                "replacements": replacements, "join_s": list(self.join_s), "moved": self.client.stats.moved}  # fmt: skip
+                "replacements": replacements, "restarts": self.client.stats.restarts, "join_s": list(self.join_s),
+                "moved": self.client.stats.moved}  # fmt: skip
 
     def _trace(self, lane: str, name: str, start: float, **fields: Any) -> None:
         if self.tracer is not None:

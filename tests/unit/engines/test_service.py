@@ -5,6 +5,7 @@ servers a weight copy or a weight group spans."""
 from __future__ import annotations
 
 import ast
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,8 @@ async def test_add_and_remove_keep_to_the_limits(service):
     assert out == {"removed": "sim://engine-1", "moved": 0, "live": 2}
     with pytest.raises(ValueError, match="leaves 1 servers, below engine.min_servers=2"):
         await service.remove("sim://engine-0", min_servers=2, drain_timeout_s=1.0)
-    assert service.stats() == {"size": 2, "down": 0, "joins": 0, "leaves": 1, "replacements": 0, "join_s": [],
-                               "moved": 0}  # fmt: skip
+    assert service.stats() == {"size": 2, "down": 0, "joins": 0, "leaves": 1, "replacements": 0, "restarts": 0,
+                               "join_s": [], "moved": 0}  # fmt: skip
 
 
 def _window(t: float, busy: list[float], pool: dict) -> dict:
@@ -80,6 +81,24 @@ async def test_a_down_server_leaves_pool_size_and_the_idle_ratio_until_it_serves
     servers.slots.mark_stale(2)  # alive on old weights: in the pool, not down
     await service.remove("sim://engine-0", min_servers=1, drain_timeout_s=1.0)  # removed: in neither count
     assert (service.stats()["size"], service.stats()["down"]) == (2, 0)
+
+
+async def test_a_server_brought_back_in_place_counts_as_a_restart_not_a_replacement():
+    servers = build_engine(EngineConfig(kind="sim", num_servers=2), "/nonexistent", "/tmp")
+    client = EngineClient(servers, auto_restart=True)
+    service = EngineService(servers, client)
+    before = service.stats()
+    client.recovery.schedule_restart(1)  # what a sync does with a server it set aside (hung, or found dead)
+    for _ in range(200):
+        if service.stats()["size"] == 2:
+            break
+        await asyncio.sleep(0.01)
+    after = service.stats()
+    assert (after["size"], after["restarts"], after["replacements"]) == (2, 1, 0)
+    m = step_window(_window(0.0, [0.0] * 2, before), _window(1.0, [0.0] * 2, after), {"size": 0, "dropped_stale": 0},
+                    0.0, [])  # fmt: skip
+    assert m["fully_async/count/engine_restarts"] == 1 and m["fully_async/count/engine_replacements"] == 0
+    await client.close()
 
 
 async def test_weights_reach_the_servers_in_the_pool_that_are_not_down(service):
