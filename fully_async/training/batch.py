@@ -217,27 +217,9 @@ def compute_advantages(
     token baselines, `components` (from `reward_components`) by gdpo. `owners` (from `sample_owners`): the estimator
     sees only the rows that own their sample; every other row gets its owner's mean advantage per loss token."""
     if owners is not None and (owners != np.arange(batch.size)).any():
-        own = np.unique(owners)
-        idx = torch.from_numpy(own)
-
-        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x[idx]
-
-        sub = batch.select(own)
-        sub_adv = compute_advantages(
-            sub,
-            algorithm,
-            old_log_probs=pick(old_log_probs),
-            sum_pi_squared=pick(sum_pi_squared),
-            rollout_is_weights=pick(rollout_is_weights),
-            components=None if components is None else {k: v[own] for k, v in components.items()},
+        return _owned_advantages(
+            batch, algorithm, owners, old_log_probs, sum_pi_squared, rollout_is_weights, components
         )
-        sub_mask = sub.response_mask.float()
-        per_sample = (sub_adv * sub_mask).sum(-1) / sub_mask.sum(-1).clamp(min=1)
-        pos = torch.from_numpy(np.searchsorted(own, owners))
-        adv = per_sample[pos][:, None] * batch.response_mask.float()
-        adv[idx] = sub_adv
-        return adv.float()
     import inspect
 
     from verl.trainer.config.algorithm import AlgoConfig
@@ -272,6 +254,40 @@ def compute_advantages(
         raise ValueError(f"advantage estimator {algorithm.adv_estimator} needs its reward components")
     adv, _ = fn(**{k: v for k, v in available.items() if k in params})
     return (adv * mask).float()
+
+
+def _owned_advantages(
+    batch: PaddedBatch,
+    algorithm: AlgorithmConfig,
+    owners: np.ndarray,
+    old_log_probs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+    components: dict[str, np.ndarray] | None,
+) -> torch.Tensor:
+    """compute_advantages over the rows that own their sample only; every other row gets its owner's mean advantage
+    per loss token."""
+    own = np.unique(owners)
+    idx = torch.from_numpy(own)
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[idx]
+
+    sub = batch.select(own)
+    sub_adv = compute_advantages(
+        sub,
+        algorithm,
+        old_log_probs=pick(old_log_probs),
+        sum_pi_squared=pick(sum_pi_squared),
+        rollout_is_weights=pick(rollout_is_weights),
+        components=None if components is None else {k: v[own] for k, v in components.items()},
+    )
+    sub_mask = sub.response_mask.float()
+    per_sample = (sub_adv * sub_mask).sum(-1) / sub_mask.sum(-1).clamp(min=1)
+    pos = torch.from_numpy(np.searchsorted(own, owners))
+    adv = per_sample[pos][:, None] * batch.response_mask.float()
+    adv[idx] = sub_adv
+    return adv.float()
 
 
 def gae(batch: PaddedBatch, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
