@@ -24,28 +24,7 @@ def engine_configs(
     adapter trains."""
     from verl.workers import config as vc
 
-    megatron = trainer.strategy == "megatron"
-    if megatron and cpu:
-        raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
-    lora_on = lora is not None and lora.enabled
-    if lora_on and megatron:
-        raise ConfigError(
-            f"model.lora.rank={lora.rank} is built for trainer.strategy=fsdp2 (megatron's LoRA is not wired); use "
-            "trainer.strategy=fsdp2 or model.lora.rank=0"
-        )
-    model = vc.HFModelConfig(
-        path=str(model_path),
-        load_tokenizer=False,
-        # eager on CPU: no flash-attn; SDPA's CPU kernels differ from the engine's by more than the 1e-4 we promise.
-        override_config={"attn_implementation": "eager"} if cpu else {},
-        # Packing sequences (remove-padding) pays off with flash-attn's varlen kernels; on CPU attention runs over the
-        # whole packed length (quadratic in the micro-batch, not in each sequence): 3-4x slower on the benchmark.
-        use_remove_padding=not cpu,
-        enable_gradient_checkpointing=not cpu
-        if trainer.gradient_checkpointing is None
-        else trainer.gradient_checkpointing,
-        **(lora_fields(lora, is_vision_model(model_path)) if lora_on else {}),
-    )
+    lora_on = _check_strategy(trainer, cpu, lora)
     budget = {
         "use_dynamic_bsz": True,
         "max_token_len_per_gpu": trainer.max_token_len_per_gpu,
@@ -58,34 +37,8 @@ def engine_configs(
         "lr_warmup_steps": trainer.lr_warmup_steps,
         "total_training_steps": trainer.total_steps,
     }
-    if megatron:
-        engine = vc.McoreEngineConfig(
-            tensor_model_parallel_size=trainer.tensor_parallel_size,
-            pipeline_model_parallel_size=trainer.pipeline_parallel_size,
-            context_parallel_size=trainer.context_parallel_size,
-            dtype="bfloat16",
-            **budget,
-        )
-        optim = vc.McoreOptimizerConfig(lr_decay_style=trainer.lr_schedule, **schedule)
-        actor_cls, placement = vc.McoreActorConfig, {"megatron": engine}
-    else:
-        precision = "fp32" if cpu else "bf16"
-        units = trainer.fsdp_units
-        if units == "auto":
-            units = "model" if cpu and trainer.nnodes * trainer.n_gpus_per_node == 1 else "layers"
-        engine = vc.FSDPEngineConfig(
-            # verl's FSDP2 wrapping makes every module whose class is listed (default: the model's _no_split_modules)
-            # a unit; a name no module has leaves the model as the one unit (untied embeddings still get their own).
-            # `disable` keeps verl's FSDP1 wrap-policy builder, which it runs for FSDP2 too, from rejecting that name.
-            wrap_policy={"disable": True, "transformer_layer_cls_to_wrap": [_NO_MODULE]} if units == "model" else {},
-            strategy="fsdp2",
-            use_torch_compile=not cpu,
-            model_dtype="fp32",
-            mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            **budget,
-        )
-        optim = vc.FSDPOptimizerConfig(lr_scheduler_type=trainer.lr_schedule, **schedule)
-        actor_cls, placement = vc.FSDPActorConfig, {"strategy": "fsdp2", "fsdp_config": engine}
+    build = _megatron_engine if trainer.strategy == "megatron" else _fsdp_engine
+    optim, actor_cls, placement = build(trainer, cpu, budget, schedule)
     actor = actor_cls(
         rollout_n=1,
         **_loss_configs(algorithm),
@@ -103,12 +56,83 @@ def engine_configs(
     )
     twc = vc.TrainingWorkerConfig(
         model_type="language_model",
-        model_config=model,
+        model_config=_model_config(trainer, model_path, cpu, lora if lora_on else None),
         engine_config=actor.engine,
         optimizer_config=actor.optim,
         checkpoint_config=actor.checkpoint,
     )
     return twc, actor
+
+
+def _check_strategy(trainer: TrainerConfig, cpu: bool, lora: LoraConfig | None) -> bool:
+    """Refuse what the strategy cannot do here (ConfigError); whether the policy trains a LoRA adapter."""
+    megatron = trainer.strategy == "megatron"
+    if megatron and cpu:
+        raise ConfigError("trainer.strategy=megatron needs GPUs (megatron-core has no CPU path); use fsdp2 on CPU")
+    lora_on = lora is not None and lora.enabled
+    if lora_on and megatron:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} is built for trainer.strategy=fsdp2 (megatron's LoRA is not wired); use "
+            "trainer.strategy=fsdp2 or model.lora.rank=0"
+        )
+    return lora_on
+
+
+def _model_config(trainer: TrainerConfig, model_path: str, cpu: bool, lora: LoraConfig | None):
+    """verl's HFModelConfig of the policy (`lora`: the enabled adapter, or None)."""
+    from verl.workers import config as vc
+
+    return vc.HFModelConfig(
+        path=str(model_path),
+        load_tokenizer=False,
+        # eager on CPU: no flash-attn; SDPA's CPU kernels differ from the engine's by more than the 1e-4 we promise.
+        override_config={"attn_implementation": "eager"} if cpu else {},
+        # Packing sequences (remove-padding) pays off with flash-attn's varlen kernels; on CPU attention runs over the
+        # whole packed length (quadratic in the micro-batch, not in each sequence): 3-4x slower on the benchmark.
+        use_remove_padding=not cpu,
+        enable_gradient_checkpointing=not cpu
+        if trainer.gradient_checkpointing is None
+        else trainer.gradient_checkpointing,
+        **(lora_fields(lora, is_vision_model(model_path)) if lora is not None else {}),
+    )
+
+
+def _megatron_engine(trainer: TrainerConfig, cpu: bool, budget: dict, schedule: dict):
+    """(optimizer config, actor config class, the actor's engine fields) for megatron (GPUs, bf16, TP/PP/CP)."""
+    from verl.workers import config as vc
+
+    engine = vc.McoreEngineConfig(
+        tensor_model_parallel_size=trainer.tensor_parallel_size,
+        pipeline_model_parallel_size=trainer.pipeline_parallel_size,
+        context_parallel_size=trainer.context_parallel_size,
+        dtype="bfloat16",
+        **budget,
+    )
+    optim = vc.McoreOptimizerConfig(lr_decay_style=trainer.lr_schedule, **schedule)
+    return optim, vc.McoreActorConfig, {"megatron": engine}
+
+
+def _fsdp_engine(trainer: TrainerConfig, cpu: bool, budget: dict, schedule: dict):
+    """(optimizer config, actor config class, the actor's engine fields) for fsdp2 (float32 on CPU, bf16 on GPUs)."""
+    from verl.workers import config as vc
+
+    precision = "fp32" if cpu else "bf16"
+    units = trainer.fsdp_units
+    if units == "auto":
+        units = "model" if cpu and trainer.nnodes * trainer.n_gpus_per_node == 1 else "layers"
+    engine = vc.FSDPEngineConfig(
+        # verl's FSDP2 wrapping makes every module whose class is listed (default: the model's _no_split_modules)
+        # a unit; a name no module has leaves the model as the one unit (untied embeddings still get their own).
+        # `disable` keeps verl's FSDP1 wrap-policy builder, which it runs for FSDP2 too, from rejecting that name.
+        wrap_policy={"disable": True, "transformer_layer_cls_to_wrap": [_NO_MODULE]} if units == "model" else {},
+        strategy="fsdp2",
+        use_torch_compile=not cpu,
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        **budget,
+    )
+    optim = vc.FSDPOptimizerConfig(lr_scheduler_type=trainer.lr_schedule, **schedule)
+    return optim, vc.FSDPActorConfig, {"strategy": "fsdp2", "fsdp_config": engine}
 
 
 def lora_fields(lora: LoraConfig, vision: bool = False) -> dict:
