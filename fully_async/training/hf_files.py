@@ -117,7 +117,11 @@ def write_staged(tensors: list[tuple[str, torch.Tensor]], out_dir: str | Path, d
         tmp.rename(out)
     except BaseException as e:  # noqa: BLE001 - reported through the file, the thread has no caller
         shutil.rmtree(tmp, ignore_errors=True)
-        Path(str(out) + FAILED_SUFFIX).write_text(f"{type(e).__name__}: {e}")
+        # Written beside it and renamed: wait_for_staged polls for the file and must never read it half written (an
+        # empty reason was seen once under load).
+        note = out.parent / f".{out.name}{FAILED_SUFFIX}.partial"
+        note.write_text(f"{type(e).__name__}: {e}")
+        note.rename(str(out) + FAILED_SUFFIX)
 
 
 def wait_for_staged(out_dir: str | Path, timeout_s: float) -> None:
