@@ -48,6 +48,7 @@ class MessageQueue:
         self._reissue: list[PromptRef] = []
         self._changed = asyncio.Condition()
         self._closed: str | None = None
+        self._wanted = 0  # how many groups a waiting get needs (0: none waits)
         self._c = {
             "put": 0,
             "got": 0,
@@ -62,13 +63,18 @@ class MessageQueue:
     # -- producer ----------------------------------------------------------------------------------------------
     async def put(self, groups: list[TrajectoryGroup], timeout: float | None = None) -> int:
         """Append all `groups` at once, waiting for room; returns the queue size after. A batch larger than the
-        capacity goes in when the queue is empty (so no batch can wait forever)."""
+        room goes in when the queue is empty (so no batch can wait forever), and when a get waits for more groups
+        than the queue holds: that consumer cannot free room, so waiting for it would hold both for ever (seen: 3
+        queued of capacity 4, a get of 4 and a batch of 2 each waiting on the other)."""
         if not groups:
             return len(self._items)
+
+        def fits() -> bool:
+            held = len(self._items)
+            return not held or held + len(groups) <= self.capacity or held < self._wanted
+
         async with self._changed:
-            waited = await self._wait(
-                lambda: not self._items or len(self._items) + len(groups) <= self.capacity, timeout, "put", len(groups)
-            )
+            waited = await self._wait(fits, timeout, "put", len(groups))
             for g in groups:
                 v = g.min_version
                 self._items.append((v, g))
@@ -87,7 +93,12 @@ class MessageQueue:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         async with self._changed:
-            waited = await self._wait(lambda: self._drop_stale(trainer_version) >= k, timeout, "get", k)
+            self._wanted = max(self._wanted, k)
+            self._changed.notify_all()  # a put waiting for room may now go in (put's `fits`)
+            try:
+                waited = await self._wait(lambda: self._drop_stale(trainer_version) >= k, timeout, "get", k)
+            finally:
+                self._wanted = 0
             out = [self._items.popleft()[1] for _ in range(k)]
             self._c["got"] += k
             self._c["get_waits"] += waited > 0

@@ -72,15 +72,27 @@ async def test_getter_waits_for_enough_fresh_groups():
 
 
 async def test_close_wakes_blocked_callers_with_the_reason():
-    q = MessageQueue(capacity=1, max_staleness=0)
-    await q.put([make_group(0)])
-    getter = asyncio.create_task(q.get(5, trainer_version=0))
-    putter = asyncio.create_task(q.put([make_group(1)]))
+    full, short = MessageQueue(capacity=1, max_staleness=0), MessageQueue(capacity=2, max_staleness=0)
+    await full.put([make_group(0)])
+    putter = asyncio.create_task(full.put([make_group(1)]))  # full, and no get waits
+    getter = asyncio.create_task(short.get(2, trainer_version=0))  # empty
     await asyncio.sleep(0.02)
-    await q.close("trainer failed")
+    await full.close("trainer failed")
+    await short.close("trainer failed")
     for task in (getter, putter):
         with pytest.raises(QueueClosed, match="trainer failed"):
             await asyncio.wait_for(task, 1)
+
+
+async def test_a_batch_without_room_goes_in_when_a_get_waits_for_more_than_the_queue_holds():
+    # 3 of 4 held, a get of 4 waiting and a batch of 2 waiting for room would each wait for the other for ever.
+    q = MessageQueue(capacity=4, max_staleness=0)
+    await q.put([make_group(i) for i in range(3)])
+    getter = asyncio.create_task(q.get(4, trainer_version=0))
+    await asyncio.sleep(0.02)
+    assert await asyncio.wait_for(q.put([make_group(3), make_group(4)]), 1) == 5
+    assert [g.prompt.index for g in await asyncio.wait_for(getter, 1)] == [0, 1, 2, 3]
+    assert q.size() == 1
 
 
 async def test_snapshot_restore_round_trip():
