@@ -21,6 +21,8 @@ fi
 # Two workers by default, each taking whole files (pytest-xdist --dist loadfile: a module's fixtures and its tests'
 # order stay together): two thirds of the suite's wall time is waiting (engine and Ray start-up, sleeps on deadlines),
 # so a second process overlaps it on the same 2 cores. Each worker holds its own session fixtures (Ray, engines).
+# Files go out longest first by their recorded seconds (tests/durations.py); xdist's own reorder, by test count,
+# put the 10-minute one-test files last, alone at the end of a worker.
 workers="${FULLY_ASYNC_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" -gt 1 ]; then
