@@ -169,8 +169,9 @@ def synthetic_rows(
     shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
     which RL then never learned); `add` needs both digits and learns more slowly; `guess` can only be solved
     reliably from an earlier turn's answer. `reverse` ('reverse 44444 77777' -> '74', `reverse_length` digits, each
-    shown `copy_repeats` times as for copy) is answered by several tokens, graded per position (reward/rule.py). `colors` is visual: a small image of one flat color,
-    answered by the color's letter (multimodal/colors.py; needs a vision-language model, model.tiny.arch=qwen2_vl).
+    shown `copy_repeats` times as for copy) is answered by several tokens, graded per position (reward/rule.py).
+    `colors` is visual: a small image of one flat color, answered by the color's letter (multimodal/colors.py;
+    needs a vision-language model, model.tiny.arch=qwen2_vl).
     Train and validation draw from disjoint seeds."""
     if task not in SYNTHETIC_TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {', '.join(SYNTHETIC_TASKS)}")

@@ -189,8 +189,8 @@ class FullyAsyncTrainingWorker(TrainingWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def stage_export(self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20) -> bool | None:
         """A weight sync's `export_weights` in two halves: copy the weights a sync sends into host memory now (every
-        rank gathers; rank 0 keeps the copy) and write them from that copy in a thread of this process, while the next update already
-        changes the parameters. `out_dir` appears complete or not at all (hf_files.write_staged). True on rank 0,
+        rank gathers; rank 0 keeps the copy) and write them from that copy in a thread of this process, while the
+        next update already changes the parameters. `out_dir` appears complete or not at all (hf_files.write_staged). True on rank 0,
         None on the other ranks."""
         params = [(name, t.detach().to("cpu", copy=True)) for name, t in self._sync_tensors()]
         if not self._rank0():
