@@ -4,7 +4,8 @@ data file answers in seconds with our own one-line message, not as a RayTaskErro
 What is checked: model.path (an existing directory holding a config.json, or a Hugging Face hub id found in the
 local cache; fully_async/models/hub.py, which downloads only when the hub is online) or the tiny model's build, and
 every row of data.train_files (and data.val_files when validation runs), read by data.py's own loader so the rules
-are the ones the run applies; trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at module level (the tiny model's build imports torch).
+are the ones the run applies; that the trainer writes weights the engine can load (not trainer=sim with a real
+engine); trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at module level (the tiny model's build imports torch).
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def limit_to_epochs(cfg: FullyAsyncConfig, rows: int) -> str | None:
     return line
 
 
+def check_trainer_feeds_engine(cfg: FullyAsyncConfig) -> None:
+    """A job's first weight sync needs weights a real engine can load: trainer=sim writes a marker file, not weights,
+    so with engine.kind=vllm or sglang the run would fail only at that sync, minutes later, after the servers start.
+    Checked here and not in FullyAsyncConfig.validate: a placement plan of trainer=sim with real engines is valid."""
+    from fully_async.config import ConfigError
+
+    if cfg.trainer.backend == "sim" and cfg.engine.kind != "sim":
+        raise ConfigError(
+            f"trainer.backend=sim cannot feed engine.kind={cfg.engine.kind}: the simulated trainer writes no weights, "
+            "so the first weight sync would fail after the servers start; use engine=sim with trainer=sim, or "
+            "trainer=verl with a real engine"
+        )
+
+
 def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     """Check the data files, then resolve the run's model directory. Raises DataError or ConfigError (model.path).
 
@@ -55,6 +70,7 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     data, and is often made on a machine that has neither (a laptop planning a GPU cluster's run)."""
     if plan_only:
         return None
+    check_trainer_feeds_engine(cfg)
     if line := limit_to_epochs(cfg, check_data(cfg)):
         print(line, flush=True)
     from fully_async.models import resolve_run_model

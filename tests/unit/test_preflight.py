@@ -57,6 +57,17 @@ def test_a_broken_data_file_is_refused_before_ray_naming_the_row(tmp_path):
     assert f"DataError: {bad}:line 2: missing field 'data_source'" in out.stderr
 
 
+def test_a_simulated_trainer_with_a_real_engine_is_refused_before_ray(tmp_path):
+    """trainer=sim writes no weights: with the default vLLM engine the job used to fail at its first sync, minutes
+    after the servers started; engine=sim with trainer=sim (the simulation) passes this check."""
+    out, elapsed = _run(tmp_path, "trainer=sim")
+    _before_ray(out, elapsed)
+    assert "ConfigError: trainer.backend=sim cannot feed engine.kind=vllm" in out.stderr
+    from fully_async.preflight import check_trainer_feeds_engine
+
+    check_trainer_feeds_engine(compose(["engine=sim", "trainer=sim"]))  # raises nothing
+
+
 def test_preflight_returns_the_model_directory_and_reads_the_data(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
