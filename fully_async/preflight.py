@@ -5,7 +5,8 @@ What is checked: model.path (an existing directory holding a config.json, or a H
 local cache; fully_async/models/hub.py, which downloads only when the hub is online) or the tiny model's build, and
 every row of data.train_files (and data.val_files when validation runs), read by data.py's own loader so the rules
 are the ones the run applies; that the trainer writes weights the engine can load (not trainer=sim with a real
-engine); trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at module level (the tiny model's build imports torch).
+engine); trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at
+module level (the tiny model's build imports torch).
 """
 
 from __future__ import annotations
