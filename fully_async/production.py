@@ -36,6 +36,20 @@ log = logging.getLogger(__name__)
 
 QUEUE_WAIT_TRACE_S = 0.01
 """A push to the queue that blocks at least this long (backpressure) is recorded as a `queue_wait` span."""
+REASON_CHARS = 400
+"""Most characters of an exception's text a push failure keeps: Ray's serialisation error carries the repr of the
+whole batch (every token array) and its serialisability report, tens of kilobytes per group."""
+
+
+def short_reason(e: BaseException) -> str:
+    """`Type: first line of the message`, clipped to REASON_CHARS, saying how much was left out."""
+    text = f"{type(e).__name__}: {e}"
+    head = text.splitlines()[0] if text.strip() else text
+    if len(head) > REASON_CHARS:
+        head = head[:REASON_CHARS]
+    left = len(text) - len(head)
+    return head + (f" ... ({left} more characters)" if left > 0 else "")
+
 
 COUNTERS = ("groups_pushed", "groups_failed", "groups_dropped_by_reward", "samples", "tokens", "aborted_samples",
             "groups_filtered", "groups_env_infra")  # fmt: skip
@@ -181,8 +195,9 @@ class Production:
                 except Exception as e:  # a dead queue actor, a group Ray cannot serialise: fail the run, lose nothing
                     for group in batch:
                         self.admission.failed(group.prompt)  # not accepted: back on the re-issue list
-                    self.fail(f"pushing {len(batch)} groups to the message queue failed: {type(e).__name__}: {e}")
-                    log.error("pushing %d groups to the message queue failed: %s: %s", len(batch), type(e).__name__, e)
+                    reason = short_reason(e)
+                    self.fail(f"pushing {len(batch)} groups to the message queue failed: {reason}")
+                    log.error("pushing %d groups to the message queue failed: %s", len(batch), reason)
                     return
                 self.admission.pushed(group.prompt for group in batch)
                 if time.time() - start >= QUEUE_WAIT_TRACE_S:

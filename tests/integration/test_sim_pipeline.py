@@ -151,6 +151,7 @@ def test_a_failed_push_to_the_queue_fails_the_run_and_keeps_the_groups(ray_local
         ray_local.kill(rollouter)
         ray_local.kill(queue)
     assert "pushing" in error and "message queue failed" in error, error
+    assert "TypeError: Could not serialize" in error and len(error) < 600, error[:2000]  # not the batch's repr
     assert stats["ledger/failed"] >= 1 and stats["ledger/reissued"] >= 1, stats
     assert stats["ledger/accepted"] == stats["groups_pushed"], stats  # nothing counted that the queue never got
 
