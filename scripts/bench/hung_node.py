@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=10.0, help="engine.control_deadline_s (where it exists)")
     parser.add_argument("--control-timeout", type=float, default=60.0, help="engine.control_timeout_s")
     parser.add_argument("--logs", type=Path, help="keep each driver's log (timestamped warnings) in this folder")
-    parser.add_argument("--sync-timeout", type=float, default=300.0, help="async_training.sync_timeout_s")
+    parser.add_argument("--sync-timeout", type=float, default=300.0, help="advanced.sync_timeout_s")
     args = parser.parse_args()
     for scenario in args.scenarios.split(","):
         out = measure(args.code.resolve(), scenario, args)
