@@ -52,11 +52,10 @@ class PeftAdapter:
     def step(self, seed: int) -> None:
         import torch
 
-        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            for p in (p for name, p in self.model.named_parameters() if "lora_" in name):
+                torch.nn.init.normal_(p, std=0.2)
 
     def export_adapter(self, out_dir, dtype: str = "float32") -> str:
         from fully_async.training import lora
