@@ -34,13 +34,14 @@ NODE_IP = "127.0.0.2"
 
 
 def free_port() -> int:
+    """A loopback port free a moment ago (kept here, not imported from engines/: this module stays import-light)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def script_env(**extra: str) -> dict[str, str]:
-    """The environment the scripts run with: this interpreter's venv, auth off (local tests only), niceness 0."""
+    """The environment the scripts run with: this interpreter's venv, auth off (loopback clusters only), niceness 0."""
     env = dict(os.environ)
     env.update(FA_VENV=sys.prefix, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0", RAY_DEDUP_LOGS="0")
     env.pop("RAY_ADDRESS", None)  # the scripts take the cluster from --temp-dir, never from a stray variable
