@@ -19,16 +19,18 @@ def fresh_notes(monkeypatch):
     monkeypatch.setattr(config_base, "_NOTED", set())
 
 
+SET = (5.0, 7.0, "pinned", 64, True)
+"""The values both tests below set, in AdvancedConfig's field order."""
+
+
+def values(adv: AdvancedConfig) -> tuple:
+    return tuple(getattr(adv, f.name) for f in dataclasses.fields(adv))
+
+
 def test_new_keys_are_read():
     adv = compose(["advanced.get_timeout_s=5", "advanced.sync_timeout_s=7", "advanced.staging=pinned",
                    "advanced.bucket_mb=64", "advanced.ignore_eos=true"]).advanced  # fmt: skip
-    assert (adv.get_timeout_s, adv.sync_timeout_s, adv.staging, adv.bucket_mb, adv.ignore_eos) == (
-        5.0,
-        7.0,
-        "pinned",
-        64,
-        True,
-    )
+    assert values(adv) == SET
 
 
 def test_old_keys_map_to_advanced_with_one_note_each(fresh_notes, caplog):
@@ -37,14 +39,7 @@ def test_old_keys_map_to_advanced_with_one_note_each(fresh_notes, caplog):
     with caplog.at_level(logging.WARNING, logger="fully_async.config"):
         cfg = compose(old)
         compose(old)  # a second composition in the same process says nothing more
-    adv = cfg.advanced
-    assert (adv.get_timeout_s, adv.sync_timeout_s, adv.staging, adv.bucket_mb, adv.ignore_eos) == (
-        5.0,
-        7.0,
-        "pinned",
-        64,
-        True,
-    )
+    assert values(cfg.advanced) == SET
     # The old places are cleared, so that no reader can take the stale value.
     assert (cfg.async_training.get_timeout_s, cfg.async_training.bucket_mb, cfg.rollout.ignore_eos) == (None,) * 3
     notes = [r.getMessage() for r in caplog.records if "is an alias" in r.getMessage()]
