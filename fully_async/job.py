@@ -210,10 +210,11 @@ class Job:
             self.echo(f"LoRA: versions sync as merged full weights (async_training.weight_transport): {why}")
         elif lora:
             self.echo("LoRA: versions sync as adapters (policy-v<version>, loaded without pausing the engines)")
-        return ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, at.sync_timeout_s, tracer,
-                         transport="adapter" if lora else at.weight_transport, bucket_mb=at.bucket_mb,
+        knobs = cfg.advanced
+        return ParamSync(self.rollouter, self.backend, root, cfg.engine.dtype, knobs.sync_timeout_s, tracer,
+                         transport="adapter" if lora else at.weight_transport, bucket_mb=knobs.bucket_mb,
                          device=cfg.trainer.device, mode=at.sync_mode, verify=at.verify_sync,
-                         staging=at.staging)  # fmt: skip
+                         staging=knobs.staging)  # fmt: skip
 
     def _resuming(self) -> bool:
         """Whether this run starts from a checkpoint (trainer.resume), so its engines must load that checkpoint's

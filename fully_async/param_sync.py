@@ -7,7 +7,7 @@ A transport (fully_async/weights/) says what one sync does as data, a SyncPlan: 
 weights (`reads`), those that need no engine (`ahead`, run before the pause) and those on the engines (`engines`,
 between pause and resume unless the plan needs no pause). ParamSync runs it: each phase timed
 (timing_s/param_sync/<phase>, and a span on the event trace's `sync` lane) and bounded by
-async_training.sync_timeout_s (fully_async/sync/phases.py); a phase that passes it fails the run with a
+advanced.sync_timeout_s (fully_async/sync/phases.py); a phase that passes it fails the run with a
 ParamSyncError naming the phase, instead of hanging. The first sync starts with `connect` (the transport's prepare).
 
 Two modes (async_training.sync_mode):
@@ -60,7 +60,7 @@ class ParamSync:
         """`rollouter`: the actor handle whose engines receive the weights; `backend`: the training backend that
         holds them; `weights_root` and `dtype` (the engines'): for transports that write files. `transport`: a
         built WeightTransport, or a value weights/factory.py builds (disk | collective | auto | adapter |
-        pkg.module:Class); `bucket_mb`, `device` (cpu | cuda) and `staging` (async_training.staging): for the
+        pkg.module:Class); `bucket_mb`, `device` (cpu | cuda) and `staging` (advanced.staging): for the
         collective transport. `mode`: an async_training.sync_mode value (see the module docstring). `verify`:
         async_training.verify_sync."""
         if mode not in SYNC_MODES:

@@ -344,11 +344,11 @@ class Rollouter:
 
 def agent_loops(cfg: FullyAsyncConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
     """(sampling, the agent loop, the validation agent loop) of the run: rollout.* sampling with the tokenizer's stop
-    tokens (none under ignore_eos), and validation's own sampling."""
+    tokens (none under advanced.ignore_eos), and validation's own sampling."""
     from fully_async.engines import Sampling
 
     ro = cfg.rollout
-    ignore_eos = ro.ignore_eos
+    ignore_eos = cfg.advanced.ignore_eos
     sampling = Sampling.from_rollout(ro, stop_token_ids=() if ignore_eos else stop_token_ids(tokenizer),
                                      ignore_eos=ignore_eos)  # fmt: skip
     fn = {"rollout_fn": ro.rollout_fn} if ro.rollout_fn else {}

@@ -142,7 +142,7 @@ class Trainer:
 
         `prefetched`: a get already sent for this step (with this step's version), awaited first."""
         at = self.cfg.async_training
-        deadline = time.monotonic() + at.get_timeout_s
+        deadline = time.monotonic() + self.cfg.advanced.get_timeout_s
         while True:
             try:
                 if prefetched is not None:
@@ -157,7 +157,7 @@ class Trainer:
                 if time.monotonic() > deadline:
                     stats = resolve(self.rollouter.stats.remote())
                     raise TrainerError(
-                        f"no batch within async_training.get_timeout_s={at.get_timeout_s:g}s; rollouter: {stats}"
+                        f"no batch within advanced.get_timeout_s={self.cfg.advanced.get_timeout_s:g}s; rollouter: {stats}"
                     ) from None
 
     def _trace_update(self, start: float, end: float, update: dict[str, Any]) -> None:

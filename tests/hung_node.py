@@ -1,7 +1,7 @@
 """A weight sync that meets a hung engine node, measured: the driver of tests/integration/test_hung_node.py and of
 scripts/bench/hung_node.py (which also runs it on older code, to compare).
 
-Run as a Ray driver on the head of a loopback cluster (tests/cluster.py) whose one worker node's `ray start --block`
+Run as a Ray driver on the head of a loopback cluster (fully_async/local_cluster.py) whose one worker node's `ray start --block`
 process has pid HUNG_LEADER: two engine servers (`python -m tests.fakes` processes under EngineHost actors, one on
 the head, one on the worker), a sim backend, the real ParamSync and disk transport. The worker node is "hung" by
 SIGSTOP of that process and every descendant of it (its raylet, its Ray workers, the engine host and its server),
@@ -21,7 +21,6 @@ control_deadline_s, where the code has it), CONTROL_TIMEOUT_S (engine.control_ti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -30,7 +29,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -39,26 +37,12 @@ from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
 from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
+from fully_async.local_cluster import node_tree, signal_all
 from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.base import SyncPlan
 from fully_async.weights.disk import ROOT_PREFIX, DiskTransport
 from tests.fakes import EnginePortByName, FakeProcessServers
-
-
-def node_tree(leader: int) -> list[int]:
-    """`leader` and every live descendant of it (the processes of the node it started)."""
-    try:
-        root = psutil.Process(leader)
-        return [root.pid, *(p.pid for p in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []  # the node was killed already
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-            os.kill(pid, sig)
 
 
 class Node:

@@ -31,6 +31,7 @@ from fully_async.config.sections import (
     DEFAULT_AGENT_LOOP,
     GROUP_ESTIMATORS,
     GUESS_LOOP,
+    AdvancedConfig,
     AlgorithmConfig,
     AsyncTrainingConfig,
     DataConfig,
@@ -53,6 +54,7 @@ from fully_async.config.sections import (
     SimTrainerConfig,
     TinyModelConfig,
     TrainerConfig,
+    read_moved_keys,
     uncorrected_problem,
 )
 from fully_async.config.sections.model import lora_on_sim
@@ -67,6 +69,7 @@ KEY_HINTS.append(verl_hint)  # unknown-key messages name the verl key a user may
 GROUPS = ("engine", "trainer", "reward", "data", "model", "logger", TASK_GROUP)
 
 __all__ = [
+    "AdvancedConfig",
     "AlgorithmConfig",
     "AsyncTrainingConfig",
     "RolloutCorrectionConfig",
@@ -150,6 +153,11 @@ class FullyAsyncConfig:
     """Datasets."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Metric sinks."""
+    advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
+    """Internal bounds, buffer sizes and test knobs a normal run never sets."""
+
+    def __post_init__(self) -> None:
+        read_moved_keys(self)
 
     def validate(self) -> FullyAsyncConfig:
         """Check every section and the cross-section rules; raise one ConfigError naming every key at fault (the

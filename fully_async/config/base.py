@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import os
 import re
 import textwrap
@@ -262,6 +263,17 @@ def check_dotted(key: str, value: str | None) -> None:
     """Raise ConfigError naming `key` unless `value` is null or a dotted path 'package.module:attribute'."""
     if value is not None and not DOTTED_PATH.match(value):
         raise ConfigError(f"{key} must be a dotted path 'package.module:attribute', got {value!r}")
+
+
+_NOTED: set[str] = set()
+
+
+def note_alias(old: str, new: str, value: Any) -> None:
+    """Say once per process that an older key (renamed or moved) was read as `new`: its users' command lines and
+    config files keep working, and the note tells them the key to write."""
+    if old not in _NOTED:
+        _NOTED.add(old)
+        logging.getLogger("fully_async.config").warning("%s is an alias: read as %s=%s", old, new, value)
 
 
 def require(cond: bool, key: str, value: Any, allowed: str) -> None:

@@ -223,20 +223,7 @@ class EngineClient:
                 )
             except _ServerFailure as e:
                 failed = idx
-                dead = await self.recovery.on_failure(idx)
-                result.num_retries += 1
-                self.stats.retries += 1
-                if result.num_retries > self.max_retries:
-                    log = self.servers.log_for(url)
-                    # In a thread: a server on an engine host reads its log with a Ray call, not on this loop.
-                    tail = await asyncio.to_thread(self.servers.log_tail, idx, 15)
-                    raise EngineError(
-                        f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
-                        f"last failure on {url}: {e}; log {log}:\n{tail}"
-                    ) from e
-                if not dead:  # a dead server's failures are counted in its "died" / "is back" lines
-                    logger.warning("retrying a request after a failure on %s: %s", url, e)
-                await self.recovery.wait_for_a_server()
+                await self._retry_after(idx, url, e, result)
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
@@ -246,24 +233,50 @@ class EngineClient:
             if seg.finish_reason != "abort":
                 result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
                 break
-            result.num_aborts += 1
-            self.stats.aborts += 1
-            if result.num_aborts > MAX_ABORTS:
-                raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
-            if (
-                self.servers.slots[idx] is SlotState.RETIRED
-            ):  # its server left the pool: go on elsewhere now, not after a resume
-                self.stats.moved += 1
-                if state.paused:
-                    await self._wait_resumed(None)
-            else:
-                await self._wait_resumed(idx)
-            if not continue_on_abort:
-                del result.token_ids[:], result.logprobs[:], result.versions[:]
-                result.start_version = state.version
-            else:
-                self.stats.carried_tokens += take
+            await self._resume_after_abort(idx, url, result, take, continue_on_abort)
         return result
+
+    async def _retry_after(self, idx: int, url: str, e: Exception, result: GenerationResult) -> None:
+        """A failure of server `idx`: counted, and the request waits for a server to retry on; past
+        engine.max_retries it fails with the server's log tail."""
+        dead = await self.recovery.on_failure(idx)
+        result.num_retries += 1
+        self.stats.retries += 1
+        if result.num_retries > self.max_retries:
+            log = self.servers.log_for(url)
+            # In a thread: a server on an engine host reads its log with a Ray call, not on this loop.
+            tail = await asyncio.to_thread(self.servers.log_tail, idx, 15)
+            raise EngineError(
+                f"generate failed {result.num_retries} times (engine.max_retries={self.max_retries}); "
+                f"last failure on {url}: {e}; log {log}:\n{tail}"
+            ) from e
+        if not dead:  # a dead server's failures are counted in its "died" / "is back" lines
+            logger.warning("retrying a request after a failure on %s: %s", url, e)
+        await self.recovery.wait_for_a_server()
+
+    async def _resume_after_abort(
+        self, idx: int, url: str, result: GenerationResult, take: int, continue_on_abort: bool
+    ) -> None:
+        """A segment aborted by a pause (or its server leaving): wait for the resume, then keep its `take` tokens
+        (partial rollout) or drop every token so far."""
+        state = self.servers.state
+        result.num_aborts += 1
+        self.stats.aborts += 1
+        if result.num_aborts > MAX_ABORTS:
+            raise EngineError(f"request aborted {result.num_aborts} times; last by {url}")
+        if (
+            self.servers.slots[idx] is SlotState.RETIRED
+        ):  # its server left the pool: go on elsewhere now, not after a resume
+            self.stats.moved += 1
+            if state.paused:
+                await self._wait_resumed(None)
+        else:
+            await self._wait_resumed(idx)
+        if not continue_on_abort:
+            del result.token_ids[:], result.logprobs[:], result.versions[:]
+            result.start_version = state.version
+        else:
+            self.stats.carried_tokens += take
 
     async def _send(
         self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling, version: int, images=None

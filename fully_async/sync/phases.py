@@ -1,5 +1,5 @@
 """PhaseRunner: runs one phase of a sync, timed (`timing_s/param_sync/<name>`), traced on the `sync` lane and bounded
-by async_training.sync_timeout_s; a phase that fails or passes the bound raises ParamSyncError naming it."""
+by advanced.sync_timeout_s; a phase that fails or passes the bound raises ParamSyncError naming it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class PhaseRunner:
                 self._thread = CallThread("param-sync-phase")
                 waiting = self.pending()
                 raise ParamSyncError(
-                    f"weight sync phase '{name}' did not finish within async_training.sync_timeout_s="
+                    f"weight sync phase '{name}' did not finish within advanced.sync_timeout_s="
                     f"{self.timeout_s:g}s" + (f" ({waiting})" if waiting else "")
                 )
             e = future.exception()

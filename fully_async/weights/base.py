@@ -1,7 +1,7 @@
 """The weight-transport boundary: what ParamSync asks of whatever moves the trainer's weights into the engines.
 
 ParamSync owns the protocol (pause -> transfer -> set version -> resume, each phase timed, traced and under
-async_training.sync_timeout_s); a transport owns the bytes. For each version it returns a SyncPlan, the phases that
+advanced.sync_timeout_s); a transport owns the bytes. For each version it returns a SyncPlan, the phases that
 move the backend's current weights into every engine server and label them with the new version, as data: which
 read the trainer's weights, which need no engine, which run on the paused engines. The version is set by the
 transport's last phase because on some paths the engines take weights and label in one control sequence (disk:
@@ -43,7 +43,7 @@ class SyncPlan:
     ParamSync runs a plan in this order: `reads`, `ahead`, then (between a pause and a resume of the engines when
     `pause`) `engines`. In background mode (async_training.sync_mode=background) the trainer's next optimizer step
     waits only for `reads`; the rest runs in ParamSync's thread while that step computes, so nothing after `reads`
-    may read the backend's parameters. Every phase is timed, traced and bounded by async_training.sync_timeout_s.
+    may read the backend's parameters. Every phase is timed, traced and bounded by advanced.sync_timeout_s.
     """
 
     reads: tuple[Phase, ...] = ()

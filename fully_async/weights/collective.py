@@ -12,14 +12,14 @@ A sync (ParamSync's phases after `pause`):
   shapes of the sender's tensors, once per transport) is checked against every engine's checkpoint headers, then
   the group is formed (the engines' join calls in flight while the sender forms its side).
 - `send`: every engine gets the bucket layout (tensor names, shapes, offsets, the engine dtype) and starts
-  receiving; the sender packs tensors in plan order into flat buckets of async_training.bucket_mb, cast to the
+  receiving; the sender packs tensors in plan order into flat buckets of advanced.bucket_mb, cast to the
   engine dtype, the next bucket packed while the previous one is on the wire. Each engine loads bucket k while
   bucket k+1 is on the wire (the receiver streams; a send that fails midway leaves the engines with a mix of
   versions until the next sync, see the receiver). Both sides keep their bucket buffers from one sync to the next.
 - `verify` (async_training.verify_sync): every engine's digest of the tensors it loaded equals the sender's of the
   tensors it packed (weights/verify.py); a server that differs or does not answer fails the sync, naming it.
 - `set_version`: every engine resets its prefix cache and takes the version, no reload.
-The group's per-operation timeout is a fraction of async_training.sync_timeout_s, so a dead or stalled peer fails
+The group's per-operation timeout is a fraction of advanced.sync_timeout_s, so a dead or stalled peer fails
 the send with an error naming the servers before ParamSync's watchdog would fire; if it does fire first, its
 message names the servers that had not answered.
 
@@ -28,7 +28,7 @@ A server restarted between syncs comes back on its start-up weights: the engine 
 every other server (weights already in memory on the trainer; nothing is written to disk).
 
 Background syncs (async_training.sync_mode=background): the trainer's thread runs only `stage`, a copy of the weights
-into one staging buffer per bucket (async_training.staging: `device`, a second copy on the trainer's device, or
+into one staging buffer per bucket (advanced.staging: `device`, a second copy on the trainer's device, or
 `pinned`, pinned host memory copied through the two send buffers as it goes out; on CPU both are host memory), whose
 broadcast starts at once; ParamSync's thread then runs `send` (the engines receive it) and `set_version`. A server
 restarted between `stage` and `send` makes `send` re-form the group and broadcast the staged copy again.
@@ -50,7 +50,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fully_async.config.sections.async_training import STAGINGS
+from fully_async.config.sections.advanced import STAGINGS
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, SyncPlan, WeightTransport
 from fully_async.weights.collective_sender import (
@@ -92,7 +92,7 @@ class CollectiveTransport(WeightTransport):
         if staging not in STAGINGS:
             from fully_async.config import ConfigError
 
-            raise ConfigError(f"async_training.staging must be one of {list(STAGINGS)}, got {staging!r}")
+            raise ConfigError(f"advanced.staging must be one of {list(STAGINGS)}, got {staging!r}")
         self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
         self.device, self.staging = device, staging
         self.root = Path(weights_root)
@@ -193,7 +193,7 @@ class CollectiveTransport(WeightTransport):
     def plan(self, version: int, background: bool) -> SyncPlan:
         """Blocking: `send` (the engines receive the weights the backend holds now), `verify`, `set_version`, all
         while the engines are paused. Background: `stage` (the trainer's: a copy of the weights into the sender's
-        staging buffers, async_training.staging, whose broadcast starts at once and waits for the engines), then
+        staging buffers, advanced.staging, whose broadcast starts at once and waits for the engines), then
         `send` (the engines receive the staged version), `verify`, `set_version`. A server restarted between stage
         and send: `send` re-forms the group with the pool as it is and broadcasts the staged copy again into the
         new one, as blocking mode's `send` re-forms it."""
@@ -228,7 +228,7 @@ class CollectiveTransport(WeightTransport):
             size = staging_bytes(self._plan, self.dtype)
             print(f"fully_async: background weight sync: the collective transport stages a copy of the weights, "
                   f"{size / (1 << 20):.1f} MiB ({size} bytes, {self.dtype}) in {staging_place(self.staging, self.device)}"
-                  f", kept for the run (async_training.staging={self.staging})", flush=True)  # fmt: skip
+                  f", kept for the run (advanced.staging={self.staging})", flush=True)  # fmt: skip
             self._staging_shown = True
         self._staged_stats = self.sender.stage(self._buckets(), self.dtype, self.staging)
 

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from fully_async.config.sections.async_training import STAGINGS
+from fully_async.config.sections.advanced import STAGINGS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Engine dtypes the transport sends in, with their element sizes."""
 
 GROUP_TIMEOUT_FRACTION = 0.5
-"""The group's per-operation timeout as a share of async_training.sync_timeout_s: a peer that stops answering fails
+"""The group's per-operation timeout as a share of advanced.sync_timeout_s: a peer that stops answering fails
 the operation (and names itself) well before the watchdog cuts the phase."""
 
 
@@ -169,7 +169,7 @@ def staging_bytes(plan: list[list], dtype: str) -> int:
 
 
 def staging_buffers(buckets: list[dict], dtype: str, staging: str, device: str) -> list:
-    """One flat buffer per bucket for a background sync's copy of the weights (async_training.staging): `device`: on
+    """One flat buffer per bucket for a background sync's copy of the weights (advanced.staging): `device`: on
     the sender's `device`; `pinned`: pinned host memory when `device` is cuda, plain host memory on cpu (pinning
     needs an accelerator; the send path is the same)."""
     import torch

@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # tests.cluster: the repository's test helpers
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
 
-from tests.cluster import start_cluster  # noqa: E402
+from fully_async.local_cluster import start_cluster  # noqa: E402
 
 SPREAD = ["engine.num_servers=2", "placement.resources=cpu", "placement.engine_cpus=5"]
 

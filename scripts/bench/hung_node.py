@@ -1,6 +1,6 @@
 """What a hung engine node costs the trainer: the blocked time (pause to resume) of the weight sync that meets it.
 
-Per scenario, a fresh 2-node loopback cluster (tests/cluster.py: a head and one worker) and the driver
+Per scenario, a fresh 2-node loopback cluster (fully_async/local_cluster.py: a head and one worker) and the driver
 tests/hung_node.py on the head: one engine server per node (fake engine processes under EngineHost actors: the
 control plane, hosts, the disk transport's copy through Ray and ParamSync are the real ones), the sim backend; the
 worker node is stopped with SIGSTOP of its processes (found from the pid its start script recorded):
@@ -31,11 +31,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # tests.cluster, tests.hung_node: the repository's test helpers
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
 
-from tests.cluster import script_env, start_cluster  # noqa: E402
-from tests.hung_node import node_tree, signal_all  # noqa: E402
+from fully_async.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
 
 
 def measure(code: Path, scenario: str, args: argparse.Namespace) -> dict:
@@ -71,7 +69,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=10.0, help="engine.control_deadline_s (where it exists)")
     parser.add_argument("--control-timeout", type=float, default=60.0, help="engine.control_timeout_s")
     parser.add_argument("--logs", type=Path, help="keep each driver's log (timestamped warnings) in this folder")
-    parser.add_argument("--sync-timeout", type=float, default=300.0, help="async_training.sync_timeout_s")
+    parser.add_argument("--sync-timeout", type=float, default=300.0, help="advanced.sync_timeout_s")
     args = parser.parse_args()
     for scenario in args.scenarios.split(","):
         out = measure(args.code.resolve(), scenario, args)

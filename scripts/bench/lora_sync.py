@@ -5,7 +5,8 @@ For each model size (weights.py's SIZES: tiny = the default model, 100m = the 10
 starts with --enable-lora (rank 8 served) and the worker extension. Each round, interleaved (ratios are taken within
 a round, then the median):
 - adapter: ParamSync with the adapter transport (weights/lora.py): export the PEFT adapter (rank 8, all linear
-  layers, peft on the model in this process: tests/fakes.AdapterBackend), load as policy-vN, verify the digest,
+  layers, peft on the model in this process, written by the trainer's own fully_async/training/lora.py: PeftAdapter
+  below), load as policy-vN, verify the digest,
   activate, unload; no pause. Bytes: the adapter directory.
 - disk / collective: ParamSync with those transports, this process holding the model's tensors (weights.py's
   TensorBackend; what a LoRA run would send as merged weights); pause -> phases -> resume. Bytes: the weights.
@@ -27,9 +28,40 @@ import tempfile
 import time
 from pathlib import Path
 
-from weights import REPO, SIZES, BenchRollouter, TensorBackend
+from weights import SIZES, BenchRollouter, TensorBackend
 
 KINDS = ("adapter", "disk", "collective")
+
+
+class PeftAdapter:
+    """The adapter side of a LoRA trainer in this process: peft's LoRA on the model (all linear layers), written at
+    each sync as the trainer ranks write it (fully_async/training/lora.py: adapter_tensors, adapter_config,
+    write_adapter, which returns the digest the transport verifies). `step(seed)` draws new adapter values (a
+    training step: lora_B non-zero, so the adapter changes the outputs)."""
+
+    def __init__(self, model_dir: Path, rank: int) -> None:
+        import peft
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+        self.model = peft.get_peft_model(base, config)
+        self.model_dir = model_dir
+
+    def step(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in (p for name, p in self.model.named_parameters() if "lora_" in name):
+                torch.nn.init.normal_(p, std=0.2)
+
+    def export_adapter(self, out_dir, dtype: str = "float32") -> str:
+        from fully_async.training import lora
+
+        config = lora.adapter_config(self.model.peft_config["default"], str(self.model_dir))
+        return lora.write_adapter(lora.adapter_tensors(self.model.named_parameters()), config, out_dir, dtype)
 
 
 def dir_bytes(path: Path) -> int:
@@ -37,19 +69,17 @@ def dir_bytes(path: Path) -> int:
 
 
 def one_size(name: str, args) -> dict[str, dict[str, float]]:
-    sys.path.insert(0, str(REPO))
     from fully_async.config import EngineConfig, TinyModelConfig
-    from fully_async.config.sections.model import LoraConfig
     from fully_async.engines import build_engine
     from fully_async.handles import LocalActor
     from fully_async.models import build_tiny_model
     from fully_async.param_sync import ParamSync
     from fully_async.weights.lora import LoraServing
-    from tests.fakes import AdapterBackend
 
     model = build_tiny_model(TinyModelConfig(**SIZES[name]))
     full = TensorBackend(model, "float32")
-    adapter = AdapterBackend(model, LoraConfig(rank=args.rank, alpha=2 * args.rank))
+    adapter = PeftAdapter(model, args.rank)
+    adapter.step(0)
     work = Path(tempfile.mkdtemp(prefix="bench-lora-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=1200, control_timeout_s=600)
     pool = build_engine(cfg, model, work / "run", weight_receiver=True, lora=LoraServing(max_loras=3, max_rank=8))

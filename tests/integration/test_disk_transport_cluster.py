@@ -1,4 +1,4 @@
-"""The disk transport on the 2-node loopback cluster (tests/cluster.py): a driver on the head runs ParamSync (sim
+"""The disk transport on the 2-node loopback cluster (fully_async/local_cluster.py): a driver on the head runs ParamSync (sim
 backend) against engine servers owned by EngineHost actors on the worker node (real `python -m tests.fakes`
 processes, which reload a directory and shift their outputs by the weights in it), and against one on the head.
 
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.cluster import REPO, script_env
+from fully_async.local_cluster import REPO, script_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

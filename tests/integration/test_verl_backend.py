@@ -404,7 +404,7 @@ def test_rank_0_sends_the_full_weights_collectively_while_every_rank_gathers(be2
 @pytest.mark.parametrize("staging", ["device", "pinned"])
 def test_rank_0_stages_a_copy_that_the_next_update_does_not_change_while_its_broadcast_waits(be2, tmp_path, staging):
     """async_training.sync_mode=background with the collective transport at 2 FSDP2 ranks: `stage` returns once
-    rank 0 holds a copy (async_training.staging) and its broadcast has started; the next update runs on the same
+    rank 0 holds a copy (advanced.staging) and its broadcast has started; the next update runs on the same
     ranks while that broadcast waits for the engine, and the engine then receives the weights as they were at the
     stage. After a re-formed group (an engine server restarted), `send_staged` sends the same copy into it."""
     from fully_async.weights.collective_sender import layout_buckets

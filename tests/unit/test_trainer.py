@@ -227,13 +227,13 @@ def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the
     stub.fail["load_weights"] = RuntimeError("HTTP 500")  # the engines stay paused: no second batch ever comes
     resolve(q.put.remote([make_group(0)]))
     cfg = _cfg(total_steps=3)
-    cfg.async_training.get_timeout_s = 5.0
+    cfg.advanced.get_timeout_s = 5.0
     trainer = _trainer(cfg, roles, tmp_path, mode="background")
     start = time.monotonic()
     with pytest.raises(ParamSyncError, match="background sync of version 1: weight sync phase 'reload' failed"):
         trainer.run()
     # Raised by the check while it waits for a batch, not after the batch wait's own deadline (get_timeout_s).
-    assert time.monotonic() - start < cfg.async_training.get_timeout_s and trainer.step == 1
+    assert time.monotonic() - start < cfg.advanced.get_timeout_s and trainer.step == 1
 
 
 class _SlowExport(SimBackend):

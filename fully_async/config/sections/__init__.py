@@ -2,7 +2,7 @@
 
 Where to look: async_training.py (staleness, sync, step size), rollout.py (sampling, agent loops, multi-turn),
 engine.py (inference servers, placement), model.py, trainer.py, algorithm.py (advantages, losses, dynamic sampling),
-reward.py, data.py, logger.py. Each field carries a one-line docstring (read by `field_docs` for error messages and
+reward.py, data.py, logger.py, advanced.py (internal bounds, buffer sizes, test knobs). Each field carries a one-line docstring (read by `field_docs` for error messages and
 the generated reference); each section's `validate_section(prefix)` raises ConfigError.
 
 No torch or ray imports here: the runner validates config before any heavy import. This module only re-exports,
@@ -11,6 +11,7 @@ so `from fully_async.config.sections import X` works whichever module holds X (h
 
 # ruff: noqa: F401
 
+from fully_async.config.sections.advanced import STAGINGS, AdvancedConfig, read_moved_keys
 from fully_async.config.sections.algorithm import (
     GROUP_ESTIMATORS,
     NEEDS_CRITIC,

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fully_async.config.base import ConfigError, require
+from fully_async.config.base import ConfigError, note_alias, require
 from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,7 +73,7 @@ class AlgorithmConfig:
             ("rollout_is_threshold", "rollout_is_threshold", self.rollout_is_threshold),
         ):
             if value is not None and isinstance(rc, RolloutCorrectionConfig):
-                _note_alias(old, new, value)
+                note_alias(f"algorithm.{old}", f"algorithm.rollout_correction.{new}", value)
                 setattr(rc, new, value)
 
     @property
@@ -154,14 +151,6 @@ class AlgorithmConfig:
 
 BYPASS_LOSSES = ("vanilla", "bypass_mode")
 """Policy losses that bypass mode replaces by verl's bypass_mode loss (loss_type, IS weights, rejection)."""
-_NOTED: set[str] = set()
-
-
-def _note_alias(old: str, new: str, value) -> None:
-    """Say once per process that an older key was read as its rollout_correction key."""
-    if old not in _NOTED:
-        _NOTED.add(old)
-        log.warning("algorithm.%s is an alias: read as algorithm.rollout_correction.%s=%s", old, new, value)
 
 
 NEEDS_UNBUILT = {

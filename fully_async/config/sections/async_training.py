@@ -8,12 +8,9 @@ from typing import Literal
 from fully_async.config.base import require
 
 SYNC_MODES = ("blocking", "background")
+"""Values of async_training.sync_mode."""
 WEIGHT_TRANSPORTS = ("disk", "collective", "auto")
 """The built-in values of weight_transport (fully_async/weights/factory.py builds them)."""
-"""Values of async_training.sync_mode."""
-
-STAGINGS = ("device", "pinned")
-"""Values of async_training.staging."""
 
 
 @dataclass
@@ -28,10 +25,10 @@ class AsyncTrainingConfig:
     """Prompt groups (rollout.n samples each) consumed by one trainer step."""
     queue_capacity: int = 0
     """MessageQueue capacity in groups; 0 = (max_staleness + 1) * groups_per_step * sync_every, what the bound can fill."""
-    get_timeout_s: float = 1800.0
-    """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
-    sync_timeout_s: float = 300.0
-    """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
+    get_timeout_s: float | None = None
+    """Alias (older key) of advanced.get_timeout_s; null = unset."""
+    sync_timeout_s: float | None = None
+    """Alias (older key) of advanced.sync_timeout_s; null = unset."""
     drain_on_sync: bool = False
     """At a weight sync let every in-flight sample finish instead of aborting it (one-step-off and synchronous schedules). Without it a sync still lets requests of the trainer's next batch finish for up to the last sync's hold, and pauses the servers only if a request is still in flight (docs/architecture.md, "The pause")."""
     weight_transport: str = "auto"
@@ -40,10 +37,10 @@ class AsyncTrainingConfig:
     """blocking: the trainer waits for the whole weight sync (pause, transfer, reload, resume); background: ParamSync's thread reads the weights (disk: export; collective: a copy into a staging buffer) while the trainer ends its step, the trainer's next update waits only until they were read, and the engines' phases run in that thread while the next step computes (docs/architecture.md)."""
     verify_sync: bool = True
     """Prove every full-weight sync landed: each engine server's digest of the tensors it loaded must equal the trainer's of what it wrote or sent, else the sync fails naming the server (vLLM; engine=sim and SGLang skip it, saying so once). Measured: 7-42 ms per sync in the default job; at 101 M parameters into 2 servers ~2 % of a collective sync, ~7-10 % of a disk one (docs/weight-transports.md, "The proof that a sync landed")."""
-    staging: Literal["device", "pinned"] = "device"
-    """Where a background sync's collective transport keeps its copy of the weights (one model's size in the engine dtype, printed at the first sync): device (a second buffer on the trainer's device, sent as it is) or pinned (pinned host memory, copied into the two send buckets on the device as it goes out; costs no device memory). On CPU both are plain host memory; pinned runs the same copy-through code there."""
-    bucket_mb: int = 16
-    """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
+    staging: Literal["device", "pinned"] | None = None
+    """Alias (older key) of advanced.staging; null = unset."""
+    bucket_mb: int | None = None
+    """Alias (older key) of advanced.bucket_mb; null = unset."""
 
     @property
     def groups_per_version(self) -> int:
@@ -65,11 +62,7 @@ class AsyncTrainingConfig:
             f"0 (derived) or >= (max_staleness + 1) * groups_per_step * sync_every = {bound}, what admission can fill "
             "(a smaller queue would stall producers that the staleness rule already admitted)",
         )
-        require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
-        require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
         require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
-        require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
-        require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
         require(
             self.weight_transport in WEIGHT_TRANSPORTS or ":" in self.weight_transport,
             p + "weight_transport",

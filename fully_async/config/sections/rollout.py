@@ -94,8 +94,8 @@ class RolloutConfig:
     """Most validation samples generating at once (they share the engines with training rollouts)."""
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """How validation samples (verl's actor_rollout_ref.rollout.val_kwargs): its own temperature, top_p, top_k, greedy, responses per prompt."""
-    ignore_eos: bool = False
-    """Generate exactly response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
+    ignore_eos: bool | None = None
+    """Alias (older key) of advanced.ignore_eos; null = unset."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tools and turn limits of multi-turn agent loops (fully_async.agents.tool:ToolAgentLoop)."""
 

@@ -463,7 +463,7 @@ class _GatedPauseEngines(_ThreadEngines):
 def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_its_weights(
     checkpoint, tmp_path, capsys, staging
 ):
-    """Both staging places (async_training.staging) run here on CPU: `device` broadcasts the staging buffers,
+    """Both staging places (advanced.staging) run here on CPU: `device` broadcasts the staging buffers,
     `pinned` copies them through the two send buffers (the nccl path's code; host memory on CPU)."""
     model_dir, state = checkpoint
     live = {k: v.clone() for k, v in state.items()}  # the trainer's parameters, changed in place by its next step
@@ -506,7 +506,7 @@ def test_background_the_engines_get_the_staged_copy_while_the_trainer_changes_it
     shown = [line for line in capsys.readouterr().out.splitlines() if "stages a copy of the weights" in line]
     size = sum(t.numel() for t in state.values()) * 4
     assert len(shown) == 1 and f"({size} bytes, float32)" in shown[0]  # once per run, with its size
-    assert f"async_training.staging={staging}" in shown[0]
+    assert f"advanced.staging={staging}" in shown[0]
     assert ("plain host memory" in shown[0]) == (staging == "pinned")  # and where: on CPU pinned is not pinned
     sender = transport.sender
     assert all(b.device.type == "cpu" and not b.is_pinned() for b in sender.staging)
