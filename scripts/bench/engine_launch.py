@@ -1,7 +1,7 @@
 """Where one vLLM-CPU server's launch goes, and what cuts it (issue 39), variants side by side in one run.
 
     .venv/bin/python scripts/bench/engine_launch.py --rounds 3
-    .venv/bin/python scripts/bench/engine_launch.py --rounds 2 --variants worker_process,worker_in_core,worker_in_core+no_stats
+    .venv/bin/python scripts/bench/engine_launch.py --rounds 2 --variants as_built,no_stats
 
 Each variant launches the default job's server (the command line and environment `VLLMKind` builds for the default
 config, the tiny model) and adds its own environment / flags; rounds alternate the order of the variants so a drift
@@ -39,13 +39,17 @@ from fully_async.engines.vllm import VLLMKind  # noqa: E402
 from fully_async.models import resolve_model_path  # noqa: E402
 
 NO_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+OMP_BOUND = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}
+"""What vLLM's multiprocess executor sets for its worker process alone (one bound core: the default job's binding)."""
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "as_built": ({}, []),  # what VLLMKind gives the job today
     # vLLM's multiprocess executor: the worker in a third process, spawned (vLLM-CPU forces spawn) from EngineCore.
     "worker_process": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, []),
     # vLLM's uni executor: the worker inside the EngineCore process, one spawned interpreter fewer.
     "worker_in_core": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, []),
-    "worker_in_core+no_stats": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **NO_STATS}, ["--disable-log-stats"]),
+    # The same with the OpenMP settings the multiprocess executor gives its worker, for the whole server.
+    "worker_in_core+omp": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **OMP_BOUND}, []),
+    "no_stats": (NO_STATS, ["--disable-log-stats"]),
 }
 PHASES = [
     ("api_import", re.compile(r"^\(APIServer pid=")),
@@ -149,7 +153,7 @@ def main() -> int:
     global SAMPLING
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="worker_process,worker_in_core")
+    parser.add_argument("--variants", default="worker_process,worker_in_core,worker_in_core+omp")
     parser.add_argument("--out", type=Path, default=None, help="folder for the servers' stamped logs (default: temp)")
     args = parser.parse_args()
     names = args.variants.split(",")
