@@ -132,8 +132,6 @@ class Rollouter:
         load before the first request. `hosts`: one EngineHost actor per engine server, placed by the job (each
         server then runs on its host's node); None: the servers are child processes of this actor. `host_factory`
         (engines/host.py): places the hosts of servers added or replaced while the run goes on."""
-        from transformers import AutoTokenizer
-
         from fully_async.engines import EngineClient, build_engine
 
         if self.cursor is None:
@@ -143,16 +141,24 @@ class Rollouter:
         if ledger_state:
             at = self.cfg.async_training
             self.admission.ledger = StalenessLedger.from_state(ledger_state, at.max_staleness, at.groups_per_version)
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        sampling, self.agent, self.val_agent = agent_loops(self.cfg, tokenizer)
-        self.agent.tracer = self.val_agent.tracer = self.tracer
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
         collective = engine_receiver(self.cfg.async_training.weight_transport)
         lora, _ = adapter_sync_plan(self.cfg, device)  # the job says once why a LoRA run syncs merged weights
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
                                     weight_receiver=collective, lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
-        self.servers.warmup = warmup_plan(self.cfg, self.rows, tokenizer, sampling)
+        # The servers' launch is the start-up's critical path: it begins before the tokenizer's import and load and
+        # the agent loops, which the servers do not need (only the warm-up below does).
+        launching = asyncio.create_task(asyncio.to_thread(self.servers.launch))
+        try:
+            from transformers import AutoTokenizer  # a heavy import: after the launch began
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            sampling, self.agent, self.val_agent = agent_loops(self.cfg, tokenizer)
+            self.agent.tracer = self.val_agent.tracer = self.tracer
+            self.servers.warmup = warmup_plan(self.cfg, self.rows, tokenizer, sampling)
+        finally:
+            await launching  # a failure above still leaves launched servers for shutdown() to stop
         await asyncio.to_thread(self.servers.start)
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])

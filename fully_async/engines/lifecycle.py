@@ -1,6 +1,6 @@
-"""The lifetime of a pool's servers: every one started (launched, healthy, current, warmed, behind the router), every
-one stopped, one restarted in place or on a new host. Behind `EngineServers.start`, `stop`, `restart` and
-`restart_async` (pool.py); joins, leaves and the relaunch of one server are elastic.py's.
+"""The lifetime of a pool's servers: every one launched early (not waited for), started (launched, healthy, current,
+warmed, behind the router), every one stopped, one restarted in place or on a new host. Behind `EngineServers.launch`,
+`start`, `stop`, `restart` and `restart_async` (pool.py); joins, leaves and the relaunch of one server are elastic.py's.
 
 Emulated engines (a kind `in_process`, engine=sim) launch and stop nothing: a restart starts the emulated engine
 afresh at the current version, serving at once.
@@ -48,19 +48,33 @@ class LifecyclePool(Protocol):
     def stop(self) -> None: ...
 
 
-def start(pool: LifecyclePool) -> None:
-    """Launch every server and block until all are healthy and current (EngineError with the log tail otherwise),
-    warm them, then start the router in front of them. A failure stops what started."""
-    if pool.kind.in_process:  # emulated engines: nothing to launch
+def launch(pool: LifecyclePool) -> None:
+    """Launch every server without waiting for it (`start` waits), so the caller can prepare what needs no server
+    (the tokenizer, the warm-up plan) while they come up; a second call, or `start` after it, launches nothing more.
+    A failure stops what started."""
+    if pool.kind.in_process or "engine_launch" in pool.started_at:
         return
+    launched = time.time()
+    pool.started_at["engine_launch"] = (launched, launched)  # its end: every server healthy and current (`start`)
     try:
-        launched = time.time()
         for p in pool.procs:
             p.launch()
+    except BaseException:
+        pool.stop()  # a half-launched pool would hold memory and cores until interpreter exit
+        raise
+
+
+def start(pool: LifecyclePool) -> None:
+    """Launch every server (unless `launch` did) and block until all are healthy and current (EngineError with the
+    log tail otherwise), warm them, then start the router in front of them. A failure stops what started."""
+    if pool.kind.in_process:  # emulated engines: nothing to launch
+        return
+    launch(pool)
+    try:
         for p in pool.procs:
             p.wait_healthy(pool.cfg.startup_timeout_s)
         run_sync(bring_current(pool, range(len(pool.procs))))
-        pool.started_at["engine_launch"] = (launched, time.time())
+        pool.started_at["engine_launch"] = (pool.started_at["engine_launch"][0], time.time())
         run_sync(warm(pool, pool.procs, pool.warmup))
         pool.started_at["engine_warmup"] = (pool.started_at["engine_launch"][1], time.time())
         pool.router = pool.kind.make_router(pool.run_dir)

@@ -80,8 +80,8 @@ class EngineServers:
         """Throw-away requests each server answers after it starts (or restarts, or joins) and before it serves
         (engines/warmup.py); None: none. Set by the rollouter from the run's prompts."""
         self.started_at: dict[str, tuple[float, float]] = {}
-        """Wall-clock (start, end) of `start`'s parts: `engine_launch` (to every server healthy and current),
-        `engine_warmup` (the start-up's record, fully_async/startup.py)."""
+        """Wall-clock (start, end) of `start`'s parts: `engine_launch` (from `launch` to every server healthy and
+        current), `engine_warmup` (the start-up's record, fully_async/startup.py)."""
         self.on_dead: Any = None
         """Called with the index of a server a control call found dead (the client schedules its restart)."""
         self._membership: asyncio.Lock | None = None
@@ -287,8 +287,13 @@ class EngineServers:
             host = self.hosts[index]
         return server_process(self.kind, self.run_dir, index, host, port)
 
+    def launch(self) -> None:
+        """Launch every server without waiting for it; `start` then waits (lifecycle.py)."""
+        lifecycle.launch(self)
+
     def start(self) -> None:
-        """Launch every server and block until all are healthy (EngineError with the log tail otherwise)."""
+        """Launch every server (unless `launch` did) and block until all are healthy (EngineError with the log tail
+        otherwise)."""
         lifecycle.start(self)
 
     def stop(self) -> None:

@@ -136,6 +136,9 @@ class VLLMKind(VLLMControlCalls, EngineKind):
         if self.device != "cuda":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
+            # vLLM's multiprocess executor stays although its worker process is a third torch+vLLM import on the
+            # launch's critical path: the worker inside EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0) reached health
+            # sooner but decoded a steady batch 1.2-2.3x slower (scripts/bench/engine_launch.py, docs/benchmarks.md).
         # A project venv's PYTHONPATH/VIRTUAL_ENV must not leak into the engine's interpreter.
         env["PYTHONPATH"] = str(EXTENSION_DIR)
         if self.vision and self.device != "cuda":

@@ -17,8 +17,10 @@ first run of a tree; `--fresh` removes the tiny model's cache before every run (
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -44,6 +46,43 @@ def run(tree: Path, out: Path, steps: int, extra: list[str]) -> dict:
     return record
 
 
+LAUNCH = re.compile(r"^=== (\d{4})-(\d\d-\d\d \d\d:\d\d:\d\d) launching")
+VLLM_PHASES = [
+    ("api_import", re.compile(r"^\(APIServer pid=")),
+    ("engine_core", re.compile(r"^\(EngineCore\w* pid=")),
+    ("worker", re.compile(r"^\((VllmWorker|Worker)[^ ]* pid=")),
+    ("model_kv", re.compile(r"init engine \(profile, create kv cache")),
+    ("http_up", re.compile(r"Starting vLLM server")),
+]
+STAMP = re.compile(r" (\d\d-\d\d \d\d:\d\d:\d\d) \[")
+
+
+def engine_phases(log: Path, command_start: float) -> dict[str, float]:
+    """The first vLLM server's launch from its log (whole seconds: vLLM stamps its lines to the second): `launch_at`
+    (the command to the launch), then each phase's end from the launch (`api_import`: the API server's interpreter
+    with torch and vLLM; `engine_core`: the spawned EngineCore process's; `worker`: a worker process's, where one is
+    spawned; `model_kv`: the model loaded and the KV cache made; `http_up`: the server listening)."""
+    if not log.is_file():
+        return {}
+    phases: dict[str, float] = {}
+    year = launched = None
+    for line in log.read_text(errors="replace").splitlines():
+        if (m := LAUNCH.match(line)) is not None:
+            if launched is not None:
+                break  # a restart: only the first launch is the start-up's
+            year = m.group(1)
+            launched = datetime.datetime.strptime(f"{year}-{m.group(2)}", "%Y-%m-%d %H:%M:%S")
+            phases["launch_at"] = launched.timestamp() - command_start
+            continue
+        if launched is None or (stamp := STAMP.search(line)) is None:
+            continue
+        for name, pattern in VLLM_PHASES:
+            if name not in phases and pattern.search(line):
+                at = datetime.datetime.strptime(f"{year}-{stamp.group(1)}", "%Y-%m-%d %H:%M:%S")
+                phases[name] = (at - launched).total_seconds()
+    return phases
+
+
 def read(out: Path) -> dict | None:
     """The numbers of one finished run (None when it did not finish)."""
     bench = out / "bench.json"
@@ -65,6 +104,7 @@ def read(out: Path) -> dict | None:
         "first_gen_s": first,
         "steady_gen_s": statistics.median(steady) if steady else float("nan"),
         "startup": {k.split("/", 2)[2]: v for k, v in rows[0].items() if k.startswith("timing_s/startup/")},
+        "engine": engine_phases(out / "engines" / "vllm-0.log", record["start"]),
     }
     if (out / "startup.json").is_file():
         shutdown = json.loads((out / "startup.json").read_text()).get("shutdown", {})
@@ -89,6 +129,15 @@ def table(results: dict[str, list[dict]]) -> str:
         ratio = [r["first_gen_s"] / r["steady_gen_s"] for r in ok]
         lines.append(f"| {tree} | {len(ok)} | {cell(ok, 'load', 2)} | {cell(ok, 'first_step_s')} | {cell(ok, 'wall_s')} | "
                      f"{statistics.median(ratio):.1f}x ({', '.join(f'{x:.1f}' for x in ratio)}) |")  # fmt: skip
+    engine = {tree: [r["engine"] for r in rs if r.get("engine")] for tree, rs in results.items()}
+    if any(engine.values()):
+        names = ["launch_at"] + [n for n, _ in VLLM_PHASES]
+        lines += ["", "| vLLM server's launch (median s; launch_at from the command, the rest from the launch) | "
+                  + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+        for tree, es in engine.items():
+            if es:
+                med = [statistics.median(e.get(n, float("nan")) for e in es) for n in names]
+                lines.append(f"| {tree} | " + " | ".join("-" if v != v else f"{v:.0f}" for v in med) + " |")
     parts = [r for r in results.get("this", []) if r.get("startup")]
     if parts:
         names = list(parts[-1]["startup"])
@@ -111,21 +160,31 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="trainer.total_steps of each run (the default job's)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/startup_bench"))
     parser.add_argument("--fresh", action="store_true", help="remove the tiny model's cache before every run")
+    parser.add_argument("--fresh-runs", type=int, default=0,
+                        help="after the --runs rounds, this many more per tree with the tiny model's cache removed "
+                             "before each (a fresh clone's first command), in their own tables")  # fmt: skip
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("extra", nargs="*", help="more overrides for every run")
     args = parser.parse_args()
     trees = {"base": args.base.resolve(), "this": REPO}
+    sets = [("", args.runs, args.fresh), ("fresh-", args.fresh_runs, True)]
     if not args.table_only:
-        for k in range(args.runs):
-            order = ["base", "this"] if k % 2 == 0 else ["this", "base"]
-            for name in order:
-                if args.fresh:
-                    shutil.rmtree(TINY_CACHE, ignore_errors=True)
-                r = run(trees[name], args.out / f"{name}-{k}", args.steps, args.extra)
-                print(f"{name} run {k}: rc {r['rc']}, {r['wall_s']:.1f} s, load {r['load']:.2f}", flush=True)
-    results = {name: [r for k in range(args.runs) if (r := read(args.out / f"{name}-{k}")) is not None]
-               for name in trees}  # fmt: skip
-    print(table(results))
+        for prefix, runs, fresh in sets:
+            for k in range(runs):
+                order = ["base", "this"] if k % 2 == 0 else ["this", "base"]
+                for name in order:
+                    if fresh:
+                        shutil.rmtree(TINY_CACHE, ignore_errors=True)
+                    r = run(trees[name], args.out / f"{prefix}{name}-{k}", args.steps, args.extra)
+                    print(
+                        f"{prefix}{name} run {k}: rc {r['rc']}, {r['wall_s']:.1f} s, load {r['load']:.2f}", flush=True
+                    )
+    for prefix, runs, fresh in sets:
+        if runs:
+            results = {name: [r for k in range(runs) if (r := read(args.out / f"{prefix}{name}-{k}")) is not None]
+                       for name in trees}  # fmt: skip
+            print(f"\n{'fresh' if fresh else 'warm'} (the tiny model's cache {'removed' if fresh else 'kept'})\n")
+            print(table(results))
     return 0
 
 

@@ -200,3 +200,25 @@ async def test_a_sync_goes_on_without_a_server_that_died_under_it_and_the_server
         await client.close()
     finally:
         servers.stop()
+
+
+def test_launch_does_not_wait_and_start_then_waits_for_the_same_processes(tmp_path):
+    # The rollouter launches its servers before it loads the tokenizer (start-up's critical path), then waits in
+    # `start`: `launch` returns while no server answers yet, and neither a second `launch` nor `start` launches more.
+    waiting = FakeProcessServers(EngineConfig(startup_timeout_s=2.0), tmp_path / "never", tmp_path / "never")
+    waiting.mode = "never_healthy"
+    try:
+        waiting.launch()  # returns although the server never answers /health (start would raise after 2 s)
+        assert waiting.procs[0].is_alive() and not waiting.procs[0].healthy(timeout=0.5)
+    finally:
+        waiting.stop()
+    servers = FakeProcessServers(EngineConfig(startup_timeout_s=30.0), tmp_path, tmp_path)
+    try:
+        servers.launch()
+        pid, (begun, _) = servers.procs[0].popen.pid, servers.started_at["engine_launch"]
+        servers.launch()
+        servers.start()  # would raise "already running" if it launched again
+        assert servers.procs[0].popen.pid == pid and servers.procs[0].healthy()
+        assert servers.started_at["engine_launch"][0] == begun < servers.started_at["engine_launch"][1]
+    finally:
+        servers.stop()
