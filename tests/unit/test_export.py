@@ -109,3 +109,19 @@ def test_a_vision_language_checkpoint_exports_under_its_hf_names_with_the_tower_
         assert name in MODEL_FILES and (out / name).read_bytes() == (model / name).read_bytes(), name
     back = Qwen2VLForConditionalGeneration.from_pretrained(out).state_dict()
     assert back.keys() == state.keys() and all(torch.equal(back[n], state[n]) for n in state)
+
+
+@pytest.mark.parametrize(
+    ("name", "model_type", "checkpoint"),
+    [
+        ("model.visual.blocks.0.attn.qkv.weight", "qwen2_vl", "visual.blocks.0.attn.qkv.weight"),
+        ("model.language_model.layers.0.mlp.up_proj.weight", "qwen2_5_vl", "model.layers.0.mlp.up_proj.weight"),
+        ("lm_head.weight", "qwen2_vl", "lm_head.weight"),
+        ("model.layers.0.mlp.up_proj.weight", "qwen2", "model.layers.0.mlp.up_proj.weight"),  # a text model
+        ("model.language_model.layers.0.mlp.up_proj.weight", None, "model.language_model.layers.0.mlp.up_proj.weight"),
+    ],
+)
+def test_checkpoint_names_rename_only_the_layouts_transformers_renames(name, model_type, checkpoint):
+    from fully_async.training.hf_names import checkpoint_name
+
+    assert checkpoint_name(name, model_type) == checkpoint
