@@ -76,7 +76,7 @@ def export_checkpoint(
     ckpt: str | Path, out: str | Path, dtype: str | None = None, progress: Callable[[str], None] | None = print
 ) -> list[Path]:
     """Write checkpoint `ckpt`'s policy into `out` as a Hugging Face model directory; returns the weight files."""
-    from fully_async.training import hf_files, lora
+    from fully_async.training import hf_files, hf_names, lora
 
     ckpt, out = Path(ckpt), Path(out)
     backend = ckpt / "backend"
@@ -89,6 +89,7 @@ def export_checkpoint(
     named = tensors.items()
     if any(lora.is_adapter(name) for name in tensors):
         named = _export_adapter(ckpt, tensors, out / "adapter", dtype, progress)
+    named = hf_names.checkpoint_names(named, hf_names.model_type(sources))
     files = hf_files.write_safetensors(named, out, dtype, progress=progress)
     copied = hf_files.copy_model_files(sources, out)
     if "config.json" not in copied and not (out / "config.json").is_file():

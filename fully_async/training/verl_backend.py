@@ -32,7 +32,7 @@ from fully_async.config.sections.model import LoraConfig
 from fully_async.multimodal.processor import VisionProcessor, is_vision_model
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
-from fully_async.training import correction, hf_files
+from fully_async.training import correction, hf_files, hf_names
 from fully_async.training.base import TrainingBackend
 from fully_async.training.verl_config import critic_config, engine_configs, reference_config, value_loss_config
 from fully_async.training.verl_forward import RankForward
@@ -271,7 +271,9 @@ class VerlBackend(TrainingBackend):
     def export_weights(self, out_dir: str | Path, dtype: str = "float32", *, sync: bool = False) -> list[Path]:
         out = Path(out_dir)
         bucket = self.trainer.weight_bucket_mb << 20
-        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket, sync)
+        # The HF export writes the checkpoint's names (training/hf_names.py); a sync keeps the module's.
+        names = None if sync else hf_names.model_type([self.model_path])
+        answers = self.ranks.call_all("policy", "export_weights", str(out), dtype, bucket, sync, names)
         files = next(f for f in answers if f is not None)
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]

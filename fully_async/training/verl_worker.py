@@ -18,7 +18,7 @@ import torch.distributed as dist
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import TrainingWorker
 
-from fully_async.training import hf_files, lora, vision_tower
+from fully_async.training import hf_files, hf_names, lora, vision_tower
 
 
 def _init_gloo(timeout_s: float) -> None:
@@ -173,13 +173,19 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_weights(
-        self, out_dir: str, dtype: str = "float32", bucket_bytes: int = 512 << 20, sync: bool = False
+        self,
+        out_dir: str,
+        dtype: str = "float32",
+        bucket_bytes: int = 512 << 20,
+        sync: bool = False,
+        checkpoint_of: str | None = None,
     ) -> list[str] | None:
         """Write the full (unsharded) weights, merged with the LoRA adapter when there is one, as Hugging Face
         safetensors shards of about `bucket_bytes` each, with a `model.safetensors.index.json`. Floating tensors are
-        cast to `dtype`. `sync`: a weight sync's export (a frozen vision tower left out). Returns the file names on
-        rank 0, None on the other ranks."""
-        params = self._policy_tensors(sync)
+        cast to `dtype`. `sync`: a weight sync's export (a frozen vision tower left out). `checkpoint_of`: a model
+        type whose checkpoint names the files get (training/hf_names.py; the HF export), else the module's names.
+        Returns the file names on rank 0, None on the other ranks."""
+        params = hf_names.checkpoint_names(self._policy_tensors(sync), checkpoint_of)
         if not self._rank0():  # every rank drains the generator: each step is a collective
             for _ in params:
                 pass

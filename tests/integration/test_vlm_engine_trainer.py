@@ -1,17 +1,21 @@
 """A vision-language model end to end on CPU (docs/vlm.md): `task=colors` rows through the single-turn agent loop and
 the vLLM-CPU engine (images in the token-in generate call) back as Trajectories with their images, then the verl
 trainer's log-probs on the same image prompts against the engine's, before and after a weight sync. One engine
-server serves the module."""
+server serves the module, started on the trainer's HF export (a checkpoint through `python -m fully_async.export`),
+so the same start proves the export serves: its processor and tokenizer files, its weights, the tower's included."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from fully_async.config import AlgorithmConfig, EngineConfig, TinyModelConfig, TrainerConfig
+from fully_async.data import synthetic_rows
 from fully_async.protocol import PromptRef, TrajectoryGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.needs_venv(".venv-engine")]
@@ -19,18 +23,50 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.needs_venv
 TEMPERATURE = 1.0
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""What a Qwen2-VL directory needs beside the tokenizer's files for vLLM and the trainer to build its processor."""
+
+
 @pytest.fixture(scope="module")
-def engine(ray_local, tmp_path_factory):
-    """(model, servers): one vLLM-CPU server of the tiny Qwen2-VL for the module (version 0)."""
-    from fully_async.engines import build_engine
+def trainer(ray_local, tmp_path_factory):
+    """(model, backend, tmp): the tiny Qwen2-VL built locally, and verl's trainer on it (version 0)."""
     from fully_async.models import build_tiny_model
+    from fully_async.training import build_backend
 
     tmp = tmp_path_factory.mktemp("vlm")
     model = build_tiny_model(TinyModelConfig(arch="qwen2_vl"), tmp / "models")
+    backend = build_backend(
+        TrainerConfig(max_token_len_per_gpu=256, lr=1e-2), AlgorithmConfig(), model, temperature=TEMPERATURE,
+        device="cpu",
+    )  # fmt: skip
+    yield model, backend, tmp
+    backend.shutdown()
+
+
+def _export(backend, model, run_dir, step):
+    """The trainer's state out the way a user takes it: a run's checkpoint `step_N` (the backend's shards and the
+    run's state.json naming model.path, as Trainer.save writes them) through `python -m fully_async.export`."""
+    from fully_async.export import main
+
+    ckpt = run_dir / "checkpoints" / f"step_{step}"
+    backend.save_checkpoint(ckpt / "backend", step)
+    (ckpt / "state.json").write_text(json.dumps({"step": step, "config": {"model": {"path": str(model)}}}))
+    out = run_dir / f"export_{step}"
+    assert main([str(run_dir), "--step", str(step), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(trainer):
+    """(served, servers): one vLLM-CPU server for the module, started on the HF export of the untrained trainer."""
+    from fully_async.engines import build_engine
+
+    model, backend, tmp = trainer
+    served = _export(backend, model, tmp / "run", 0)
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=480, dtype="float32")
-    servers = build_engine(cfg, model, tmp / "run")
+    servers = build_engine(cfg, served, tmp / "run")
     servers.start()
-    yield model, servers
+    yield served, servers
     servers.stop()
 
 
@@ -39,7 +75,6 @@ async def _sample(model, servers, rows=3, n=2, tokens=6, version=0):
 
     from fully_async.agents.base import Sample
     from fully_async.agents.single_turn import SingleTurnAgentLoop
-    from fully_async.data import synthetic_rows
     from fully_async.engines import EngineClient, Sampling
 
     loop = SingleTurnAgentLoop(AutoTokenizer.from_pretrained(model), Sampling(temperature=TEMPERATURE), tokens)
@@ -71,41 +106,60 @@ def _tensors(files) -> dict:
     return {name: t for f in files for name, t in load_file(str(f)).items()}
 
 
-def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sync(engine, tmp_path):
+def _hf_names(model_dir) -> set[str]:
+    """The tensor names a Hugging Face Qwen2-VL checkpoint holds (those the built model's save_pretrained wrote)."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            names.update(sf.keys())
+    return names
+
+
+def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sync(trainer, engine, tmp_path):
     from fully_async.models.tiny_vlm import IMAGE_PAD_ID
-    from fully_async.training import build_backend
+    from fully_async.multimodal.processor import VisionProcessor
+    from fully_async.training.hf_names import checkpoint_name
     from fully_async.training.vision_tower import is_tower
 
-    model, servers = engine
-    groups = asyncio.run(_sample(model, servers))
+    model, backend, tmp = trainer
+    served, servers = engine
+    # The export carries the processor: its files, and the same pixels from them as from the built model's.
+    assert all((served / name).is_file() for name in PROCESSOR_FILES)
+    images = next(iter(synthetic_rows(1, 0, task="colors"))).images
+    ours, theirs = VisionProcessor(model).pixel_inputs(images), VisionProcessor(served).pixel_inputs(images)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ("pixel_values", "image_grid_thw"))
+    # ... and it answered: image prompts sampled from the server that loaded the export (its tokenizer tokenizes).
+    groups = asyncio.run(_sample(served, servers))
     t = groups[0].trajectories[0]
     # The trajectory's prompt is the engine's: each image expanded to its 4 patch tokens (56x56, 2x2 merge).
     assert int((t.prompt_ids == IMAGE_PAD_ID).sum()) == 4 and len(t.images) == 1
-    backend = build_backend(
-        TrainerConfig(max_token_len_per_gpu=256, lr=1e-2), AlgorithmConfig(), model, temperature=TEMPERATURE,
-        device="cpu",
-    )  # fmt: skip
-    try:
-        assert _gap(backend, groups) < 1e-4
-        before = _tensors(backend.export_weights(tmp_path / "w0"))
-        backend.update(groups)
-        # model.freeze_vision_tower (the default): the update moves the language model, never the tower ...
-        after = _tensors(backend.export_weights(tmp_path / "hf"))
-        tower = [n for n in before if is_tower(n)]
-        assert tower and all(torch.equal(before[n], after[n]) for n in tower)
-        assert any(not torch.equal(before[n], after[n]) for n in before if not is_tower(n))
-        # ... and a sync's export leaves it out: the engine reloads the rest and keeps the tower it started with.
-        sent = _tensors(backend.export_weights(tmp_path / "w1", dtype="float32", sync=True))
-        assert sorted(sent) == sorted(n for n in after if not is_tower(n))
+    assert all(len(t.response_ids) >= 1 for g in groups for t in g.trajectories)
+    assert _gap(backend, groups) < 1e-4
+    before = _tensors(backend.export_weights(tmp_path / "w0"))
+    backend.update(groups)
+    # model.freeze_vision_tower (the default): the update moves the language model, never the tower ...
+    after = _tensors(backend.export_weights(tmp_path / "hf"))
+    tower = [n for n in before if is_tower(n)]
+    assert tower and all(torch.equal(before[n], after[n]) for n in tower)
+    assert any(not torch.equal(before[n], after[n]) for n in before if not is_tower(n))
+    # The trained model's export holds the trainer's state under a Hugging Face Qwen2-VL's names, the frozen tower
+    # included (only a sync leaves it out).
+    trained = _tensors(sorted(_export(backend, model, tmp / "run", 1).glob("model-*.safetensors")))
+    assert set(trained) == _hf_names(model) == set(after)
+    assert all(torch.equal(trained[n], after[n]) for n in after)
+    # ... and a sync's export leaves it out (under the module's names, which vLLM maps too): the engine reloads the
+    # rest and keeps the tower it started with.
+    sent = _tensors(backend.export_weights(tmp_path / "w1", dtype="float32", sync=True))
+    assert sorted(checkpoint_name(n, "qwen2_vl") for n in sent) == sorted(n for n in after if not is_tower(n))
 
-        async def reload():
-            await servers.pause("abort")
-            await servers.load_weights(tmp_path / "w1", 1)
-            await servers.resume()
+    async def reload():
+        await servers.pause("abort")
+        await servers.load_weights(tmp_path / "w1", 1)
+        await servers.resume()
 
-        asyncio.run(reload())
-        fresh = asyncio.run(_sample(model, servers, version=1))
-        assert _gap(backend, fresh) < 1e-4
-        assert _gap(backend, groups) > 1e-3  # the update moved the policy
-    finally:
-        backend.shutdown()
+    asyncio.run(reload())
+    fresh = asyncio.run(_sample(served, servers, version=1))
+    assert _gap(backend, fresh) < 1e-4
+    assert _gap(backend, groups) > 1e-3  # the update moved the policy

@@ -72,3 +72,56 @@ def test_written_weights_are_as_readable_as_the_files_beside_them(tmp_path, umas
     for path in [*(tmp_path / "hf" / f for f in files), tmp_path / "hf" / INDEX,
                  tmp_path / "adapter" / ADAPTER_WEIGHTS, tmp_path / "adapter" / ADAPTER_CONFIG]:  # fmt: skip
         assert path.stat().st_mode & 0o777 == want, (path.name, oct(path.stat().st_mode & 0o777))
+
+
+def test_a_vision_language_checkpoint_exports_under_its_hf_names_with_the_tower_and_the_processor(tmp_path):
+    """A Qwen2-VL checkpoint (the module's state dict as a 1-rank shard, named as transformers holds it in memory:
+    `model.visual.*`, `model.language_model.*`) comes out under the names its Hugging Face checkpoint carries, tower
+    included, every tensor as it was, with the processor's files; transformers loads it back to the same weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from fully_async.config import TinyModelConfig
+    from fully_async.export import export_checkpoint
+    from fully_async.models import build_tiny_model
+    from fully_async.training.hf_files import MODEL_FILES
+    from fully_async.training.vision_tower import is_tower
+
+    model = build_tiny_model(TinyModelConfig(arch="qwen2_vl"), tmp_path / "models")
+    module = Qwen2VLForConditionalGeneration.from_pretrained(model)
+    state = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    assert any(n.startswith("model.visual.") for n in state) and any(
+        n.startswith("model.language_model.") for n in state
+    )
+    backend = _checkpoint(tmp_path / "run", 3)
+    backend = backend / "backend"
+    torch.save(state, backend / "model_world_size_1_rank_0.pt")
+    (backend.parent / "state.json").write_text(json.dumps({"config": {"model": {"path": str(model)}}}))
+
+    out = tmp_path / "export"
+    export_checkpoint(backend.parent, out, progress=None)
+    exported = {n: t for f in out.glob("model-*.safetensors") for n, t in load_file(f).items()}
+    built = load_file(next(model.glob("*.safetensors")))
+    assert set(exported) == set(built)  # the checkpoint's names: visual.*, model.*, lm_head.weight
+    assert any(is_tower(n) for n in exported)
+    for name in ("preprocessor_config.json", "processor_config.json", "tokenizer.json"):
+        assert name in MODEL_FILES and (out / name).read_bytes() == (model / name).read_bytes(), name
+    back = Qwen2VLForConditionalGeneration.from_pretrained(out).state_dict()
+    assert back.keys() == state.keys() and all(torch.equal(back[n], state[n]) for n in state)
+
+
+@pytest.mark.parametrize(
+    ("name", "model_type", "checkpoint"),
+    [
+        ("model.visual.blocks.0.attn.qkv.weight", "qwen2_vl", "visual.blocks.0.attn.qkv.weight"),
+        ("model.language_model.layers.0.mlp.up_proj.weight", "qwen2_5_vl", "model.layers.0.mlp.up_proj.weight"),
+        ("lm_head.weight", "qwen2_vl", "lm_head.weight"),
+        ("model.layers.0.mlp.up_proj.weight", "qwen2", "model.layers.0.mlp.up_proj.weight"),  # a text model
+        ("model.language_model.layers.0.mlp.up_proj.weight", None, "model.language_model.layers.0.mlp.up_proj.weight"),
+    ],
+)
+def test_checkpoint_names_rename_only_the_layouts_transformers_renames(name, model_type, checkpoint):
+    from fully_async.training.hf_names import checkpoint_name
+
+    assert checkpoint_name(name, model_type) == checkpoint
