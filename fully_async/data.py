@@ -151,9 +151,11 @@ GUESS_PROMPT = "guess one of 0123456789"
 so the untrained model has them to copy (from random init, a digit is one of ~260 tokens; without them the first
 24 steps of a run stayed at reward 0.03)."""
 
-LOOKUP_PROMPT = "look up with a letter, then answer 0123456789"
+LOOKUP_PROMPT = "lookup"
 """The prompt of every `lookup` row: the digit is hidden, only the lookup tool (called by a one-letter turn,
-fully_async/agents/lookup.py) tells it."""
+fully_async/agents/lookup.py) tells it. Short, so that the tool's answer dominates what the answering turn sees, as
+the copy task's digit dominates its prompt: with 'look up with a letter, then answer 0123456789' (digits shown as the
+guess task shows them) the reward stayed at ~0.02 over 275 steps (docs/benchmarks-pending-40.md)."""
 
 
 def synthetic_rows(

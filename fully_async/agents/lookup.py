@@ -5,7 +5,7 @@ A model turn is one token (`max_tokens_per_turn=1`; the end-of-turn token is ins
 
 - a digit is the answer: the episode ends and the rule reward grades it (right with probability 1/10 without the tool);
 - a letter (a-z, A-Z) is a call of the `lookup` tool with that letter as its query: the tool's answer, the row's
-  digit shown REPEATS times ('77777'), is appended as a tool turn, token-exact (ToolAgentLoop's tool machinery:
+  digit shown REPEATS times ('7777777777'), is appended as a tool turn, token-exact (ToolAgentLoop's tool machinery:
   mask 0, no version, counted in reward info `tool_calls`), and the model answers in the next turn;
 - any other token ends the episode unanswered (reward 0).
 
@@ -27,17 +27,20 @@ import random
 from typing import Any
 
 from fully_async.agents.base import Sample
-from fully_async.agents.guess import REPEATS, last_turn_ids
+from fully_async.agents.guess import last_turn_ids
 from fully_async.agents.tool import ToolAgentLoop
 from fully_async.agents.toolkit import Tool, ToolCall
 from fully_async.protocol import Trajectory
 
 TOOL_NAME = "lookup"
+REPEATS = 10
+"""How often the tool's answer shows the digit: the answering turn's context is then mostly that digit, so the copy
+of it is found as the copy task's is (data.COPY_REPEATS)."""
 SCHEMA = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": "The hidden digit of this episode's record, shown five times.",
+        "description": "The hidden digit of this episode's record, shown ten times.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
     },
 }

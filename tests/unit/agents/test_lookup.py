@@ -42,7 +42,7 @@ def play(tok, digit, turns, delay=(0.0, 0.0)):
 def test_a_letter_calls_the_tool_whose_answer_is_the_next_turns_observation(tok):
     loop, client, t = play(tok, 6, ["q", "6", "never"])
     text = tok.decode(t.response_ids.tolist())
-    assert text == "q<|im_end|>\n<|im_start|>tool\n66666<|im_end|>\n<|im_start|>assistant\n6"
+    assert text == "q<|im_end|>\n<|im_start|>tool\n6666666666<|im_end|>\n<|im_start|>assistant\n6"
     assert t.loss_mask.sum() == 2 and t.reward_info["tool_calls"] == 1 and t.reward_info["turns"] == 2
     assert t.reward_info["tool_errors"] == 0 and t.reward_info["env_turns"] == 0
     # token-exact: the second turn continued from the very ids the first turn and the tool turn left
