@@ -128,7 +128,7 @@ def test_the_lookup_task_runs_its_tool_turns_through_the_pipeline(ray_local, tmp
             "engine=sim",
             "trainer=sim",
             f"engine.sim.token_id={ord('q')}",
-            "engine.sim.length_median=1",
+            "engine.sim.length_median=30",  # longer than a turn: every turn is cut at its one token, never a stop
             "rollout.n=2",
             "engine.num_servers=1",
             "engine.sim.decode_step_s=0.001",

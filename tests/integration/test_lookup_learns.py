@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 def test_the_lookup_task_learns_to_call_its_tool_and_read_the_answer(tmp_path):
     cmd = [sys.executable, "-m", "fully_async.runner", "task=lookup", f"hydra.run.dir={tmp_path}", "logger=[jsonl]"]
+    cmd.append("engine.control_deadline_s=60")  # a loaded box: one pause took over the default 10 s
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=3600)
     (tmp_path / "stdout.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,6 +32,7 @@ def test_the_lookup_task_learns_to_call_its_tool_and_read_the_answer(tmp_path):
     first, last = steps[:20], steps[-20:]
     reward = mean("reward/mean", first), mean("reward/mean", last)
     calls = mean("agent/tool_call_ratio", first), mean("agent/tool_call_ratio", last)
-    # Without the tool a policy scores at most 0.1; above 0.5 it must read the tool's answer.
-    assert reward[1] >= 0.5 and reward[1] > reward[0] + 0.3, reward
-    assert calls[1] >= 0.6 and calls[1] > calls[0] + 0.3, calls
+    # Without the tool a policy scores at most 0.1; above that it must read the tool's answer.
+    # Measured (docs/benchmarks-pending-40.md): reward ~0.01 -> ~0.9, tool-call rate ~0.2 -> ~0.98.
+    assert reward[1] >= 0.6 and reward[1] > reward[0] + 0.4, reward
+    assert calls[1] >= 0.8 and calls[1] > calls[0] + 0.4, calls
