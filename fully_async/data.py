@@ -144,12 +144,18 @@ COPY_REPEATS = 5
 32 unlearned digits over twelve in-process seeds with one copy, 1 with five)."""
 
 
-SYNTHETIC_TASKS = ("copy", "add", "guess", "reverse", "colors")
+SYNTHETIC_TASKS = ("copy", "add", "guess", "lookup", "reverse", "colors")
 
 GUESS_PROMPT = "guess one of 0123456789"
 """The prompt of every `guess` row: the digit is hidden, only the environment's answers tell it. The digits are shown
 so the untrained model has them to copy (from random init, a digit is one of ~260 tokens; without them the first
 24 steps of a run stayed at reward 0.03)."""
+
+LOOKUP_PROMPT = "lookup"
+"""The prompt of every `lookup` row: the digit is hidden, only the lookup tool (called by a one-letter turn,
+fully_async/agents/lookup.py) tells it. Short, so that the tool's answer dominates what the answering turn sees, as
+the copy task's digit dominates its prompt: with 'look up with a letter, then answer 0123456789' (digits shown as the
+guess task shows them) the reward stayed at ~0.02 over 275 steps (docs/benchmarks-pending-40.md)."""
 
 
 def synthetic_rows(
@@ -163,7 +169,8 @@ def synthetic_rows(
 ) -> list[PromptRow]:
     """The built-in tasks, answered by one digit: `copy` ('echo 77777' -> '7'), `add` ('3+4=' -> '7', sums < 10) and
     the multi-turn `guess` (a hidden digit; after a wrong one-digit guess the environment tells it, 'no, it is 77777',
-    fully_async/agents/guess.py, after a delay drawn from `env_delay_s` = [low, high] seconds).
+    fully_async/agents/guess.py, after a delay drawn from `env_delay_s` = [low, high] seconds) and the tool task
+    `lookup` (the same hidden digit, told only by the lookup tool a one-letter turn calls, fully_async/agents/lookup.py).
 
     A 2-layer model learns `copy` from random init by RL in minutes (the answer is a lookup of the prompt's digit,
     shown `copy_repeats` times: with one copy, first-layer attention to it could saturate at zero for some digits,
@@ -188,8 +195,8 @@ def synthetic_rows(
         elif task == "reverse":
             digits = "".join(str(rng.randint(0, 9)) for _ in range(reverse_length))
             content, answer = "reverse " + " ".join(d * copy_repeats for d in digits), digits[::-1]
-        elif task == "guess":
-            content, answer = GUESS_PROMPT, a
+        elif task in ("guess", "lookup"):
+            content, answer = (GUESS_PROMPT if task == "guess" else LOOKUP_PROMPT), a
             extra["env_delay_s"] = [float(x) for x in env_delay_s]
         else:
             b = rng.randint(0, 9 - a)

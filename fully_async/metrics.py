@@ -73,6 +73,7 @@ def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         return out
     out.update(_stats("num_turns", [t.reward_info["turns"] for t in multi]))
     out["agent/tool_calls/mean"] = float(np.mean([t.reward_info.get("tool_calls", 0) for t in multi]))
+    out["agent/tool_call_ratio"] = float(np.mean([t.reward_info.get("tool_calls", 0) > 0 for t in multi]))
     out["agent/tool_error_ratio"] = float(np.mean([bool(t.reward_info.get("tool_error")) for t in multi]))
     out["agent/tool_timeouts"] = float(sum(t.reward_info.get("tool_errors/timeout", 0) for t in multi))
     out.update(_stats("timing_s/agent_loop/tool_calls", [t.timings.get("tool_s", 0.0) for t in multi]))

@@ -59,11 +59,16 @@ class GuessAgentLoop(ToolAgentLoop):
 
     def reward_text(self, traj: Trajectory) -> str:
         """The last model turn (its decoded tokens): the reward checks it is the digit."""
-        mask = traj.loss_mask.tolist()
-        end = len(mask)
-        while end > 0 and not mask[end - 1]:
-            end -= 1
-        start = end
-        while start > 0 and mask[start - 1]:
-            start -= 1
-        return self.decode(traj.response_ids[start:end].tolist())
+        return self.decode(last_turn_ids(traj))
+
+
+def last_turn_ids(traj: Trajectory) -> list[int]:
+    """The token ids of a trajectory's last model turn (the last run of loss-mask-1 tokens of its response)."""
+    mask = traj.loss_mask.tolist()
+    end = len(mask)
+    while end > 0 and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return traj.response_ids[start:end].tolist()

@@ -31,6 +31,7 @@ from fully_async.config.sections import (
     DEFAULT_AGENT_LOOP,
     GROUP_ESTIMATORS,
     GUESS_LOOP,
+    LOOKUP_LOOP,
     AdvancedConfig,
     AlgorithmConfig,
     AsyncTrainingConfig,
@@ -122,15 +123,16 @@ class FullyAsyncConfig:
 
     def agent_loop_path(self) -> str:
         """The AgentLoop class the rollouter runs: rollout.agent_loop, the rollout-function loop when
-        rollout.rollout_fn is set, and the guess task's environment loop for data.synthetic_task=guess unless
-        rollout.agent_loop names another."""
+        rollout.rollout_fn is set, and the guess task's environment loop for data.synthetic_task=guess (the lookup
+        task's tool loop for lookup) unless rollout.agent_loop names another."""
+        task_loop = {"guess": GUESS_LOOP, "lookup": LOOKUP_LOOP}.get(self.data.synthetic_task)
         if (
-            self.data.synthetic_task == "guess"
+            task_loop is not None
             and not self.data.train_files
             and not self.rollout.rollout_fn
             and self.rollout.agent_loop == DEFAULT_AGENT_LOOP
         ):
-            return GUESS_LOOP
+            return task_loop
         return self.rollout.agent_loop_path()
 
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

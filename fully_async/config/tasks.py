@@ -3,7 +3,7 @@ whatever else the task needs to run as named (the guess task: two one-token turn
 answer). `data.synthetic_task=<name>` on the command line selects the same option unless `task=` is given too, so
 naming the task alone is enough; the command line still overrides any key the option sets.
 
-A synthetic task configured so that it cannot work (the guess task with one turn) is refused by `task_problems`.
+A synthetic task configured so that it cannot work (the guess or lookup task with one turn) is refused by `task_problems`.
 Imports only the standard library.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fully_async.config.sections import GUESS_LOOP
+from fully_async.config.sections import GUESS_LOOP, LOOKUP_LOOP
 
 if TYPE_CHECKING:
     from fully_async.config import FullyAsyncConfig
@@ -46,20 +46,29 @@ def _reverse_problems(cfg: FullyAsyncConfig) -> list[str]:
     ]
 
 
+_TURN_TASKS = {
+    "guess": (GUESS_LOOP, "the digit is told only after a first wrong guess", "a guess", "the environment's answer"),
+    "lookup": (LOOKUP_LOOP, "the digit is told only by a first turn's tool call", "a turn", "the tool's answer"),
+}
+"""The multi-turn built-in tasks: their loop, and why they need two turns and one-token turns (for the messages)."""
+
+
 def _guess_problems(cfg: FullyAsyncConfig) -> list[str]:
-    if cfg.data.train_files or cfg.data.synthetic_task != "guess" or cfg.agent_loop_path() != GUESS_LOOP:
+    task = cfg.data.synthetic_task
+    if cfg.data.train_files or task not in _TURN_TASKS or cfg.agent_loop_path() != _TURN_TASKS[task][0]:
         return []
+    _, why_turns, turn, reply = _TURN_TASKS[task]
     turns = cfg.rollout.multi_turn
     out = []
     if turns.max_turns < 2:
         out.append(
-            f"rollout.multi_turn.max_turns must be >= 2 for data.synthetic_task=guess (the digit is told only after a "
-            f"first wrong guess), got {turns.max_turns}; task=guess sets the task's settings"
+            f"rollout.multi_turn.max_turns must be >= 2 for data.synthetic_task={task} ({why_turns}), "
+            f"got {turns.max_turns}; task={task} sets the task's settings"
         )
     if not 1 <= turns.max_tokens_per_turn < cfg.rollout.response_length:
         out.append(
             f"rollout.multi_turn.max_tokens_per_turn must be in [1, rollout.response_length = "
-            f"{cfg.rollout.response_length}) for data.synthetic_task=guess (a guess is one token and the environment's "
-            f"answer needs room after it), got {turns.max_tokens_per_turn}; task=guess sets the task's settings"
+            f"{cfg.rollout.response_length}) for data.synthetic_task={task} ({turn} is one token and {reply} "
+            f"needs room after it), got {turns.max_tokens_per_turn}; task={task} sets the task's settings"
         )
     return out

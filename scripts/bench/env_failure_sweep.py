@@ -83,12 +83,12 @@ class ResettingRelay:
         await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False), return_exceptions=True)
 
 
-def job(out: Path, urls: list[str], rule: str, steps: int, sim: bool) -> None:
+def job(out: Path, urls: list[str], rule: str, steps: int, sim: bool, extra: list[str]) -> None:
     cmd = [sys.executable, "-m", "fully_async.runner", "--config-dir", str(REPO / "examples/openenv_digits"),
            "--config-name", "config", f"hydra.run.dir={out}", "logger=[jsonl]", f"trainer.total_steps={steps}",
            f"rollout.multi_turn.env.urls=[{','.join(urls)}]", "rollout.multi_turn.env.infra_retries=0",
            f"rollout.multi_turn.env.on_exhausted={rule}", "engine.startup_timeout_s=1200",
-           *(["engine=sim", "trainer=sim"] if sim else [])]  # fmt: skip
+           *(["engine=sim", "trainer=sim"] if sim else []), *extra]  # fmt: skip
     for _ in range(3):  # again when Ray's start times out on a loaded machine
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         (out / "stdout.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.05, 0.15])
     p.add_argument("--rules", nargs="+", default=["reissue", "zero_reward"])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--override", action="append", default=[], help="a runner override for every cell (repeatable)")
     p.add_argument("--sim", action="store_true", help="engine=sim trainer=sim: the accounting only")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +153,7 @@ def main() -> None:
                 out = args.out / f"rate{rate}-{rule}"
                 out.mkdir(exist_ok=True)
                 t0 = time.monotonic()
-                job(out, [f"http://127.0.0.1:{r.port}" for r in relays], rule, args.steps, args.sim)
+                job(out, [f"http://127.0.0.1:{r.port}" for r in relays], rule, args.steps, args.sim, args.override)
                 s = summarize(out)
                 s.update(seconds=time.monotonic() - t0, reset=sum(r.reset for r in relays),
                          episodes=sum(r.episodes for r in relays))  # fmt: skip

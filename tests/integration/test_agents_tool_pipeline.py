@@ -116,3 +116,32 @@ def test_tool_limits_hold_across_processes_through_one_named_actor(ray_local, tm
     trajs, wall = asyncio.run(go())
     assert wall >= 0.6  # the two loops' calls ran one after the other
     assert max(t.reward_info.get("tool_limiter_wait_s", 0.0) for t in trajs) >= 0.25
+
+
+def test_the_lookup_task_runs_its_tool_turns_through_the_pipeline(ray_local, tmp_path):
+    """task=lookup (fully_async/agents/lookup.py) in a simulated run whose engine always answers the letter 'q': every
+    first turn calls the lookup tool, its answer is inserted, the second 'q' is a call on the last turn (not run), so
+    the rule scores 0; the step metric agent/tool_call_ratio counts the calls."""
+    cfg = compose(
+        [
+            "task=lookup",
+            "engine=sim",
+            "trainer=sim",
+            f"engine.sim.token_id={ord('q')}",
+            "engine.sim.length_median=30",  # longer than a turn: every turn is cut at its one token, never a stop
+            "rollout.n=2",
+            "engine.num_servers=1",
+            "engine.sim.decode_step_s=0.001",
+            "async_training.groups_per_step=2",
+            "trainer.total_steps=2",
+            "trainer.sim.optimizer_step_s=0.05",
+        ]
+    )
+    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
+    trajs = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 2 * 2 * 2
+    assert all(t["tool_calls"] == 1 and t["turns"] == 2 and t["reward"] == 0.0 for t in trajs), trajs[0]
+    # 'q', the end of its turn, the tool turn holding '77777' (5 digits) and the next header, then 'q'
+    assert all(t["response_length"] > 10 for t in trajs)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["agent/tool_call_ratio"] for s in steps if "agent/tool_call_ratio" in s] == [1.0, 1.0]

@@ -41,6 +41,7 @@ from fully_async.config.sections.reward import (
 from fully_async.config.sections.rollout import (
     DEFAULT_AGENT_LOOP,
     GUESS_LOOP,
+    LOOKUP_LOOP,
     ROLLOUT_FN_LOOP,
     MultiTurnConfig,
     RolloutConfig,

@@ -68,6 +68,7 @@ class ValSamplingConfig:
 DEFAULT_AGENT_LOOP = "fully_async.agents.single_turn:SingleTurnAgentLoop"
 ROLLOUT_FN_LOOP = "fully_async.agents.rollout_fn:RolloutFnAgentLoop"
 GUESS_LOOP = "fully_async.agents.guess:GuessAgentLoop"
+LOOKUP_LOOP = "fully_async.agents.lookup:LookupAgentLoop"
 
 
 @dataclass
