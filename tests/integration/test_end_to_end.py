@@ -88,7 +88,7 @@ TRAJ_KEYS = [
 
 
 LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 40, 5, 0.05
-"""The first test's run is the default job (8 groups of 4 a step, max_staleness=1) for 40 steps from the untrained
+"""The first test's run is the default job (8 groups of 8 a step, max_staleness=1) for 40 steps from the untrained
 policy (about 1 sample in 200 right): the mean reward of the samples trained in its last 5 steps exceeds that of its
 first 5 by more than LEARN_MARGIN. Measured (docs/benchmarks-pending-38.md): first 5 at 0.000-0.003, last 5 (steps
 36-40) at 0.30-0.36 in three runs; the reward leaves the floor between steps ~15 and ~22."""
@@ -106,7 +106,7 @@ def test_the_default_job_writes_its_files_respects_the_bound_and_its_reward_rise
     val = [m for m in metrics if "val/reward_mean" in m]
     assert val and all(0.0 <= m["val/reward_mean"] <= 1.0 and m["val/n"] == 128 for m in val)
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")
-    assert len(trajs) == LEARN_STEPS * 8 * 4 and all(k in t for t in trajs for k in TRAJ_KEYS)
+    assert len(trajs) == LEARN_STEPS * 8 * 8 and all(k in t for t in trajs for k in TRAJ_KEYS)
     assert all(t["trained_version"] - t["min_version"] <= 1 for t in trajs)
     assert all(t["response_length"] <= 32 for t in trajs)
 
