@@ -91,11 +91,11 @@ LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 40, 5, 0.05
 """The first test's run is the default job (8 groups of 8 a step, max_staleness=1) for 40 steps from the untrained
 policy (about 1 sample in 200 right): the mean reward of the samples trained in its last 5 steps exceeds that of its
 first 5 by more than LEARN_MARGIN. Measured (docs/benchmarks-pending-38.md): first 5 at 0.000-0.003, last 5 (steps
-36-40) at 0.30-0.36 in three runs; the reward leaves the floor between steps ~15 and ~22."""
+36-40) at 0.20-0.36 in five runs; the reward leaves the floor between steps ~15 and ~26."""
 
 
 def test_the_default_job_writes_its_files_respects_the_bound_and_its_reward_rises(tmp_path):
-    proc = run(tmp_path, f"trainer.total_steps={LEARN_STEPS}", "trainer.val_every=15", small=False)
+    proc = run(tmp_path, f"trainer.total_steps={LEARN_STEPS}", "trainer.val_every=15", small=False, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, LEARN_STEPS + 1))
