@@ -155,7 +155,7 @@ LOOKUP_PROMPT = "lookup"
 """The prompt of every `lookup` row: the digit is hidden, only the lookup tool (called by a one-letter turn,
 fully_async/agents/lookup.py) tells it. Short, so that the tool's answer dominates what the answering turn sees, as
 the copy task's digit dominates its prompt: with 'look up with a letter, then answer 0123456789' (digits shown as the
-guess task shows them) the reward stayed at ~0.02 over 275 steps (docs/benchmarks-pending-40.md)."""
+guess task shows them) the reward stayed at ~0.02 over 275 steps (docs/benchmarks.md)."""
 
 
 def synthetic_rows(

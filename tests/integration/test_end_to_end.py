@@ -90,7 +90,7 @@ TRAJ_KEYS = [
 LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 50, 5, 0.05
 """The first test's run is the default job (8 groups of 8 a step, max_staleness=1) for 50 steps from the untrained
 policy (about 1 sample in 200 right): the mean reward of the samples trained in its last 5 steps exceeds that of its
-first 5 by more than LEARN_MARGIN. Measured (docs/benchmarks-pending-38.md): first 5 at 0.000-0.003 in six runs; the
+first 5 by more than LEARN_MARGIN. Measured (docs/benchmarks.md): first 5 at 0.000-0.003 in six runs; the
 reward leaves the floor between steps ~15 and ~26, and steps 36-40 were at 0.13-0.36 (50 steps leave room for a
 late start)."""
 

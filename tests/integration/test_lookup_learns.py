@@ -33,6 +33,6 @@ def test_the_lookup_task_learns_to_call_its_tool_and_read_the_answer(tmp_path):
     reward = mean("reward/mean", first), mean("reward/mean", last)
     calls = mean("agent/tool_call_ratio", first), mean("agent/tool_call_ratio", last)
     # Without the tool a policy scores at most 0.1; above that it must read the tool's answer.
-    # Measured (docs/benchmarks-pending-40.md): reward ~0.01 -> ~0.9, tool-call rate ~0.2 -> ~0.98.
+    # Measured (docs/benchmarks.md): reward ~0.01 -> ~0.9, tool-call rate ~0.2 -> ~0.98.
     assert reward[1] >= 0.6 and reward[1] > reward[0] + 0.4, reward
     assert calls[1] >= 0.8 and calls[1] > calls[0] + 0.4, calls
