@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -38,6 +37,9 @@ from fully_async.config import compose  # noqa: E402
 from fully_async.engines.vllm import VLLMKind  # noqa: E402
 from fully_async.models import resolve_model_path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from startup import VLLM_PHASES  # noqa: E402
+
 NO_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 OMP_BOUND = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}
 """What vLLM's multiprocess executor sets for its worker process alone (one bound core: the default job's binding)."""
@@ -51,13 +53,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "worker_in_core+omp": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **OMP_BOUND}, []),
     "no_stats": (NO_STATS, ["--disable-log-stats"]),
 }
-PHASES = [
-    ("api_import", re.compile(r"^\(APIServer pid=")),
-    ("engine_core", re.compile(r"^\(EngineCore(_DP0)? pid=")),
-    ("worker", re.compile(r"^\((VllmWorker|Worker)[^ ]* pid=")),
-    ("model_kv", re.compile(r"init engine \(profile, create kv cache")),
-    ("http_up", re.compile(r"Starting vLLM server")),
-]
+PHASES = VLLM_PHASES  # the launch phases startup.py reads from a job's engine log, read here the same way
 PROMPT = list(range(3, 40))
 
 

@@ -13,6 +13,15 @@ from fully_async.models import resolve_model_path
 from fully_async.simulation import run_schedule
 from fully_async.trace import load
 
+TWO_STEPS = [
+    "engine.num_servers=1",
+    "engine.sim.decode_step_s=0.001",
+    "async_training.groups_per_step=2",
+    "trainer.total_steps=2",
+    "trainer.sim.optimizer_step_s=0.05",
+]
+"""Two short simulated steps on one emulated server: the sizes every run of this module shares."""
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -28,12 +37,8 @@ def test_a_run_trains_on_multi_turn_tool_trajectories(ray_local, tmp_path):
             "rollout.n=2",
             "rollout.response_length=96",
             "engine.max_model_len=256",
-            "engine.num_servers=1",
             "engine.sim.length_median=30",
-            "engine.sim.decode_step_s=0.001",
-            "async_training.groups_per_step=2",
-            "trainer.total_steps=2",
-            "trainer.sim.optimizer_step_s=0.05",
+            *TWO_STEPS,
         ]
     )
     run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
@@ -60,11 +65,7 @@ def test_a_rollout_function_that_edits_history_trains_on_split_rows(ray_local, t
             "rollout.n=2",
             "rollout.response_length=64",
             "engine.max_model_len=256",
-            "engine.num_servers=1",
-            "engine.sim.decode_step_s=0.001",
-            "async_training.groups_per_step=2",
-            "trainer.total_steps=2",
-            "trainer.sim.optimizer_step_s=0.05",
+            *TWO_STEPS,
         ]
     )
     run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
@@ -130,11 +131,7 @@ def test_the_lookup_task_runs_its_tool_turns_through_the_pipeline(ray_local, tmp
             f"engine.sim.token_id={ord('q')}",
             "engine.sim.length_median=30",  # longer than a turn: every turn is cut at its one token, never a stop
             "rollout.n=2",
-            "engine.num_servers=1",
-            "engine.sim.decode_step_s=0.001",
-            "async_training.groups_per_step=2",
-            "trainer.total_steps=2",
-            "trainer.sim.optimizer_step_s=0.05",
+            *TWO_STEPS,
         ]
     )
     run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
