@@ -88,6 +88,8 @@ class Production:
         self._outbox: list[TrajectoryGroup] = []
         self._pusher: asyncio.Task | None = None
         self._filtered: list[dict[str, Any]] = []
+        self._failed_in_a_row = 0
+        """Groups failed since the last one that finished (pushed or filtered): advanced.failed_groups_in_a_row."""
 
     @property
     def groups_pushed(self) -> int:
@@ -150,7 +152,9 @@ class Production:
             self.counters["groups_dropped_by_reward"] += isinstance(e, RewardDrop)
             self.counters["groups_env_infra"] += isinstance(e, InfraExhausted)  # re-issued, never scored
             self.admission.failed(prompt)
+            self._count_failure(e)
             return
+        self._failed_in_a_row = 0
         if constant:  # dynamic sampling: nothing to learn from it; its slot goes to a new group
             self.admission.filtered(prompt, reissue=self.cfg.algorithm.filter_groups.reissue)
             self.counters["groups_filtered"] += 1
@@ -160,6 +164,18 @@ class Production:
         self._outbox.append(group)
         if self._pusher is None or self._pusher.done():
             self._pusher = self.spawn(self.push_outbox())
+
+    def _count_failure(self, e: Exception) -> None:
+        """One more group failed with none finished since the last: past advanced.failed_groups_in_a_row the run
+        fails with this error instead of re-issuing the same refusal for ever (its prompt stays on the re-issue list,
+        so a resume generates it again)."""
+        self._failed_in_a_row += 1
+        limit = self.cfg.advanced.failed_groups_in_a_row
+        if limit and self._failed_in_a_row >= limit:
+            self.fail(
+                f"{self._failed_in_a_row} groups failed in a row with none finished in between "
+                f"(advanced.failed_groups_in_a_row={limit}); the last: {short_reason(e)}"
+            )
 
     def constant(self, group: TrajectoryGroup) -> bool:
         """Whether algorithm.filter_groups leaves this group out (its rewards, or its metric, do not vary)."""

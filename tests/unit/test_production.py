@@ -167,3 +167,53 @@ async def test_an_environment_failed_past_its_retries_reissues_the_group_and_tra
     c = production.counters
     assert c["groups_env_infra"] == 1 and c["groups_failed"] == 1 and c["groups_pushed"] == 2
     assert admission.ledger.accepted == 2 and not admission.ledger.running and not admission.ledger.reissue
+
+
+class _Refused:
+    """The agent loop, but every sample of the prompts in `refused` fails as a request every server refuses (a 4xx:
+    EngineClient does not retry it), as one naming an adapter no server holds."""
+
+    def __init__(self, agent, refused):
+        self.agent, self.refused = agent, refused
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+    async def run(self, client, sample):
+        from fully_async.engines import EngineError
+
+        if sample.prompt in self.refused:
+            raise EngineError("HTTP 404 from http://127.0.0.1:1/generate: the model 'policy-v4' does not exist")
+        return await self.agent.run(client, sample)
+
+
+async def test_groups_failing_in_a_row_fail_the_run_and_one_that_finishes_resets_the_count(tmp_path):
+    """A refusal re-issued for ever would hang the run: at advanced.failed_groups_in_a_row failures with none
+    finished in between the run fails with the last error; a group that finishes starts the count again."""
+    async with producing(tmp_path, ["advanced.failed_groups_in_a_row=3"]) as (production, admission, _, failures, _h):
+        refused: set = set()
+        production.agent = _Refused(production.agent, refused)
+
+        async def run() -> None:
+            production.start(admission.admit_next())  # a failed group's prompt is re-issued first
+            await settled(production)
+
+        first = admission.admit_next()
+        refused.add(first)
+        production.start(first)
+        await settled(production)  # 1 in a row
+        await run()  # 2
+        refused.clear()
+        await run()  # the prompt now finishes: the count starts again
+        assert not failures and production.counters["groups_pushed"] == 1, failures
+        second = admission.admit_next()
+        refused.add(second)
+        production.start(second)
+        await settled(production)  # 1
+        await run()  # 2
+        assert not failures, failures
+        await run()  # 3 in a row: the run fails
+    assert len(failures) == 1, failures
+    assert "3 groups failed in a row" in failures[0] and "advanced.failed_groups_in_a_row=3" in failures[0]
+    assert "HTTP 404" in failures[0] and "policy-v4" in failures[0]
+    assert production.counters["groups_failed"] == 5 and list(admission.ledger.reissue) == [second]

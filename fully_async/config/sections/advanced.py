@@ -39,12 +39,15 @@ class AdvancedConfig:
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
     ignore_eos: bool = False
     """Generate exactly rollout.response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
+    failed_groups_in_a_row: int = 200
+    """Groups that may fail one after another with none finishing in between (an engine error after its retries, a reward source's drop, an environment's failures past their budget) before the run fails with the last one's error: a request every server refuses (a 4xx, such as an adapter no server holds) would otherwise be re-issued for ever; 0 = no limit."""
 
     def validate_section(self, p: str) -> None:
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
         require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
         require(self.bucket_mb >= 1, p + "bucket_mb", self.bucket_mb, ">= 1")
+        require(self.failed_groups_in_a_row >= 0, p + "failed_groups_in_a_row", self.failed_groups_in_a_row, ">= 0")
 
 
 def read_moved_keys(cfg: Any) -> None:
