@@ -44,9 +44,7 @@ whole batch (every token array) and its serialisability report, tens of kilobyte
 def short_reason(e: BaseException) -> str:
     """`Type: first line of the message`, clipped to REASON_CHARS, saying how much was left out."""
     text = f"{type(e).__name__}: {e}"
-    head = text.splitlines()[0] if text.strip() else text
-    if len(head) > REASON_CHARS:
-        head = head[:REASON_CHARS]
+    head = text.splitlines()[0][:REASON_CHARS]  # never empty: the type's name leads
     left = len(text) - len(head)
     return head + (f" ... ({left} more characters)" if left > 0 else "")
 

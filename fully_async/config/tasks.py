@@ -3,7 +3,8 @@ whatever else the task needs to run as named (the guess task: two one-token turn
 answer). `data.synthetic_task=<name>` on the command line selects the same option unless `task=` is given too, so
 naming the task alone is enough; the command line still overrides any key the option sets.
 
-A synthetic task configured so that it cannot work (the guess or lookup task with one turn) is refused by `task_problems`.
+A synthetic task configured so that it cannot work (the guess or lookup task with one turn) is refused by
+`task_problems`.
 Imports only the standard library.
 """
 
@@ -32,7 +33,7 @@ def with_task_option(overrides: list[str], options: list[str]) -> list[str]:
 
 def task_problems(cfg: FullyAsyncConfig) -> list[str]:
     """Why the configured built-in task cannot run as named, one line per reason (none: it can)."""
-    return _reverse_problems(cfg) + _guess_problems(cfg)
+    return _reverse_problems(cfg) + _turn_task_problems(cfg)
 
 
 def _reverse_problems(cfg: FullyAsyncConfig) -> list[str]:
@@ -53,7 +54,7 @@ _TURN_TASKS = {
 """The multi-turn built-in tasks: their loop, and why they need two turns and one-token turns (for the messages)."""
 
 
-def _guess_problems(cfg: FullyAsyncConfig) -> list[str]:
+def _turn_task_problems(cfg: FullyAsyncConfig) -> list[str]:
     task = cfg.data.synthetic_task
     if cfg.data.train_files or task not in _TURN_TASKS or cfg.agent_loop_path() != _TURN_TASKS[task][0]:
         return []
