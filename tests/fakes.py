@@ -661,9 +661,10 @@ class ServersRollouter(EnginePortByName):
 # -- the trainer's side of a LoRA adapter sync (until the verl backend exports adapters itself) -----------------------
 class AdapterBackend:
     """A training backend reduced to what the adapter transport uses: a peft LoRA adapter on a model in this process
-    (float32; a vision-language model's adapter on its language model only, as the trainer's). `export_adapter` writes a PEFT directory and returns fa_digest over what it wrote; `export_weights`
-    writes base + adapter merged (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a
-    training step: lora_B non-zero, so the adapter changes the outputs)."""
+    (float32; a vision-language model's adapter on its language model only, as the trainer's). `export_adapter`
+    writes a PEFT directory and returns fa_digest over what it wrote; `export_weights` writes base + adapter merged
+    (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a training step: lora_B non-zero,
+    so the adapter changes the outputs)."""
 
     def __init__(self, model_dir, lora) -> None:
         import peft

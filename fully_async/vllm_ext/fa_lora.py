@@ -14,7 +14,8 @@ equality means "this worker serves exactly the adapter in that file".
 The worker knows adapters by integer id only (the API server keeps the name -> id map), so importing this module in
 the worker wraps vLLM's `LRUCacheWorkerLoRAManager.add_adapter` to record name -> id and the adapter's directory as
 adapters load (idempotent; nothing else changes). A vision-language model's modules are renamed by vLLM on loading;
-`file_modules` maps them back to the file's names from the directory's tensor names. Imports only the standard library, torch and (in the worker, when present) vLLM.
+`file_modules` maps them back to the file's names from the directory's tensor names. Imports only the standard
+library, torch and (in the worker, when present) vLLM and safetensors.
 """
 
 from __future__ import annotations

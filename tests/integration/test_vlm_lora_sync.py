@@ -58,9 +58,8 @@ def pool(model, tmp_path_factory):
     servers.stop()
 
 
-@pytest.fixture(scope="module")
-def prompts(model):
-    """(short prompt ids, images) of three task=colors rows: one image token per image, as the client sends them."""
+def image_prompts(model, rows: int = 3) -> list[tuple[list[int], list[bytes]]]:
+    """(short prompt ids, images) of task=colors rows: one image token per image, as the client sends them."""
     from transformers import AutoTokenizer
 
     from fully_async.agents.base import Sample
@@ -68,11 +67,17 @@ def prompts(model):
     from fully_async.protocol import PromptRef
 
     loop = SingleTurnAgentLoop(AutoTokenizer.from_pretrained(model), GREEDY, N)
-    rows = synthetic_rows(3, 0, task="colors")
-    return [(loop.prompt_ids(Sample(PromptRef(0, i), 0, row)), row.images) for i, row in enumerate(rows)]
+    found = synthetic_rows(rows, 0, task="colors")
+    return [(loop.prompt_ids(Sample(PromptRef(0, i), 0, row)), row.images) for i, row in enumerate(found)]
 
 
-async def _generate(servers, prompts):
+@pytest.fixture(scope="module")
+def prompts(model):
+    return image_prompts(model)
+
+
+async def generate_images(servers, prompts):
+    """Greedy outputs of the image prompts (the pool picks the server)."""
     client = EngineClient(servers)
     try:
         return await asyncio.gather(*(client.generate(ids, N, GREEDY, images=images) for ids, images in prompts))
@@ -80,19 +85,18 @@ async def _generate(servers, prompts):
         await client.close()
 
 
-def _merged_greedy(backend, model, ids, images) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probs from base + adapter merged (peft), in float32 in this process, on the
-    prompt the engine runs (each image expanded to its patch tokens) and the same image's pixels."""
+def hf_greedy(module, model, ids, images) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs from a transformers Qwen2-VL `module` in this process, on the prompt the
+    engine runs (each image expanded to its patch tokens; `model`'s processor) and the same image's pixels."""
     from fully_async.multimodal.processor import VisionProcessor
 
     vision = VisionProcessor(model)
-    merged = copy.deepcopy(backend.model).merge_and_unload().eval()
     pixels = vision.pixel_inputs(images)
     seq = torch.tensor([vision.expand(ids, images)])
     out, logprobs = [], []
     with torch.no_grad():
         for _ in range(N):
-            logits = merged(input_ids=seq, mm_token_type_ids=(seq == IMAGE_PAD_ID).long(), **pixels).logits
+            logits = module(input_ids=seq, mm_token_type_ids=(seq == IMAGE_PAD_ID).long(), **pixels).logits
             logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
             token = int(torch.argmax(logp))
             out.append(token)
@@ -101,6 +105,11 @@ def _merged_greedy(backend, model, ids, images) -> tuple[list[int], list[float]]
                 break
             seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
     return out, logprobs
+
+
+def _merged_greedy(backend, model, ids, images) -> tuple[list[int], list[float]]:
+    """`hf_greedy` of base + adapter merged (peft), in float32."""
+    return hf_greedy(copy.deepcopy(backend.model).merge_and_unload().eval(), model, ids, images)
 
 
 def _model_bytes(model) -> tuple[int, int]:
@@ -118,7 +127,7 @@ def test_image_prompts_under_a_synced_adapter_equal_the_merged_model_and_a_sync_
 ):
     servers, handle = pool
     assert "--enable-lora" in servers.kind.command(0, 1) and "--limit-mm-per-prompt" in servers.kind.command(0, 1)
-    base = asyncio.run(_generate(servers, prompts))
+    base = asyncio.run(generate_images(servers, prompts))
     backend = AdapterBackend(model, LORA)
     sync = ParamSync(handle, backend, tmp_path / "w", "float32", SYNC_TIMEOUT_S, transport="adapter")
     try:
@@ -127,15 +136,15 @@ def test_image_prompts_under_a_synced_adapter_equal_the_merged_model_and_a_sync_
         assert "timing_s/param_sync/pause" not in timings
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
         assert servers.adapters.current == "policy-v1"
-        v1 = asyncio.run(_generate(servers, prompts))
+        v1 = asyncio.run(generate_images(servers, prompts))
         for (ids, images), got in zip(prompts, v1, strict=True):
             tokens, logprobs = _merged_greedy(backend, model, ids, images)
             assert tokens and list(got.token_ids) == tokens
             assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs, strict=True)) < 1e-4
             assert set(got.versions) == {1}
         assert [r.token_ids for r in v1] != [r.token_ids for r in base]  # the adapter is served, not the base
-        # What the sync moved: the adapter's directory (one tensor file), LoRA tensors of the language model only (no tower tensor,
-        # no pixel data), a fraction of the model's bytes.
+        # What the sync moved: the adapter's directory (one tensor file), LoRA tensors of the language model only (no
+        # tower tensor, no pixel data), a fraction of the model's bytes.
         sent = sync.transport.root / "v1"
         files = {p.name for p in sent.iterdir()}
         assert ADAPTER_FILE in files and files <= {ADAPTER_FILE, "adapter_config.json", "README.md"}  # peft's card
@@ -151,7 +160,7 @@ def test_image_prompts_under_a_synced_adapter_equal_the_merged_model_and_a_sync_
         assert moved < language < total
         backend.step(2)
         sync.sync(2)
-        v2 = asyncio.run(_generate(servers, prompts))
+        v2 = asyncio.run(generate_images(servers, prompts))
         assert [r.token_ids for r in v2] != [r.token_ids for r in v1]
         assert all(set(r.versions) == {2} for r in v2)
         tokens, _ = _merged_greedy(backend, model, *prompts[0])
