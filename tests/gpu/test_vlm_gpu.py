@@ -65,9 +65,9 @@ def test_an_nccl_sync_of_the_vlm_serves_a_fresh_servers_image_outputs_and_sends_
     handle = LocalActor(ServersRollouter(servers))
     try:
         backend = frozen_tower_backend(target, "cuda")
-        timings = sync_once(handle, backend, tmp_path, "bfloat16", "cuda")
+        timings, sent, _ = sync_once(handle, backend, tmp_path, "bfloat16", "cuda")
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert backend.state and not [n for n in backend.state if is_tower(n)]
+        assert sent and not [n for n in sent if is_tower(n)]
         got = asyncio.run(generate_images(servers, prompts))
         for r, want in zip(got, reference, strict=True):
             assert list(r.token_ids) == list(want.token_ids) and set(r.versions) == {1}

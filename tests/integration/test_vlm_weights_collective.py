@@ -24,7 +24,7 @@ from fully_async.param_sync import ParamSync
 from fully_async.training.vision_tower import is_tower, without_tower
 from fully_async.weights.collective import CollectiveTransport
 from tests.fakes import ServersRollouter, StateDictBackend
-from tests.integration.test_vlm_lora_sync import generate_images, hf_greedy, image_prompts
+from tests.integration.test_vlm_lora_sync import _model_bytes, generate_images, hf_greedy, image_prompts
 
 pytestmark = [pytest.mark.long, pytest.mark.timeout(900), pytest.mark.needs_venv(".venv-engine")]
 
@@ -54,14 +54,20 @@ def frozen_tower_backend(target, device: str) -> StateDictBackend:
     return backend
 
 
-def sync_once(handle, backend, tmp_path, dtype: str, device: str) -> dict:
+def sync_once(handle, backend, tmp_path, dtype: str, device: str) -> tuple[dict, list[str], int]:
+    """One collective sync as version 1: (its timings, the names of the tensors that went over the wire, their
+    bytes in `dtype`)."""
+    from fully_async.weights.collective_sender import staging_bytes
+
     transport = CollectiveTransport(handle, backend, tmp_path / "w", dtype, bucket_mb=1,
                                     sync_timeout_s=SYNC_TIMEOUT_S, device=device)  # fmt: skip
     sync = ParamSync(handle, backend, tmp_path / "w", dtype, SYNC_TIMEOUT_S, transport=transport)
     try:
-        return sync.sync(1)
+        timings = sync.sync(1)
     finally:
         sync.close(remove=False)
+    plan = backend.sender.plan()  # what the sender announced: the engines checked it, then received it
+    return timings, [name for name, _ in plan], staging_bytes(plan, dtype)
 
 
 def test_a_collective_sync_of_the_vlm_serves_the_targets_image_outputs_and_sends_no_tower(tmp_path_factory, tmp_path):
@@ -80,9 +86,12 @@ def test_a_collective_sync_of_the_vlm_serves_the_targets_image_outputs_and_sends
         before = asyncio.run(generate_images(servers, prompts))
         assert [list(r.token_ids) for r in before] != [w[0] for w in want]  # the two models disagree
         backend = frozen_tower_backend(target, "cpu")
-        timings = sync_once(handle, backend, tmp_path, "float32", "cpu")
+        timings, sent, sent_bytes = sync_once(handle, backend, tmp_path, "float32", "cpu")
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert backend.state and not [n for n in backend.state if is_tower(n)]
+        # Over the wire: the language model's tensors, every one, and not one of the tower's.
+        total, language = _model_bytes(target)
+        assert sent and not [n for n in sent if is_tower(n)] and sent_bytes == language < total
+        print(f"\nVLM collective sync: {sent_bytes} of {total} bytes (tower frozen); {timings}")
         got = asyncio.run(generate_images(servers, prompts))
         for r, (tokens, logprobs) in zip(got, want, strict=True):
             assert list(r.token_ids) == tokens and set(r.versions) == {1}
