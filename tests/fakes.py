@@ -661,19 +661,29 @@ class ServersRollouter(EnginePortByName):
 # -- the trainer's side of a LoRA adapter sync (until the verl backend exports adapters itself) -----------------------
 class AdapterBackend:
     """A training backend reduced to what the adapter transport uses: a peft LoRA adapter on a model in this process
-    (float32). `export_adapter` writes a PEFT directory and returns fa_digest over what it wrote; `export_weights`
-    writes base + adapter merged (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a
-    training step: lora_B non-zero, so the adapter changes the outputs)."""
+    (float32; a vision-language model's adapter on its language model only, as the trainer's). `export_adapter`
+    writes a PEFT directory and returns fa_digest over what it wrote; `export_weights` writes base + adapter merged
+    (what the backend gives with LoRA on); `step(seed)` draws new adapter weights (a training step: lora_B non-zero,
+    so the adapter changes the outputs)."""
 
     def __init__(self, model_dir, lora) -> None:
         import peft
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from fully_async.multimodal.processor import is_vision_model
+        from fully_async.training import vision_tower
 
         self.lora = lora
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        vision = is_vision_model(model_dir)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        base = auto.from_pretrained(str(model_dir), dtype=torch.float32)
         modules = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
-        config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=modules, lora_dropout=0.0)
+        # A vision-language model's tower gets no adapter, as the trainer builds it (training/verl_config.py).
+        exclude = {"exclude_modules": vision_tower.LORA_EXCLUDE} if vision else {}
+        config = peft.LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, target_modules=modules, lora_dropout=0.0, **exclude
+        )
         self.model = peft.get_peft_model(base, config)
         self.fail_export: str | None = None
         """When set, export_adapter raises this (a trainer that cannot write)."""

@@ -12,8 +12,10 @@ file's tensors with lora_B scaled the same way (`folded`: the same multiplicatio
 equality means "this worker serves exactly the adapter in that file".
 
 The worker knows adapters by integer id only (the API server keeps the name -> id map), so importing this module in
-the worker wraps vLLM's `LRUCacheWorkerLoRAManager.add_adapter` to record name -> id as adapters load (idempotent;
-nothing else changes). Imports only the standard library, torch and (in the worker, when present) vLLM.
+the worker wraps vLLM's `LRUCacheWorkerLoRAManager.add_adapter` to record name -> id and the adapter's directory as
+adapters load (idempotent; nothing else changes). A vision-language model's modules are renamed by vLLM on loading;
+`file_modules` maps them back to the file's names from the directory's tensor names. Imports only the standard
+library, torch and (in the worker, when present) vLLM and safetensors.
 """
 
 from __future__ import annotations
@@ -48,9 +50,36 @@ def folded(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[
         yield name, tensor
 
 
-def _held(manager, lora_model) -> Iterator[tuple[str, torch.Tensor]]:
+def file_modules(manager, adapter_dir: str) -> dict[str, str]:
+    """vLLM's module name -> the adapter file's module name (without PEFT's prefix), for each module the file adapts.
+
+    vLLM renames a vision-language model's modules on loading (Qwen2-VL's `model.language_model.layers.0...` is its
+    `language_model.model.layers.0...`, by the model's `hf_to_vllm_mapper`), so the names it holds are not the file's.
+    This reads the file's tensor names (the header only) and maps each the way the loader did (vLLM's
+    `parse_fine_tuned_lora_name` with the model's rename mapper), so the digest is under the file's names again.
+    A text model's names map to themselves."""
+    from safetensors import safe_open
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_rename_mapper()
+    with safe_open(f"{adapter_dir}/adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    back = {}
+    for key in keys:
+        if ".lora_A." not in key:
+            continue
+        module, _ = parse_fine_tuned_lora_name(key, mapper)
+        back[module] = key.removeprefix(PEFT_PREFIX).rsplit(".lora_A.", 1)[0]
+    return back
+
+
+def _held(manager, lora_model, names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT name, tensor) of every lora_A / lora_B a loaded LoRAModel holds; packed modules (qkv_proj, gate_up_proj)
-    are split back into their sub-modules by the manager's packing map."""
+    are split back into their sub-modules by the manager's packing map, and `names` (`file_modules`) turns vLLM's
+    module names back into the adapter file's."""
+    names = names or {}
     packed = getattr(manager, "packed_modules", {})
     for module, weights in lora_model.loras.items():
         if isinstance(weights.lora_a, list):
@@ -65,6 +94,7 @@ def _held(manager, lora_model) -> Iterator[tuple[str, torch.Tensor]]:
         for sub, a, b in parts:
             if a is None:  # a sub-module the adapter does not target
                 continue
+            sub = names.get(sub, sub)
             yield f"{PEFT_PREFIX}{sub}.lora_A.weight", a
             yield f"{PEFT_PREFIX}{sub}.lora_B.weight", b
 
@@ -84,6 +114,7 @@ def _record_names() -> None:
         loaded = original(self, lora_request)
         names = self.__dict__.setdefault("_fa_names", {})
         names[lora_request.lora_name] = lora_request.lora_int_id
+        self.__dict__.setdefault("_fa_paths", {})[lora_request.lora_name] = lora_request.lora_path
         return loaded
 
     add_adapter._fa_records = True
@@ -109,4 +140,5 @@ class AdapterDigest:
         lora_model = manager.get_adapter(lora_id) if lora_id is not None else None
         if lora_model is None:
             raise RuntimeError(f"no LoRA adapter {name!r} is loaded in this worker")
-        return {"digest": digest(_held(manager, lora_model)), "source": name}
+        names = file_modules(manager, worker_manager._fa_paths[name])
+        return {"digest": digest(_held(manager, lora_model, names)), "source": name}

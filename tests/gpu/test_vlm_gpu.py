@@ -1,0 +1,109 @@
+"""The tiny Qwen2-VL's weight syncs into real vLLM GPU servers (skipped without CUDA): the twins of
+tests/integration/test_vlm_weights_collective.py (the collective transport, nccl here, gloo there) and
+tests/integration/test_vlm_lora_sync.py (LoRA's adapter-only sync), same code, only the backend, the dtype and the
+reference differ (nccl in bf16: tokens against a fresh server of the same weights, as
+tests/gpu/test_weights_collective_gpu.py does).
+
+- nccl: the sender (this process) on cuda:0, the engine server on the next GPU (NCCL wants one device per rank: 2
+  GPUs); the server starts on `start`, receives `target`'s language model (the frozen tower is never sent) and then
+  answers image prompts as a fresh server of `target` does.
+- adapter: a server of the VLM started with --enable-lora (1 GPU) takes a peft adapter of the language model through
+  the adapter transport; its greedy tokens on image prompts equal transformers' merged model's (float32 here, in
+  this process), and change with the next version.
+
+Needs vLLM with CUDA in .venv-engine (`bash scripts/setup.sh` on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fully_async.config import EngineConfig
+from fully_async.config.sections.model import LoraConfig
+from fully_async.engines import build_engine
+from fully_async.handles import LocalActor
+from fully_async.param_sync import ParamSync
+from fully_async.training.vision_tower import is_tower
+from fully_async.weights.lora import LoraServing
+from tests.fakes import AdapterBackend, ServersRollouter
+from tests.integration.test_vlm_lora_sync import _merged_greedy, generate_images, image_prompts
+from tests.integration.test_vlm_weights_collective import frozen_tower_backend, sync_once, vlm_pair
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a CPU build of torch: no devices
+        return 0
+
+
+def _cfg(**env) -> EngineConfig:
+    return EngineConfig(num_servers=1, max_model_len=256, startup_timeout_s=600, control_timeout_s=60,
+                        gpu_memory_utilization=0.3, env=env)  # fmt: skip
+
+
+def test_an_nccl_sync_of_the_vlm_serves_a_fresh_servers_image_outputs_and_sends_no_tower(tmp_path_factory, tmp_path):
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs: one for the sender (this process), one for the engine")
+    start, target = vlm_pair(tmp_path_factory.mktemp("models"))
+    prompts = image_prompts(start)
+    cfg = _cfg(CUDA_VISIBLE_DEVICES="1")
+    fresh = build_engine(cfg, target, tmp_path_factory.mktemp("fresh"), device="cuda")
+    fresh.start()
+    try:
+        reference = asyncio.run(generate_images(fresh, prompts))
+    finally:
+        fresh.stop()
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
+    servers.start()
+    handle = LocalActor(ServersRollouter(servers))
+    try:
+        backend = frozen_tower_backend(target, "cuda")
+        timings, sent, _ = sync_once(handle, backend, tmp_path, "bfloat16", "cuda")
+        assert timings["fully_async/param_sync/verified_servers"] == 1.0
+        assert sent and not [n for n in sent if is_tower(n)]
+        got = asyncio.run(generate_images(servers, prompts))
+        for r, want in zip(got, reference, strict=True):
+            assert list(r.token_ids) == list(want.token_ids) and set(r.versions) == {1}
+            assert max(abs(a - b) for a, b in zip(r.logprobs, want.logprobs)) < 1e-2
+    finally:
+        handle.close()
+        servers.stop()
+
+
+def test_an_adapter_sync_into_a_vlm_server_serves_the_merged_models_image_tokens(tmp_path_factory, tmp_path):
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    import dataclasses
+
+    start, _ = vlm_pair(tmp_path_factory.mktemp("models"))
+    prompts = image_prompts(start)
+    cfg = dataclasses.replace(_cfg(), dtype="float32")
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda",
+                           lora=LoraServing(max_loras=2, max_rank=8))  # fmt: skip
+    assert "--enable-lora" in servers.kind.command(0, 1)
+    servers.start()
+    handle = LocalActor(ServersRollouter(servers))
+    backend = AdapterBackend(start, LoraConfig(rank=8, alpha=16))
+    sync = ParamSync(handle, backend, tmp_path / "w", "float32", 120.0, transport="adapter")
+    try:
+        sync.sync(1)
+        v1 = asyncio.run(generate_images(servers, prompts))
+        for (ids, images), got in zip(prompts, v1, strict=True):
+            assert list(got.token_ids) == _merged_greedy(backend, start, ids, images)[0]
+            assert set(got.versions) == {1}
+        backend.step(2)
+        sync.sync(2)
+        v2 = asyncio.run(generate_images(servers, prompts))
+        assert [r.token_ids for r in v2] != [r.token_ids for r in v1]
+        assert all(set(r.versions) == {2} for r in v2)
+    finally:
+        sync.close()
+        handle.close()
+        servers.stop()
