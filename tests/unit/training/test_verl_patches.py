@@ -200,3 +200,54 @@ def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence()
     assert [tuple(m["position_ids"].shape[:2]) for m in micro] == [(2, 4), (1, 4)]
     picked = index_select_tensor_dict(packed, [2, 0])["position_ids"]
     assert [tuple(x.shape) for x in picked.unbind()] == [(4, length), (4, length)]
+
+
+def _support_by_hand(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens a top-k / nucleus sampler may draw from `row` (logits at the temperature), by the definition: the k
+    largest (ties kept), then in descending order every token whose more likely tokens hold < top_p of the mass."""
+    order = sorted(range(len(row)), key=lambda i: -float(row[i]))
+    if top_k > 0:
+        kth = float(row[order[top_k - 1]])
+        order = [i for i in order if float(row[i]) >= kth]
+    probs = torch.softmax(row[order].double(), -1).tolist()
+    kept, mass = set(), 0.0
+    for i, q in zip(order, probs, strict=True):
+        if mass < top_p or not kept:
+            kept.add(i)
+        mass += q
+    return kept
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.8), (20, 0.9), (1, 1.0), (-1, 0.3), (40, 0.5)])
+def test_0007_truncation_keeps_the_samplers_support_and_renormalises(top_k, top_p, monkeypatch):
+    import verl.utils.torch_functional as vf
+
+    monkeypatch.setattr(vf, "_LOGPROBS_CHUNK_ELEMENTS", 7 * 64)  # several chunks, the last one short
+    torch.manual_seed(2)
+    logits = torch.randn(3, 10, 64) * 2
+    out = vf.truncate_to_sampling_support(logits, top_k, top_p)
+    lowest = torch.finfo(logits.dtype).min
+    for row, got in zip(logits.reshape(-1, 64), out.reshape(-1, 64), strict=True):
+        assert {i for i in range(64) if got[i] > lowest} == _support_by_hand(row, top_k, top_p)
+    kept = out > lowest
+    assert torch.equal(out[kept], logits[kept])
+    logp = torch.log_softmax(out, -1)
+    # The log-probs of the kept tokens are those of the renormalised distribution over them.
+    want = logits - torch.logsumexp(logits.masked_fill(~kept, float("-inf")), -1, keepdim=True)
+    torch.testing.assert_close(logp[kept], want[kept])
+    assert torch.isfinite(vf.entropy_from_logits(out)).all()  # the lowest finite value, not -inf (0 * -inf = NaN)
+
+
+def test_0007_off_is_the_same_tensor_and_sampled_tokens_always_stay():
+    import verl.utils.torch_functional as vf
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 32, requires_grad=True)
+    assert vf.truncate_to_sampling_support(logits) is logits  # top_p=1 / top_k off: bit for bit as before
+    assert vf.truncate_to_sampling_support(logits, top_k=32, top_p=1.0) is logits
+    sampled = logits.argmin(-1)  # outside any top-2
+    out = vf.truncate_to_sampling_support(logits, top_k=2, keep=sampled)
+    assert torch.isfinite(torch.log_softmax(out, -1).gather(-1, sampled[:, None])).all()
+    assert ((out > torch.finfo(out.dtype).min).sum(-1) == 3).all()
+    torch.log_softmax(out, -1).gather(-1, sampled[:, None]).sum().backward()
+    assert (logits.grad != 0).sum() == 6 * 3  # no gradient through the dropped logits
