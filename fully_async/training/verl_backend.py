@@ -69,8 +69,7 @@ class VerlBackend(TrainingBackend):
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
         `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md).
         `freeze_vision_tower` (model.freeze_vision_tower): a vision-language policy's tower does not train and no sync
-        sends it (training/vision_tower.py). `support`: the rollout's top-k / nucleus truncation the log-probs repeat
-        (training/sampling_support.py; None = none)."""
+        sends it (training/vision_tower.py). `support`: the log-probs' top-k / nucleus (training/sampling_support.py)."""
         from fully_async.device import device as run_device
 
         if not ray.is_initialized():
@@ -93,8 +92,6 @@ class VerlBackend(TrainingBackend):
             cpu_platform.use_in_this_process()
         use_reference = algorithm.use_kl_loss if use_reference is None else use_reference
         self.use_critic = algorithm.adv_estimator in NEEDS_CRITIC
-        if support is not None:
-            support.require_patch()
         if algorithm.use_kl_loss and not use_reference:
             raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
         if use_reference and self.cpu:

@@ -35,6 +35,7 @@ class RankForward:
     ):
         self.ranks, self.budget = ranks, budget
         self.support = support or SamplingSupport()
+        self.support.require_patch()
         self.temperature, self.pad_token_id, self.vision = temperature, pad_token_id, vision
 
     def engine_td(self, batch: B.PaddedBatch, **tensors: torch.Tensor):
