@@ -36,7 +36,7 @@ class SamplingSupport:
         return self.top_k > 0 or self.top_p < 1.0
 
     def non_tensor(self) -> dict[str, Any]:
-        """verl batch keys read by patch 0007 (FSDPEngine.prepare_model_outputs); empty when off."""
+        """verl batch keys read by patch 0007 (FSDPEngineWithLMHead.prepare_model_outputs); empty when off."""
         return {"top_k": self.top_k, "top_p": self.top_p} if self.active else {}
 
     def require_patch(self) -> None:
