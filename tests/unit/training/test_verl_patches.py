@@ -251,3 +251,58 @@ def test_0007_off_is_the_same_tensor_and_sampled_tokens_always_stay():
     assert ((out > torch.finfo(out.dtype).min).sum(-1) == 3).all()
     torch.log_softmax(out, -1).gather(-1, sampled[:, None]).sum().backward()
     assert (logits.grad != 0).sum() == 6 * 3  # no gradient through the dropped logits
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed (GPU: remove-padding)", "padded (CPU)"])
+def test_0007_verls_forward_gives_log_probs_and_entropy_of_the_truncated_distribution(packed):
+    """verl's own FSDPEngineWithLMHead.prepare_model_outputs on given logits, both branches patch 0007 changes (the
+    packed one is what GPU runs take; this project's CPU runs take the padded one), without a model or Ray."""
+    from types import SimpleNamespace
+
+    import verl.utils.torch_functional as vf
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    torch.manual_seed(4)
+    vocab, temperature, top_k, top_p = 40, 0.7, 8, 0.8
+    seqs = [torch.randint(0, vocab, (n,)) for n in (5, 7)]
+    flat = torch.cat(seqs)
+    rolled = torch.roll(flat, -1)
+    logits = [torch.randn(len(s), vocab) * 3 for s in seqs]
+    td = TensorDict({"input_ids": torch.nested.nested_tensor(seqs, layout=torch.jagged)}, batch_size=[2])
+    tu.assign_non_tensor(td, use_remove_padding=packed, calculate_entropy=True, top_k=top_k, top_p=top_p)
+    engine = object.__new__(FSDPEngineWithLMHead)  # the forward's outputs only: no model, no process group
+    engine.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+    engine.compute_entropy_from_logits, engine.use_ulysses_sp = vf.entropy_from_logits, False
+    if packed:
+        output = SimpleNamespace(logits=torch.cat(logits)[None])
+        args = {"input_ids_rmpad_rolled": rolled, "temperature_rmpad": torch.full((len(flat),), temperature),
+                "pad_size": 0, "temperature_is_one": False}  # fmt: skip
+    else:
+        padded = torch.zeros(2, 7, vocab)
+        for i, x in enumerate(logits):
+            padded[i, : len(x)] = x
+        output = SimpleNamespace(logits=padded)
+        args = {
+            "input_ids_rmpad_rolled": rolled,
+            "temperature": torch.full((2,), temperature),
+            "temperature_is_one": False,
+        }
+    out = engine.prepare_model_outputs(output, args, td, None)
+    got_lp, got_ent = out["log_probs"].values(), out["entropy"].values()
+    k, checked = 0, 0
+    for s, x in zip(seqs, logits, strict=True):
+        for t in range(len(s)):
+            # A row's last position predicts no token of it (its label is the next row's first token in verl's packed
+            # roll; the padded branch keeps another one there): no log-prob of it is ever read.
+            if t < len(s) - 1:
+                row, label = x[t] / temperature, int(rolled[k])
+                support = sorted(_support_by_hand(row, top_k, top_p) | {label})
+                want = torch.log_softmax(row[support], -1)
+                assert len(support) < vocab
+                torch.testing.assert_close(got_lp[k], want[support.index(label)])
+                torch.testing.assert_close(got_ent[k], -(want.exp() * want).sum())
+                checked += 1
+            k += 1
+    assert k == len(flat) and checked == len(flat) - len(seqs)
