@@ -137,6 +137,7 @@ class Job:
         import ray
 
         from fully_async.device import cpu_split
+        from fully_async.engines import logprobs_truncated
         from fully_async.engines.auth import ensure_token
         from fully_async.handles import rollouter_name
         from fully_async.message_queue import create_message_queue
@@ -144,6 +145,7 @@ class Job:
         from fully_async.trace import Tracer
         from fully_async.trainer import Trainer
         from fully_async.training import build_backend
+        from fully_async.training.sampling_support import SamplingSupport
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
@@ -171,6 +173,7 @@ class Job:
         with self.startup.part("trainer_ranks"):
             self.backend = build_backend(
                 cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
+                support=SamplingSupport.of_rollout(cfg.rollout, logprobs_truncated(cfg.engine.kind)),
                 cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
                 freeze_vision_tower=cfg.model.freeze_vision_tower,
             )  # fmt: skip

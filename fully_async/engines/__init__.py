@@ -21,7 +21,23 @@ from fully_async.engines.errors import EngineError
 from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import GenerationResult, Sampling
 
-__all__ = ["EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine"]
+__all__ = [
+    "EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine", "logprobs_truncated",
+]  # fmt: skip
+
+
+def logprobs_truncated(kind: str) -> bool:
+    """Whether engine.kind=`kind` returns behaviour log-probs of the top-k / nucleus-truncated distribution
+    (EngineKind.logprobs_truncated): the trainer's log-probs then repeat the truncation."""
+    if kind == "vllm":
+        from fully_async.engines.vllm import VLLMKind
+
+        return VLLMKind.logprobs_truncated
+    if kind == "sglang":
+        from fully_async.engines.sglang import SGLangKind
+
+        return SGLangKind.logprobs_truncated
+    return EngineKind.logprobs_truncated
 
 
 def build_engine(

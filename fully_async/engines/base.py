@@ -81,6 +81,10 @@ class EngineKind(abc.ABC):
     unverifiable: str = "this engine kind reports no digest of the weights it loaded"
     """Why a weight sync into this kind's servers cannot be proven (fully_async/weights/verify.py); "" = it can:
     every server answers the worker extension's `fa_loaded_digest` (vLLM)."""
+    logprobs_truncated = False
+    """True when the behaviour log-probs the servers return are of the truncated distribution they sampled from
+    (top-k / nucleus applied, renormalised): the trainer then takes its log-probs under the same truncation
+    (training/sampling_support.py). False: of the full softmax at the temperature."""
     control_class: Any = None
     """The control plane class the pool delivers calls through (None: control.py's `ControlPlane`, over HTTP)."""
 

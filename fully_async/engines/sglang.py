@@ -80,6 +80,8 @@ class SGLangKind(EngineKind):
     # SGLang 0.5.23's only read-back, /get_weights_by_name, is missing for Qwen2 models ("Get parameter by name
     # failed") and returns the first values of the fused, repacked parameter, not what the loader took.
     unverifiable = "SGLang has no read-back of the tensors it loaded (docs/weight-transports.md)"
+    # logprobs_truncated stays False: SGLang's sampler returns log(softmax(logits / temperature)), taken before its
+    # top-k / top-p filter (sglang/srt/layers/sampler.py), so the trainer's full-vocabulary log-probs match it.
 
     def command(self, index: int, port: int, host: str | None = None) -> list[str]:
         cfg = self.cfg

@@ -334,8 +334,9 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, response_mask: to
     return out
 
 
-def to_engine_td(batch: PaddedBatch, temperature: float, **tensors: torch.Tensor):
-    """verl's no-padding TensorDict for `batch`, with extra (B, R) padded `tensors` (old_log_probs, advantages, ...)."""
+def to_engine_td(batch: PaddedBatch, temperature: float, support: dict | None = None, **tensors: torch.Tensor):
+    """verl's no-padding TensorDict for `batch`, with extra (B, R) padded `tensors` (old_log_probs, advantages, ...).
+    `support`: SamplingSupport.non_tensor() (the rollout's top_k / top_p for the forward; None or empty = none)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -350,7 +351,7 @@ def to_engine_td(batch: PaddedBatch, temperature: float, **tensors: torch.Tensor
     fields.update(tensors)
     if batch.multi_modal_inputs is not None:
         fields["multi_modal_inputs"] = list(batch.multi_modal_inputs)
-    td = tu.get_tensordict(tensor_dict=fields, non_tensor_dict=dict(temperature=float(temperature)))
+    td = tu.get_tensordict(tensor_dict=fields, non_tensor_dict=dict(temperature=float(temperature), **(support or {})))
     return left_right_2_no_padding(td)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
 from fully_async.config.sections.model import LoraConfig, lora_on_sim
 from fully_async.training.base import TrainingBackend
+from fully_async.training.sampling_support import SamplingSupport
 from fully_async.training.sim_backend import SimBackend
 
 
@@ -19,6 +20,7 @@ def build_backend(
     model_path: str | Path,
     *,
     temperature: float = 1.0,
+    support: SamplingSupport | None = None,
     use_reference: bool | None = None,
     device: str | None = None,
     cpu_set: Sequence[int] | None = None,
@@ -28,7 +30,8 @@ def build_backend(
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
-    `temperature` is the rollout sampling temperature (log-probs are taken at the same one). `use_reference`
+    `temperature` is the rollout sampling temperature (log-probs are taken at the same one), `support` its top-k /
+    nucleus truncation when the engine's log-probs are truncated (training/sampling_support.py). `use_reference`
     defaults to `algorithm.use_kl_loss`. `device` ("cpu" / "cuda") overrides `trainer.device`. `cpu_set`: on CPU,
     the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
     job's trainer groups (fully_async/placement.py); None = the backend reserves its own. `lora`: model.lora
@@ -43,6 +46,7 @@ def build_backend(
             algorithm,
             model_path,
             temperature=temperature,
+            support=support,
             use_reference=use_reference,
             device=device,
             cpu_set=cpu_set,

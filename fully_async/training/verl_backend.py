@@ -34,6 +34,7 @@ from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training import correction, hf_files, hf_names
 from fully_async.training.base import TrainingBackend
+from fully_async.training.sampling_support import SamplingSupport
 from fully_async.training.verl_config import critic_config, engine_configs, reference_config, value_loss_config
 from fully_async.training.verl_forward import RankForward
 from fully_async.training.verl_ranks import RankGroups, TrainerTimeout, WeightSender
@@ -55,6 +56,7 @@ class VerlBackend(TrainingBackend):
         model_path: str | Path,
         *,
         temperature: float = 1.0,
+        support: SamplingSupport | None = None,
         use_reference: bool | None = None,
         device: str | None = None,
         pad_token_id: int = 0,
@@ -67,7 +69,7 @@ class VerlBackend(TrainingBackend):
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
         `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md).
         `freeze_vision_tower` (model.freeze_vision_tower): a vision-language policy's tower does not train and no sync
-        sends it (training/vision_tower.py)."""
+        sends it (training/vision_tower.py). `support`: the log-probs' top-k / nucleus (training/sampling_support.py)."""
         from fully_async.device import device as run_device
 
         if not ray.is_initialized():
@@ -100,7 +102,7 @@ class VerlBackend(TrainingBackend):
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
         self.forward = RankForward(self.ranks, lambda: self.trainer.max_token_len_per_gpu, self.temperature,
-                                   pad_token_id, self.vision)  # fmt: skip
+                                   pad_token_id, self.vision, support)  # fmt: skip
         self._start_ranks(twc, use_reference, freeze_vision_tower and self.vision is not None)
 
     def _start_ranks(self, twc, use_reference: bool, freeze_vision_tower: bool) -> None:

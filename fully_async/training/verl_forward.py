@@ -1,9 +1,9 @@
 """Forward-only passes over verl's ranks: the log-probs of a role (policy or reference) and the critic's values.
 
-Contract: `RankForward(ranks, budget, temperature, pad_token_id, vision)`; `engine_td(batch, **tensors)` is verl's
-engine batch of a DP-laid-out PaddedBatch with the micro-batch token budget read from `budget()` at each call (so
-the budget can change between calls without rebuilding the workers); `log_probs` and `values` give (B, R) tensors
-of a laid-out batch; `per_trajectory(groups, read)` lays groups out over the DP ranks, runs `read` and returns one
+Contract: `RankForward(ranks, budget, temperature, pad_token_id, vision, support)`; `engine_td(batch, **tensors)` is
+verl's engine batch of a DP-laid-out PaddedBatch with the micro-batch token budget read from `budget()` at each call
+(so the budget can change between calls without rebuilding the workers) and `support` (a SamplingSupport: the top-k /
+nucleus truncation every log-prob is taken under); `log_probs` and `values` give (B, R) tensors of a laid-out batch; `per_trajectory(groups, read)` lays groups out over the DP ranks, runs `read` and returns one
 float32 array per trajectory in `flatten(groups)` order (the response tokens only). Nothing here changes weights.
 """
 
@@ -17,6 +17,7 @@ import torch
 from fully_async.multimodal.processor import VisionProcessor
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
+from fully_async.training.sampling_support import SamplingSupport
 from fully_async.training.verl_ranks import RankGroups
 
 
@@ -30,8 +31,11 @@ class RankForward:
         temperature: float,
         pad_token_id: int,
         vision: VisionProcessor | None,
+        support: SamplingSupport | None = None,
     ):
         self.ranks, self.budget = ranks, budget
+        self.support = support or SamplingSupport()
+        self.support.require_patch()
         self.temperature, self.pad_token_id, self.vision = temperature, pad_token_id, vision
 
     def engine_td(self, batch: B.PaddedBatch, **tensors: torch.Tensor):
@@ -44,7 +48,7 @@ class RankForward:
                 f"a sequence of {longest} tokens exceeds trainer.max_token_len_per_gpu={budget}; raise the budget to "
                 "at least data.max_prompt_length + rollout.response_length"
             )
-        td = B.to_engine_td(batch, self.temperature, **tensors)
+        td = B.to_engine_td(batch, self.temperature, self.support.non_tensor(), **tensors)
         tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
         return td
 

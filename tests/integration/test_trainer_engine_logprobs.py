@@ -23,7 +23,7 @@ TEMPERATURE = 0.8
 PROMPTS = [list(b"12+34="), list(b"hello"), list(b"7*8 is"), list(b"<a>")]
 
 
-async def _sample(servers, n=2, tokens=16, version=0, top_p=1.0):
+async def _sample(servers, n=2, tokens=16, version=0, top_p=1.0, top_k=-1):
     from fully_async.engines import EngineClient, Sampling
 
     client = EngineClient(servers)
@@ -32,8 +32,8 @@ async def _sample(servers, n=2, tokens=16, version=0, top_p=1.0):
         for i, prompt in enumerate(PROMPTS):
             ref = PromptRef(0, i)
             outs = await asyncio.gather(
-                *(client.generate(prompt, tokens, Sampling(temperature=TEMPERATURE, top_p=top_p, seed=10 * i + s,
-                                                          ignore_eos=True))
+                *(client.generate(prompt, tokens, Sampling(temperature=TEMPERATURE, top_p=top_p, top_k=top_k,
+                                                          seed=10 * i + s, ignore_eos=True))
                   for s in range(n))
             )  # fmt: skip
             trajs = [
@@ -142,32 +142,59 @@ def test_a_lora_policy_synced_merged_serves_the_trainers_log_probs(engine, tmp_p
         backend.shutdown()
 
 
-def test_mismatch_metrics_at_staleness_0_read_zero_and_top_p_shows_as_numerics(engine, tmp_path):
-    """The step's offpolicy/* metrics through the real engine at the trainer's own version: ~0 with top_p = 1. With
-    top_p < 1 the engine reports log-probs of the truncated distribution it sampled from, the trainer those of the
-    full softmax: the gap is there at staleness 0 (engine above trainer by -log of the kept mass), in bucket 0 (numerics),
-    not in a staleness bucket."""
-    from fully_async.protocol import flatten
+def _numerics(backend, groups, version):
+    """The offpolicy/* diagnostics a step reports, of `groups` against the trainer's log-probs (no update)."""
     from fully_async.training.batch import assemble
     from fully_async.training.correction import diagnostics
+
+    batch = assemble(groups)
+    prox = batch.behaviour_logprobs.clone()
+    for i, lp in enumerate(backend.compute_log_probs(groups)):
+        prox[i, : len(lp)] = torch.from_numpy(lp)
+    return diagnostics(prox, batch.behaviour_logprobs, batch.response_mask, batch.token_versions, version)
+
+
+def test_mismatch_metrics_at_staleness_0_read_zero_under_top_p_and_top_k(engine, tmp_path):
+    """The step's offpolicy/* metrics through the real engine at the trainer's own version. The engine's log-probs are
+    of the truncated distribution it sampled from (top-k / nucleus); a trainer that takes the full softmax misses
+    them at staleness 0 (engine above trainer by -log of the kept mass): that is today's behaviour with the support
+    off. With the rollout's support (training/sampling_support.py, verl patch 0007) the gap is float noise, top_p < 1,
+    top_k > 0 and both; a step trains through the truncated forward; top_p = 1 stays ~0 either way. The forward's
+    support is switched in place between phases (one backend start instead of four)."""
+    from fully_async.protocol import flatten
+    from fully_async.training.sampling_support import SamplingSupport
 
     model, servers = engine
     backend = _backend(model)
     try:
         _sync(backend, servers, tmp_path / "w20", 20)
-        nucleus = asyncio.run(_sample(servers, version=20, top_p=0.5))
-        full = asyncio.run(_sample(servers, version=20))
-        batch = assemble(nucleus)
-        trainer = backend.compute_log_probs(nucleus)
-        prox = batch.behaviour_logprobs.clone()
-        for i, lp in enumerate(trainer):
-            prox[i, : len(lp)] = torch.from_numpy(lp)
-        d = diagnostics(prox, batch.behaviour_logprobs, batch.response_mask, batch.token_versions, 20)
+        nucleus = asyncio.run(_sample(servers, version=20, top_p=0.8))
+        d = _numerics(backend, nucleus, 20)  # the support off: the trainer's full softmax
+        print(
+            "top_p=0.8, support off: staleness-0 k1", d["offpolicy/staleness_0/k1"], "k3", d["offpolicy/staleness_0/k3"]
+        )
         assert d["offpolicy/staleness_0/k1"] > 1e-2 and d["offpolicy/staleness_0/tokens"] == d["offpolicy/tokens"]
-        assert all(float((t.behaviour_logprobs - lp).min()) > -1e-4 for t, lp in zip(flatten(nucleus), trainer))
-        m = backend.update(full, version=20)
+        assert all(float((t.behaviour_logprobs - lp).min()) > -1e-4
+                   for t, lp in zip(flatten(nucleus), backend.compute_log_probs(nucleus)))  # fmt: skip
+        gaps = {}
+        for support in (SamplingSupport(top_p=0.8), SamplingSupport(top_k=5)):
+            backend.forward.support = support
+            groups = nucleus if support.top_p < 1 else asyncio.run(_sample(servers, version=20, top_k=5))
+            d = _numerics(backend, groups, 20)
+            gaps[support] = (d["offpolicy/staleness_0/k3"], _gap(backend, groups))
+            assert d["offpolicy/staleness_0/k3"] < 1e-7 and abs(d["offpolicy/staleness_0/k1"]) < 1e-5, support
+            assert _gap(backend, groups) < 1e-4, support
+        backend.forward.support = SamplingSupport()
+        full = asyncio.run(_sample(servers, version=20))
+        assert _numerics(backend, full, 20)["offpolicy/staleness_0/k3"] < 1e-7
+        backend.forward.support = SamplingSupport(top_k=20, top_p=0.9)
+        both = asyncio.run(_sample(servers, version=20, top_k=20, top_p=0.9))
+        m = backend.update(both, version=20)  # the step's own metrics, then a finite update through the support
+        print("staleness-0 k3 / max |gap| with the support:", gaps, "top_k=20 top_p=0.9 step k3:",
+              m["offpolicy/staleness_0/k3"])  # fmt: skip
         for key in ("k1", "k3", "abs_diff"):
             assert abs(m[f"offpolicy/staleness_0/{key}"]) < 1e-4, key
         assert m["offpolicy/staleness_0/k3"] < 1e-7
+        assert np.isfinite(m["actor/loss"]) and np.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
     finally:
         backend.shutdown()

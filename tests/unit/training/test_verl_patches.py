@@ -200,3 +200,109 @@ def test_0006_equal_length_rows_of_3d_position_ids_stay_ragged_in_the_sequence()
     assert [tuple(m["position_ids"].shape[:2]) for m in micro] == [(2, 4), (1, 4)]
     picked = index_select_tensor_dict(packed, [2, 0])["position_ids"]
     assert [tuple(x.shape) for x in picked.unbind()] == [(4, length), (4, length)]
+
+
+def _support_by_hand(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens a top-k / nucleus sampler may draw from `row` (logits at the temperature), by the definition: the k
+    largest (ties kept), then in descending order every token whose more likely tokens hold < top_p of the mass."""
+    order = sorted(range(len(row)), key=lambda i: -float(row[i]))
+    if top_k > 0:
+        kth = float(row[order[top_k - 1]])
+        order = [i for i in order if float(row[i]) >= kth]
+    probs = torch.softmax(row[order].double(), -1).tolist()
+    kept, mass = set(), 0.0
+    for i, q in zip(order, probs, strict=True):
+        if mass < top_p or not kept:
+            kept.add(i)
+        mass += q
+    return kept
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.8), (20, 0.9), (1, 1.0), (-1, 0.3), (40, 0.5)])
+def test_0007_truncation_keeps_the_samplers_support_and_renormalises(top_k, top_p, monkeypatch):
+    import verl.utils.torch_functional as vf
+
+    monkeypatch.setattr(vf, "_LOGPROBS_CHUNK_ELEMENTS", 7 * 64)  # several chunks, the last one short
+    torch.manual_seed(2)
+    logits = torch.randn(3, 10, 64) * 2
+    out = vf.truncate_to_sampling_support(logits, top_k, top_p)
+    lowest = torch.finfo(logits.dtype).min
+    for row, got in zip(logits.reshape(-1, 64), out.reshape(-1, 64), strict=True):
+        assert {i for i in range(64) if got[i] > lowest} == _support_by_hand(row, top_k, top_p)
+    kept = out > lowest
+    assert torch.equal(out[kept], logits[kept])
+    logp = torch.log_softmax(out, -1)
+    # The log-probs of the kept tokens are those of the renormalised distribution over them.
+    want = logits - torch.logsumexp(logits.masked_fill(~kept, float("-inf")), -1, keepdim=True)
+    torch.testing.assert_close(logp[kept], want[kept])
+    assert torch.isfinite(vf.entropy_from_logits(out)).all()  # the lowest finite value, not -inf (0 * -inf = NaN)
+
+
+def test_0007_off_is_the_same_tensor_and_sampled_tokens_always_stay():
+    import verl.utils.torch_functional as vf
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 32, requires_grad=True)
+    assert vf.truncate_to_sampling_support(logits) is logits  # top_p=1 / top_k off: bit for bit as before
+    assert vf.truncate_to_sampling_support(logits, top_k=32, top_p=1.0) is logits
+    sampled = logits.argmin(-1)  # outside any top-2
+    out = vf.truncate_to_sampling_support(logits, top_k=2, keep=sampled)
+    assert torch.isfinite(torch.log_softmax(out, -1).gather(-1, sampled[:, None])).all()
+    assert ((out > torch.finfo(out.dtype).min).sum(-1) == 3).all()
+    torch.log_softmax(out, -1).gather(-1, sampled[:, None]).sum().backward()
+    assert (logits.grad != 0).sum() == 6 * 3  # no gradient through the dropped logits
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed (GPU: remove-padding)", "padded (CPU)"])
+def test_0007_verls_forward_gives_log_probs_and_entropy_of_the_truncated_distribution(packed):
+    """verl's own FSDPEngineWithLMHead.prepare_model_outputs on given logits, both branches patch 0007 changes (the
+    packed one is what GPU runs take; this project's CPU runs take the padded one), without a model or Ray."""
+    from types import SimpleNamespace
+
+    import verl.utils.torch_functional as vf
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    torch.manual_seed(4)
+    vocab, temperature, top_k, top_p = 40, 0.7, 8, 0.8
+    seqs = [torch.randint(0, vocab, (n,)) for n in (5, 7)]
+    flat = torch.cat(seqs)
+    rolled = torch.roll(flat, -1)
+    logits = [torch.randn(len(s), vocab) * 3 for s in seqs]
+    td = TensorDict({"input_ids": torch.nested.nested_tensor(seqs, layout=torch.jagged)}, batch_size=[2])
+    tu.assign_non_tensor(td, use_remove_padding=packed, calculate_entropy=True, top_k=top_k, top_p=top_p)
+    engine = object.__new__(FSDPEngineWithLMHead)  # the forward's outputs only: no model, no process group
+    engine.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+    engine.compute_entropy_from_logits, engine.use_ulysses_sp = vf.entropy_from_logits, False
+    if packed:
+        output = SimpleNamespace(logits=torch.cat(logits)[None])
+        args = {"input_ids_rmpad_rolled": rolled, "temperature_rmpad": torch.full((len(flat),), temperature),
+                "pad_size": 0, "temperature_is_one": False}  # fmt: skip
+    else:
+        padded = torch.zeros(2, 7, vocab)
+        for i, x in enumerate(logits):
+            padded[i, : len(x)] = x
+        output = SimpleNamespace(logits=padded)
+        args = {
+            "input_ids_rmpad_rolled": rolled,
+            "temperature": torch.full((2,), temperature),
+            "temperature_is_one": False,
+        }
+    out = engine.prepare_model_outputs(output, args, td, None)
+    got_lp, got_ent = out["log_probs"].values(), out["entropy"].values()
+    k, checked = 0, 0
+    for s, x in zip(seqs, logits, strict=True):
+        for t in range(len(s)):
+            # A row's last position predicts no token of it (its label is the next row's first token in verl's packed
+            # roll; the padded branch keeps another one there): no log-prob of it is ever read.
+            if t < len(s) - 1:
+                row, label = x[t] / temperature, int(rolled[k])
+                support = sorted(_support_by_hand(row, top_k, top_p) | {label})
+                want = torch.log_softmax(row[support], -1)
+                assert len(support) < vocab
+                torch.testing.assert_close(got_lp[k], want[support.index(label)])
+                torch.testing.assert_close(got_ent[k], -(want.exp() * want).sum())
+                checked += 1
+            k += 1
+    assert k == len(flat) and checked == len(flat) - len(seqs)
