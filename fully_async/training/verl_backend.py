@@ -80,7 +80,6 @@ class VerlBackend(TrainingBackend):
         self.cpu = device == "cpu"
         self.trainer, self.algorithm = trainer, algorithm
         self.model_path = Path(model_path)
-        self.temperature = float(temperature)
         self.pad_token_id = pad_token_id
         self.vision = VisionProcessor(self.model_path) if is_vision_model(self.model_path) else None
         """The vision processor of a vision-language model (the batches' pixel inputs), else None."""
@@ -101,7 +100,7 @@ class VerlBackend(TrainingBackend):
         twc, self.actor_config = engine_configs(trainer, algorithm, str(model_path), self.cpu, self.lora)
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
-        self.forward = RankForward(self.ranks, lambda: self.trainer.max_token_len_per_gpu, self.temperature,
+        self.forward = RankForward(self.ranks, lambda: self.trainer.max_token_len_per_gpu, float(temperature),
                                    pad_token_id, self.vision, support)  # fmt: skip
         self._start_ranks(twc, use_reference, freeze_vision_tower and self.vision is not None)
 
