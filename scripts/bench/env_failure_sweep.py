@@ -126,7 +126,8 @@ def curve(trajs: list[dict], steps: int, window: int, threshold: float) -> dict:
         "windows": [round(mean(lo, min(lo + window - 1, steps)), 3) for lo in range(1, steps + 1, window)],
         "crossed": crossed,
         "last_window": mean(steps - window + 1, steps),
-        "tool_rate_last": sum(t.get("env_turns", 0) > 0 for t in last) / max(1, len(last)),
+        # A second model turn follows only a tool call (a digit or any other first token ends the episode).
+        "tool_rate_last": sum(t.get("turns", 0) > 1 for t in last) / max(1, len(last)),
     }
 
 
@@ -165,6 +166,16 @@ def print_curves(cells: list[tuple[float, str, dict]], window: int, threshold: f
               f"{s['zeroed'] / max(1, s['samples']):.1%} | {s['reissued']} | {s['seconds']:.0f} |", flush=True)  # fmt: skip
 
 
+def report(out: Path, window: int, threshold: float) -> None:
+    """The curve table of every finished cell under `out` (cells run by separate invocations, one per cell)."""
+    cells = []
+    for path in sorted(out.glob("**/summary.json")):
+        rate, _, rule = path.parent.name.removeprefix("rate").partition("-")
+        s = {**json.loads(path.read_text()), **summarize(path.parent, window, threshold)}
+        cells.append((float(rate), rule if float(rate) > 0 else "-", s))
+    print_curves(sorted(cells, key=lambda c: (c[0], c[1] != "reissue")), window, threshold)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -176,7 +187,10 @@ def main() -> None:
     p.add_argument("--task", choices=sorted(TASKS), default="digits", help="lookup: a task that learns (curves)")
     p.add_argument("--window", type=int, default=20, help="steps per point of the reward curve")
     p.add_argument("--threshold", type=float, default=0.5, help="the window mean whose first crossing is reported")
+    p.add_argument("--report", action="store_true", help="run nothing: the curve table of the cells under --out")
     args = p.parse_args()
+    if args.report:
+        return report(args.out, args.window, args.threshold)
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FULLY_ASYNC_ENV_MAX_CONCURRENT": "256"}
     servers = [
