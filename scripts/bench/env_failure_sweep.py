@@ -1,6 +1,7 @@
 """Environment infrastructure-failure rate x the rule past the retry budget, against the reward curve (issue 40).
 
-    .venv/bin/python scripts/bench/env_failure_sweep.py --out /tmp/envsweep --task lookup --steps 200  # curves
+    .venv/bin/python scripts/bench/env_failure_sweep.py --out /tmp/envsweep --task lookup --steps 300  # curves
+    .venv/bin/python scripts/bench/env_failure_sweep.py --out /tmp/envsweep --report       # the cells under --out
     .venv/bin/python scripts/bench/env_failure_sweep.py --out /tmp/envsweep --sim --steps 20      # the accounting only
 
 Each cell is one job of an OpenEnv example, its reward through the RewardAgent: --task lookup (examples/
