@@ -78,8 +78,9 @@ class Trajectory:
     finish_reason: str = "stop"
     num_aborts: int = 0
     images: list[bytes] = field(default_factory=list)
-    """The prompt's images as PNG bytes (fully_async/multimodal), in the order of the image tokens in prompt_ids;
-    empty for a text prompt. The bytes object is the row's own, shared by the group's samples: not a pixel tensor."""
+    """The images as PNG bytes (fully_async/multimodal), in the order of the image tokens in prompt_ids, then in
+    response_ids (a tool turn that showed one, agents/tool_images.py); empty for a text prompt. A prompt's bytes
+    object is the row's own, shared by the group's samples: not a pixel tensor."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, _ARRAYS[0][1])

@@ -475,7 +475,8 @@ class ScriptedClient:
     """Stands in for EngineClient in agent-loop unit tests: turn k of every request sequence answers `turns[k]` (a
     string, encoded with `tokenizer`, plus `end` when given), cut to max_tokens like the real client; log-probs are
     -0.1 * (position + 1) and every token carries `versions[k]` (default 0). `prompts` records what each call sent.
-    `before_turn(k)` (optional coroutine function) runs before turn k answers (e.g. a weight sync)."""
+    `before_turn(k)` (optional coroutine function) runs before turn k answers (e.g. a weight sync). `images` records
+    the images each call sent (a vision-language prompt)."""
 
     def __init__(self, tokenizer, turns, end=None, versions=None, before_turn=None):
         self.tokenizer = tokenizer
@@ -485,8 +486,10 @@ class ScriptedClient:
         self.before_turn = before_turn
         self.prompts: list[list[int]] = []
         self.budgets: list[int] = []
+        self.images: list[list[bytes]] = []
+        self.samplings: list = []
 
-    async def generate(self, prompt_ids, max_tokens, sampling=None, continue_on_abort=True):
+    async def generate(self, prompt_ids, max_tokens, sampling=None, continue_on_abort=True, images=None):
         from fully_async.engines.base import GenerationResult
 
         k = len(self.prompts)
@@ -494,6 +497,8 @@ class ScriptedClient:
             await self.before_turn(k)
         self.prompts.append(list(prompt_ids))
         self.budgets.append(max_tokens)
+        self.images.append(list(images or []))
+        self.samplings.append(sampling)
         ids = list(self.tokenizer.encode(self.turns[k], add_special_tokens=False))
         ids += [self.end] if self.end is not None else []
         finish = "length" if len(ids) > max_tokens else "stop"

@@ -135,17 +135,25 @@ class ChatDelta:
 class Transcript:
     """The growing token list of one episode: the prompt, then model and inserted tokens with their per-token arrays."""
 
-    def __init__(self, prompt_ids: Sequence[int]):
-        self.prompt_ids = list(prompt_ids)
+    def __init__(
+        self, prompt_ids: Sequence[int], images: Sequence[bytes] = (), expanded_prompt: Sequence[int] | None = None
+    ):
+        """`images`: the prompt's (a vision-language model); `prompt_ids` then holds one image token per image (what
+        the engine is sent) and `expanded_prompt` each expanded to its patch tokens (what the trainer scores)."""
+        self.engine_ids = list(prompt_ids)
+        """The engine's view of the whole sequence: one image token per image (the engine expands them itself)."""
+        self.prompt_ids = list(prompt_ids if expanded_prompt is None else expanded_prompt)
         self.response_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.mask: list[int] = []
+        self.images: list[bytes] = list(images)
+        """Every image of the episode so far, in the order of their image tokens."""
 
     @property
     def ids(self) -> list[int]:
-        """What the next model call is sent: prompt + everything so far."""
-        return self.prompt_ids + self.response_ids
+        """What the next model call is sent: prompt + everything so far (images: one token each)."""
+        return list(self.engine_ids)
 
     def __len__(self) -> int:
         """Response tokens so far (model and inserted): what the response budget counts."""
@@ -159,17 +167,25 @@ class Transcript:
         """Tokens the policy sampled: trained on (mask 1), with their behaviour log-probs and weight versions."""
         if not len(token_ids) == len(logprobs) == len(versions):
             raise ValueError(f"{len(token_ids)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+        self.engine_ids.extend(int(t) for t in token_ids)
         self.response_ids.extend(int(t) for t in token_ids)
         self.logprobs.extend(float(x) for x in logprobs)
         self.versions.extend(int(v) for v in versions)
         self.mask.extend([1] * len(token_ids))
 
-    def add_inserted(self, token_ids: Sequence[int]) -> None:
-        """Tokens no policy produced (tool output, environment text, template boundaries): mask 0, NO_VERSION."""
-        self.response_ids.extend(int(t) for t in token_ids)
-        self.logprobs.extend([0.0] * len(token_ids))
-        self.versions.extend([NO_VERSION] * len(token_ids))
-        self.mask.extend([0] * len(token_ids))
+    def add_inserted(
+        self, token_ids: Sequence[int], images: Sequence[bytes] = (), expanded: Sequence[int] | None = None
+    ) -> None:
+        """Tokens no policy produced (tool output, environment text, template boundaries): mask 0, NO_VERSION. With
+        `images` (a tool that returned images), `token_ids` is the engine's view (one image token each) and
+        `expanded` the trainer's (agents/tool_images.py); the images join the episode's, in order."""
+        self.engine_ids.extend(int(t) for t in token_ids)
+        kept = token_ids if expanded is None else expanded
+        self.response_ids.extend(int(t) for t in kept)
+        self.logprobs.extend([0.0] * len(kept))
+        self.versions.extend([NO_VERSION] * len(kept))
+        self.mask.extend([0] * len(kept))
+        self.images.extend(images)
 
     def to_trajectory(self, **fields: Any) -> Trajectory:
         """The episode as a Trajectory (prompt, sample_index, start_version, ... given as `fields`)."""
@@ -179,5 +195,6 @@ class Transcript:
             behaviour_logprobs=self.logprobs,
             token_versions=self.versions,
             loss_mask=self.mask,
+            images=list(self.images),
             **fields,
         )

@@ -24,6 +24,8 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from fully_async.agents.base import AgentLoop, Sample
 from fully_async.agents.tokens import ChatDelta, Transcript
+from fully_async.agents.tool_images import check_vision_model, expand_turn, tool_content
 from fully_async.agents.toolkit import (
     ERROR_KINDS,
     Tool,
@@ -88,8 +91,23 @@ class ToolAgentLoop(AgentLoop):
         return [t.schema for t in self.tools.values()]
 
     def prompt_ids(self, sample: Sample) -> list[int]:
+        """The engine's view of the prompt: one image token per image of the row."""
         kwargs = {"tools": self.tool_schemas} if self.tools else {}
-        return self.chat.render_ids(list(sample.row.messages), add_generation_prompt=True, **kwargs)
+        messages = list(sample.row.messages)
+        if sample.row.images:
+            messages = [{**m, "content": self.vision.prompt_text(m["content"])} for m in messages]
+        return self.chat.render_ids(messages, add_generation_prompt=True, **kwargs)
+
+    @functools.cached_property
+    def serves_vision(self) -> bool:
+        """Whether the model is a vision-language model: its turns then stop before a sampled vision token."""
+        from fully_async.multimodal.processor import is_vision_model
+
+        return is_vision_model(getattr(self.tokenizer, "name_or_path", "") or ".")
+
+    def _transcript(self, sample: Sample) -> Transcript:
+        ids, images = self.prompt_ids(sample), sample.row.images
+        return Transcript(ids, images, self.vision.expand(ids, images) if images else None)
 
     async def run(self, client: EngineClient, sample: Sample) -> Trajectory:
         for restarts in range(MAX_RESTARTS + 1):
@@ -104,7 +122,7 @@ class ToolAgentLoop(AgentLoop):
     async def _episode(self, client: EngineClient, sample: Sample) -> Trajectory:
         cfg = self.multi_turn
         episode = f"{sample.prompt.uid}#{sample.sample_index}"
-        tr = Transcript(self.prompt_ids(sample))
+        tr = self._transcript(sample)
         info = _episode_info()
         timings = {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0}
         start_version, num_aborts, finish = None, 0, "stop"
@@ -128,9 +146,10 @@ class ToolAgentLoop(AgentLoop):
                 if calls and last:
                     info["max_turns_reached"] = True
                     break
+                images: list[bytes] = []
                 if calls:
                     t0 = time.monotonic()
-                    messages = await self._run_tools(calls, episode, info)
+                    messages, images = await self._run_tools(calls, episode, info)
                     timings["tool_s"] += time.monotonic() - t0
                 else:
                     messages = None if last else await self._environment(sample, turn, text, episode, timings)
@@ -139,11 +158,12 @@ class ToolAgentLoop(AgentLoop):
                         break
                     info["env_turns"] += 1
                 inserted = self.chat.boundary(tr.last_token) + self.chat.delta(messages)
-                if len(tr) + len(inserted) >= self.response_length:  # no room left for a model token after it
+                expanded = expand_turn(self.vision, inserted, images) if images or self.serves_vision else inserted
+                if len(tr) + len(expanded) >= self.response_length:  # no room left for a model token after it
                     info["budget_stop"] = True
                     finish = "length"
                     break
-                tr.add_inserted(inserted)
+                tr.add_inserted(inserted, images, expanded)
         finally:
             await self._release(episode, created)
         info["tool_error"] = info["tool_errors"] > 0
@@ -162,25 +182,43 @@ class ToolAgentLoop(AgentLoop):
         left = self.response_length - len(tr)
         per_turn = self.multi_turn.max_tokens_per_turn
         budget = min(left, per_turn) if per_turn else left
+        sampling, kwargs = self.sampling, {}
+        if self.serves_vision:  # a sampled vision token would be an image token with no image (docs/vlm.md)
+            sampling = dataclasses.replace(
+                sampling, stop_token_ids=(*sampling.stop_token_ids, *self.vision.vision_token_ids)
+            )
+        if tr.images:
+            kwargs["images"] = list(tr.images)
         t0 = time.monotonic()
-        out = await client.generate(tr.ids, budget, self.sampling, continue_on_abort=self.continue_on_abort)
+        out = await client.generate(tr.ids, budget, sampling, continue_on_abort=self.continue_on_abort, **kwargs)
         timings["generate_s"] += time.monotonic() - t0
+        if self.serves_vision:
+            cut = self.vision.cut_response(out.token_ids, out.logprobs, out.versions, out.finish_reason)
+            out = dataclasses.replace(out, token_ids=cut[0], logprobs=cut[1], versions=cut[2], finish_reason=cut[3])
         return out
 
-    async def _run_tools(self, calls: list[ToolCall], episode: str, info: dict[str, Any]) -> list[dict[str, str]]:
-        """Run the first max_parallel_calls calls concurrently; their tool messages, in call order."""
+    async def _run_tools(
+        self, calls: list[ToolCall], episode: str, info: dict[str, Any]
+    ) -> tuple[list[dict[str, str]], list[bytes]]:
+        """Run the first max_parallel_calls calls concurrently: their tool messages, in call order, and the images
+        they return, in the order of their image tokens (agents/tool_images.py)."""
         cfg = self.multi_turn
         run = calls[: cfg.max_parallel_calls]
         info["tool_calls_skipped"] += len(calls) - len(run)
         results = await asyncio.gather(*(self._call(c, episode, info) for c in run))
-        messages = []
+        messages, images = [], []
         for call, res in zip(run, results):
             info["tool_calls"] += 1
             self.counts["tool_calls"] += 1
             if res.error is not None:
                 self._count_error(call.name, res.error, res.text, info)
-            messages.append({"role": "tool", "content": self._cut(res.text, info)})
-        return messages
+            text = self._cut(res.text, info)
+            if res.images:
+                check_vision_model(self.serves_vision, call.name, self.tokenizer)
+                text = tool_content(self.vision, text, len(res.images))
+                images.extend(res.images)
+            messages.append({"role": "tool", "content": text})
+        return messages, images
 
     async def _call(self, call: ToolCall, episode: str, info: dict[str, Any]) -> ToolResult:
         """One call under its tool's limiter (the wait is outside the timeout), recorded on the trace."""

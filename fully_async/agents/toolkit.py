@@ -1,7 +1,8 @@
 """Tools for ToolAgentLoop: loading them, parsing hermes-style calls, checking arguments, running under a timeout.
 
 A tool is an OpenAI function schema plus an async callable taking the call's arguments as keywords and returning
-the response (a string; anything else is sent as JSON). Two ways to configure them:
+the response (a string; an object with `.text` and `.images` shows the model images too, agents/tool_images.py;
+anything else is sent as JSON). Two ways to configure them:
 
 - `rollout.multi_turn.tools=[pkg.mod:fn, ...]`: plain functions (async, or sync ones run in a thread). The schema
   is the function's `tool_schema` attribute if it has one, else derived from its signature (str/int/float/bool/list/
@@ -27,6 +28,8 @@ import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from fully_async.multimodal.images import ImageError, to_png
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -58,6 +61,10 @@ class ToolResult:
     error: str | None = None
     """One of ERROR_KINDS, or None."""
     seconds: float = 0.0
+    images: list[bytes] = dataclasses.field(default_factory=list)
+    """Images the model is shown in the tool turn, before the text (PNG bytes; a vision-language model only,
+    agents/tool_images.py). A tool returns them as an object with `.text` and `.images` (e.g. a ToolResult); any
+    image format or data URL is converted to PNG."""
 
 
 @dataclasses.dataclass
@@ -146,7 +153,18 @@ async def run_call(tools: dict[str, Tool], call: ToolCall, episode_id: str, time
         return ToolResult(f"Error: bad arguments for {call.name}: {e}.", "bad_arguments", loop.time() - start)
     except Exception as e:  # the tool's own failure is the model's observation, not the run's end (the loop logs it)
         return ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", "tool_error", loop.time() - start)
-    return ToolResult(_as_text(out), None, loop.time() - start)
+    seconds = loop.time() - start
+    try:
+        images = _images(out)
+    except ImageError as e:  # an unreadable image is the tool's failure: the model is told, the run goes on
+        return ToolResult(f"Error: {call.name} returned an unreadable image: {e}", "tool_error", seconds)
+    return ToolResult(_as_text(out), None, seconds, images)
+
+
+def _images(out: Any) -> list[bytes]:
+    if isinstance(out, tuple) and out:
+        out = out[0]
+    return [to_png(img) for img in getattr(out, "images", None) or []]
 
 
 def _as_text(out: Any) -> str:

@@ -163,3 +163,70 @@ def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sy
     fresh = asyncio.run(_sample(served, servers, version=1))
     assert _gap(backend, fresh) < 1e-4
     assert _gap(backend, groups) > 1e-3  # the update moved the policy
+
+
+def test_a_response_after_a_tools_image_trainer_log_probs_match_the_engines(trainer, engine):
+    """A multi-turn tool that returns an image (agents/tool_images.py): the engine's next turn sees the image (sent
+    short, expanded by the server), the Trajectory holds it expanded at the tool turn, and the trainer's log-probs
+    on the model tokens after it are the engine's: the bookkeeping end to end."""
+    from transformers import AutoTokenizer
+
+    from fully_async.agents.base import Sample
+    from fully_async.agents.tool import ToolAgentLoop
+    from fully_async.agents.toolkit import ToolCall, ToolResult, function_tool
+    from fully_async.config import MultiTurnConfig
+    from fully_async.engines import EngineClient, Sampling
+    from fully_async.models.tiny_vlm import IMAGE_PAD_ID
+
+    model, backend, _ = trainer
+    served, servers = engine
+    rows = list(synthetic_rows(4, 1, task="colors"))
+    shown = rows[3].images[0]
+
+    async def camera() -> ToolResult:
+        """Show a picture."""
+        return ToolResult("seen", images=[shown])
+
+    class Caller(ToolAgentLoop):
+        """Calls the camera after its first turn whatever it says (the untrained model writes no tool calls); no
+        schemas in the prompt (the byte-level prompt stays within the server's max_model_len)."""
+
+        tool_schemas = []
+
+        def tool_calls(self, turn, text):
+            return [ToolCall("camera")] if turn == 0 else []
+
+    cfg = MultiTurnConfig(max_turns=2, max_tokens_per_turn=6)
+    tok = AutoTokenizer.from_pretrained(served)
+    loop = Caller(tok, Sampling(temperature=TEMPERATURE), 96, multi_turn=cfg, tools={"camera": function_tool(camera)})
+
+    async def sample():
+        client = EngineClient(servers)
+        try:
+            groups = []
+            for i, row in enumerate(rows[:2]):
+                ref = PromptRef(1, i)
+                trajs = await asyncio.gather(*(loop.run(client, Sample(ref, s, row)) for s in range(2)))
+                for s, t in enumerate(trajs):
+                    t.reward = float(s)
+                groups.append(TrajectoryGroup(ref, list(trajs)))
+            return groups
+        finally:
+            await client.close()
+
+    groups = asyncio.run(sample())
+    trajs = [t for g in groups for t in g.trajectories]
+    after = 0
+    for t in trajs:
+        assert t.reward_info["tool_calls"] == 1 and t.images == [*t.images[:1], shown] and len(t.images) == 2
+        resp, mask = t.response_ids.tolist(), t.loss_mask.tolist()
+        pads = [i for i, x in enumerate(resp) if x == IMAGE_PAD_ID]
+        assert len(pads) == 4 and all(mask[i] == 0 for i in pads)  # the tool's image, expanded, never trained on
+        after += sum(mask[pads[-1] :])
+    assert after >= 1  # model tokens that followed the tool's image
+    lps = backend.compute_log_probs(groups)
+    gap = max(
+        float(np.abs((t.behaviour_logprobs - lp)[t.loss_mask.astype(bool)]).max(initial=0.0))
+        for t, lp in zip(trajs, lps, strict=True)
+    )
+    assert gap < 1e-4
