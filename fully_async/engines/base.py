@@ -173,6 +173,10 @@ class EngineKind(abc.ABC):
     @abc.abstractmethod
     def reset_prefix_cache_call(self) -> HttpCall: ...
 
+    def encoder_cache_reset_call(self) -> HttpCall | None:
+        """After new weights: drop the images' encoder outputs cached under the old ones (None: nothing cached)."""
+        return None
+
     def rpc_call(self, method: str, spec: str) -> HttpCall:
         """A call of `method(spec=<JSON string>)` on every worker of a server (the weight receiver's methods)."""
         raise NotImplementedError(f"{self.name} servers have no weight receiver")

@@ -138,6 +138,12 @@ class ControlPlane:
     async def reset_prefix_cache(self) -> None:
         await self.call_all("reset prefix cache", self.pool.kind.reset_prefix_cache_call())
 
+    async def reset_encoder_cache(self) -> None:
+        """A vision-language server's cached image encoder outputs, after new weights (the kind's call says why)."""
+        call = self.pool.kind.encoder_cache_reset_call()
+        if call is not None:
+            await self.call_all("reset encoder cache", call)
+
     async def is_paused(self, url: str) -> bool:
         return await self.pool.kind.is_paused(url, self)
 
@@ -193,6 +199,7 @@ class ControlPlane:
                 await self.reset_prefix_cache()
             except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains alone
                 logger.warning("prefix cache not reset after a weight reload: %s", e)
+            await self.reset_encoder_cache()
             await self.set_version(version)
             if rejoin:
                 await pool.sync_router_async()
@@ -221,6 +228,7 @@ class ControlPlane:
             await self.reset_prefix_cache()
         except EngineError as e:
             logger.warning("prefix cache not reset after a weight sync: %s", e)
+        await self.reset_encoder_cache()  # a trained vision tower's outputs change too
         async with pool.membership:
             await self.set_version(version)
         if epoch == pool.epoch and pool.slots.count(SlotState.STALE):

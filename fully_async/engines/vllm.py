@@ -175,6 +175,13 @@ class VLLMKind(VLLMControlCalls, EngineKind):
         """Whether the served model is a vision-language model (its config.json's model_type)."""
         return is_vision_model(self.model_path)
 
+    def encoder_cache_reset_call(self) -> HttpCall | None:
+        """vLLM caches each image's encoder output under the image's hash in two places: the scheduler's record and
+        the worker's tensors. Its in-place reload clears the tensors only; a later request of an image seen before
+        the reload is then scheduled without its encoder run and the engine core dies ("Encoder cache miss").
+        A server's own pause resets both, but a sync with nothing in flight pauses only the clients."""
+        return HttpCall("POST", "/reset_encoder_cache") if self.vision else None
+
     def parse_generate(self, body: Any) -> Segment:
         try:
             choice = body["choices"][0]

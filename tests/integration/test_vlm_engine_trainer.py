@@ -164,6 +164,17 @@ def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sy
     assert _gap(backend, fresh) < 1e-4
     assert _gap(backend, groups) > 1e-3  # the update moved the policy
 
+    # The job's sync with no request in flight pauses only the clients (rollouter.py), so the server's own pause
+    # does not reset its image encoder cache: the same images after that reload must still be served (a task=colors
+    # run's engine core died there, "Encoder cache miss", until the pool reset that cache after every reload).
+    async def quiet_reload():
+        assert not await servers.pause("abort", idle=lambda: True)
+        await servers.load_weights(tmp_path / "w1", 2)
+        await servers.resume()
+
+    asyncio.run(quiet_reload())
+    assert _gap(backend, asyncio.run(_sample(served, servers, version=2))) < 1e-4
+
 
 def test_a_response_after_a_tools_image_trainer_log_probs_match_the_engines(trainer, engine):
     """A multi-turn tool that returns an image (agents/tool_images.py): the engine's next turn sees the image (sent
