@@ -137,15 +137,12 @@ class Job:
         import ray
 
         from fully_async.device import cpu_split
-        from fully_async.engines import logprobs_truncated
         from fully_async.engines.auth import ensure_token
         from fully_async.handles import rollouter_name
         from fully_async.message_queue import create_message_queue
         from fully_async.rollouter import create_rollouter
         from fully_async.trace import Tracer
         from fully_async.trainer import Trainer
-        from fully_async.training import build_backend
-        from fully_async.training.sampling_support import SamplingSupport
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Worker output (verl's import warnings per rank, retry storms) to RUN_DIR/logs/workers.log; the console gets
@@ -171,12 +168,7 @@ class Job:
         resuming = self._resuming()
         engines = None if resuming else self._start_engines({})  # beside the ranks' build below
         with self.startup.part("trainer_ranks"):
-            self.backend = build_backend(
-                cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
-                support=SamplingSupport.of_rollout(cfg.rollout, logprobs_truncated(cfg.engine.kind)),
-                cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
-                freeze_vision_tower=cfg.model.freeze_vision_tower,
-            )  # fmt: skip
+            self.backend = self._backend(trainer_side)
         tracer = Tracer(str(self.run_dir), "trainer", cfg.logger.trace)  # trainer and sync lanes of the event trace
         self.sync = self._param_sync(tracer)
         self.trainer = Trainer(cfg, self.backend, self.queue, self.rollouter, self.sync, str(self.run_dir), tracer)
@@ -195,6 +187,21 @@ class Job:
         self.echo(f"engines: {started}")
         self._record_where()
         return started
+
+    def _backend(self, trainer_side: Any) -> Any:
+        """The training backend on the trainer's share of the CPUs and its placement groups; its log-probs are taken
+        at the rollout's temperature and, where the engine reports truncated ones, its top-k / nucleus."""
+        from fully_async.engines import logprobs_truncated
+        from fully_async.training import build_backend
+        from fully_async.training.sampling_support import SamplingSupport
+
+        cfg = self.cfg
+        return build_backend(
+            cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
+            support=SamplingSupport.of_rollout(cfg.rollout, logprobs_truncated(cfg.engine.kind)),
+            cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
+            freeze_vision_tower=cfg.model.freeze_vision_tower,
+        )  # fmt: skip
 
     def _param_sync(self, tracer: Any) -> Any:
         """The run's ParamSync over its weights root (a fresh /dev/shm one unless given) and its transport: the
