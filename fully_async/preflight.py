@@ -64,6 +64,21 @@ def check_trainer_feeds_engine(cfg: FullyAsyncConfig) -> None:
         )
 
 
+def check_engine_takes_images(cfg: FullyAsyncConfig, model_dir: Path) -> None:
+    """A vision-language model on an engine kind that takes no images (SGLang: not wired, docs/vlm.md) would start
+    its servers, then fail every group at the first generate call until the run gives up; refused here, naming the
+    kind that does."""
+    from fully_async.config import ConfigError
+    from fully_async.engines import kind_class
+    from fully_async.multimodal.processor import is_vision_model
+
+    if is_vision_model(model_dir) and not kind_class(cfg.engine.kind).takes_images:
+        raise ConfigError(
+            f"engine.kind={cfg.engine.kind} cannot take images yet, and {model_dir} is a vision-language model; "
+            "use engine.kind=vllm (docs/vlm.md)"
+        )
+
+
 def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     """Check the data files, then resolve the run's model directory. Raises DataError or ConfigError (model.path).
 
@@ -76,4 +91,6 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
         print(line, flush=True)
     from fully_async.models import resolve_run_model
 
-    return resolve_run_model(cfg)
+    model_dir = resolve_run_model(cfg)
+    check_engine_takes_images(cfg, model_dir)
+    return model_dir

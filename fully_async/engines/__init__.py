@@ -22,22 +22,32 @@ from fully_async.engines.pool import EngineServers
 from fully_async.engines.types import GenerationResult, Sampling
 
 __all__ = [
-    "EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine", "logprobs_truncated",
+    "EngineClient", "EngineError", "EngineServers", "GenerationResult", "Sampling", "build_engine", "kind_class", "logprobs_truncated",
 ]  # fmt: skip
+
+
+def kind_class(kind: str) -> type[EngineKind]:
+    """The EngineKind class of engine.kind=`kind` (its class-level capabilities: logprobs_truncated, takes_images),
+    imported only for that kind."""
+    if kind == "vllm":
+        from fully_async.engines.vllm import VLLMKind
+
+        return VLLMKind
+    if kind == "sglang":
+        from fully_async.engines.sglang import SGLangKind
+
+        return SGLangKind
+    if kind == "sim":
+        from fully_async.engines.sim import SimKind
+
+        return SimKind
+    raise ConfigError(f"engine.kind must be one of ['vllm', 'sglang', 'sim'], got {kind!r}")
 
 
 def logprobs_truncated(kind: str) -> bool:
     """Whether engine.kind=`kind` returns behaviour log-probs of the top-k / nucleus-truncated distribution
     (EngineKind.logprobs_truncated): the trainer's log-probs then repeat the truncation."""
-    if kind == "vllm":
-        from fully_async.engines.vllm import VLLMKind
-
-        return VLLMKind.logprobs_truncated
-    if kind == "sglang":
-        from fully_async.engines.sglang import SGLangKind
-
-        return SGLangKind.logprobs_truncated
-    return EngineKind.logprobs_truncated
+    return kind_class(kind).logprobs_truncated
 
 
 def build_engine(

@@ -85,6 +85,9 @@ class EngineKind(abc.ABC):
     """True when the behaviour log-probs the servers return are of the truncated distribution they sampled from
     (top-k / nucleus applied, renormalised): the trainer then takes its log-probs under the same truncation
     (training/sampling_support.py). False: of the full softmax at the temperature."""
+    takes_images = False
+    """True when the servers take image prompts (`image_fields`): a vision-language model on a kind without it is
+    refused before Ray (preflight.check_engine_takes_images), not at its first generate call."""
     control_class: Any = None
     """The control plane class the pool delivers calls through (None: control.py's `ControlPlane`, over HTTP)."""
 

@@ -273,6 +273,7 @@ class SimKind(VLLMControlCalls, EngineKind):
     name = "sim"
     in_process = True
     unverifiable = "engine=sim holds no weights"
+    takes_images = True  # accepted and not looked at: the emulation's answers never depend on the prompt's content
 
     def __init__(self, cfg: Any, model_path: str | Path, device: str | None = None) -> None:
         super().__init__(cfg, model_path, device or "cpu")

@@ -84,6 +84,7 @@ class VLLMKind(VLLMControlCalls, EngineKind):
     name = "vllm"
     unverifiable = ""
     logprobs_truncated = True  # --logprobs-mode processed_logprobs (command below)
+    takes_images = True  # image_fields below
 
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
         """Through the worker extension (on every vLLM server): vLLM's loader reads the directory and the extension

@@ -68,6 +68,23 @@ def test_a_simulated_trainer_with_a_real_engine_is_refused_before_ray(tmp_path):
     check_trainer_feeds_engine(compose(["engine=sim", "trainer=sim"]))  # raises nothing
 
 
+def test_a_vision_language_model_on_an_engine_without_images_is_refused_before_ray(tmp_path):
+    """SGLang takes no images yet: task=colors on it used to start the servers, then fail every group at the first
+    generate call until the run gave up; vLLM and the emulated engine take a vision-language model."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    out, elapsed = _run(tmp_path, f"model.path={model}", "engine=sglang")
+    _before_ray(out, elapsed)
+    assert "ConfigError: engine.kind=sglang cannot take images yet" in out.stderr
+    from fully_async.preflight import check_engine_takes_images
+
+    for kind in ("vllm", "sim"):
+        check_engine_takes_images(compose([f"engine={kind}"]), model)  # raises nothing
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    check_engine_takes_images(compose(["engine=sglang"]), model)  # a text model on SGLang: nothing to refuse
+
+
 def test_preflight_returns_the_model_directory_and_reads_the_data(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
