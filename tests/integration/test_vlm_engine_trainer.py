@@ -97,7 +97,11 @@ def _gap(backend, groups):
     from fully_async.protocol import flatten
 
     trainer = backend.compute_log_probs(groups)
-    return max(float(np.abs(t.behaviour_logprobs - lp).max()) for t, lp in zip(flatten(groups), trainer, strict=True))
+    # A response can be empty: a turn stops before a sampled vision token (docs/vlm.md), and a trained policy may
+    # sample one first. Empty ones compare nothing; at least one token must be compared.
+    pairs = [(t, lp) for t, lp in zip(flatten(groups), trainer, strict=True) if len(t.behaviour_logprobs)]
+    assert pairs, "every sampled response was empty"
+    return max(float(np.abs(t.behaviour_logprobs - lp).max()) for t, lp in pairs)
 
 
 def _tensors(files) -> dict:
