@@ -87,19 +87,8 @@ def summary(args: argparse.Namespace) -> None:
               f"{steps[0]['rollout_corr/kl']:.1e} (staleness 0: the engine saw the trainer's images)")  # fmt: skip
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--window", type=int, default=20)
-    r.add_argument("overrides", nargs="*", help="extra runner overrides (after --)")
-    s = sub.add_parser("summary")
-    s.add_argument("runs", type=Path, nargs="+")
-    s.add_argument("--window", type=int, default=20)
-    args = p.parse_args()
-    run(args) if args.cmd == "run" else summary(args)
-
-
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from lookup_task import task_cli
+
+    task_cli(__doc__, run, summary)

@@ -79,8 +79,10 @@ def summary(args: argparse.Namespace) -> None:
         )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def task_cli(doc: str, run_fn, summary_fn) -> None:
+    """The `run --out DIR [-- overrides]` / `summary RUN...` command line of a built-in task's learning bench (this
+    script's and colors_task.py's)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", type=Path, required=True)
@@ -90,8 +92,8 @@ def main() -> None:
     s.add_argument("runs", type=Path, nargs="+")
     s.add_argument("--window", type=int, default=20)
     args = p.parse_args()
-    run(args) if args.cmd == "run" else summary(args)
+    run_fn(args) if args.cmd == "run" else summary_fn(args)
 
 
 if __name__ == "__main__":
-    main()
+    task_cli(__doc__, run, summary)
