@@ -123,12 +123,15 @@ def curve(trajs: list[dict], steps: int, window: int, threshold: float) -> dict:
 
     crossed = next((k for k in range(window, steps + 1) if mean(k - window + 1, k) >= threshold), None)
     last = [t for k in range(steps - window + 1, steps + 1) for t in by_step.get(k, [])]
+    real = [t for t in last if not t.get("env_zeroed")]
     return {
         "windows": [round(mean(lo, min(lo + window - 1, steps)), 3) for lo in range(1, steps + 1, window)],
         "crossed": crossed,
         "last_window": mean(steps - window + 1, steps),
         # A second model turn follows only a tool call (a digit or any other first token ends the episode).
         "tool_rate_last": sum(t.get("turns", 0) > 1 for t in last) / max(1, len(last)),
+        # What the policy really earned: a fake 0 (zero_reward) lowers the logged mean by ~rate x reward by itself.
+        "last_real": sum(t["reward"] for t in real) / max(1, len(real)),
     }
 
 
@@ -159,11 +162,11 @@ def summarize(out: Path, window: int = 20, threshold: float = 0.5) -> dict:
 
 def print_curves(cells: list[tuple[float, str, dict]], window: int, threshold: float) -> None:
     print(f"\n| failure rate | rule | steps | mean reward per {window} steps | {window}-step mean >= {threshold} "
-          f"at step | last-{window} reward | last-{window} tool-call rate | fake 0 trained | groups re-issued | "
-          "seconds |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          f"at step | last-{window} reward | last-{window} reward without the fake 0s | last-{window} tool-call rate | "
+          "fake 0 trained | groups re-issued | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for rate, rule, s in cells:
         print(f"| {rate:.0%} | {rule} | {s['steps']} | {' '.join(f'{w:.2f}' for w in s['windows'])} | "
-              f"{s['crossed'] or 'not reached'} | {s['last_window']:.3f} | {s['tool_rate_last']:.2f} | "
+              f"{s['crossed'] or 'not reached'} | {s['last_window']:.3f} | {s['last_real']:.3f} | {s['tool_rate_last']:.2f} | "
               f"{s['zeroed'] / max(1, s['samples']):.1%} | {s['reissued']} | {s['seconds']:.0f} |", flush=True)  # fmt: skip
 
 

@@ -35,3 +35,13 @@ def test_the_curve_of_a_cell(sweep):
     early = sweep.curve(trajs, steps=6, window=3, threshold=0.9)
     assert early["crossed"] is None
     assert early["tool_rate_last"] == 1.0 and sweep.curve(trajs[:6], 3, 3, 0.0)["tool_rate_last"] == 0.5
+
+
+def test_the_last_windows_reward_without_the_fake_zeros(sweep):
+    # The last window (steps 3-4) holds a real 0.8, a real 0.0 and two samples zeroed by an infrastructure failure.
+    trajs = [{"step": 3, "reward": 0.8}, {"step": 3, "reward": 0.0, "env_zeroed": True},
+             {"step": 4, "reward": 0.0}, {"step": 4, "reward": 0.0, "env_zeroed": True}]  # fmt: skip
+    c = sweep.curve(trajs, steps=4, window=2, threshold=1.0)
+    assert c["last_window"] == pytest.approx(0.2)  # the logged mean counts the fake zeros
+    assert c["last_real"] == pytest.approx(0.4)  # the policy's real reward does not
+    assert sweep.curve([], steps=2, window=2, threshold=1.0)["last_real"] == 0.0  # nothing logged: no division by 0
