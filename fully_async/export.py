@@ -52,12 +52,21 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
 
 
 def _model_path(ckpt: Path) -> Path | None:
-    """The run's model.path, where the tokenizer files come from (None when the checkpoint does not say)."""
+    """The run's model.path, where the tokenizer (and a vision-language model's processor) files come from: for a run
+    of the tiny model (no model.path) its local build, made again from the run's settings when it is not cached (its
+    tokenizer and processor do not depend on the init seed). None when the checkpoint does not say."""
     state = ckpt / "state.json"
     if not state.is_file():
         return None
-    path = json.loads(state.read_text()).get("config", {}).get("model", {}).get("path")
-    return Path(path).expanduser() if path else None
+    model = json.loads(state.read_text()).get("config", {}).get("model", {})
+    if model.get("path"):
+        return Path(model["path"]).expanduser()
+    if "tiny" not in model:
+        return None
+    from fully_async.config import TinyModelConfig
+    from fully_async.models import build_tiny_model
+
+    return build_tiny_model(TinyModelConfig(**model["tiny"]), model.get("cache_dir"))
 
 
 def _default_dtype(config_dirs: list[Path | None]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -74,10 +75,13 @@ def test_written_weights_are_as_readable_as_the_files_beside_them(tmp_path, umas
         assert path.stat().st_mode & 0o777 == want, (path.name, oct(path.stat().st_mode & 0o777))
 
 
-def test_a_vision_language_checkpoint_exports_under_its_hf_names_with_the_tower_and_the_processor(tmp_path):
+@pytest.mark.parametrize("model_path", [True, False], ids=["model.path", "tiny"])
+def test_a_vision_language_checkpoint_exports_under_its_hf_names_with_the_tower_and_the_processor(tmp_path, model_path):
     """A Qwen2-VL checkpoint (the module's state dict as a 1-rank shard, named as transformers holds it in memory:
     `model.visual.*`, `model.language_model.*`) comes out under the names its Hugging Face checkpoint carries, tower
-    included, every tensor as it was, with the processor's files; transformers loads it back to the same weights."""
+    included, every tensor as it was, with the processor's files; transformers loads it back to the same weights.
+    The files come from model.path, or for a run of the built-in tiny model (model.path null: task=colors) from its
+    local build named by the run's model.tiny settings."""
     import torch
     from safetensors.torch import load_file
     from transformers import Qwen2VLForConditionalGeneration
@@ -97,7 +101,9 @@ def test_a_vision_language_checkpoint_exports_under_its_hf_names_with_the_tower_
     backend = _checkpoint(tmp_path / "run", 3)
     backend = backend / "backend"
     torch.save(state, backend / "model_world_size_1_rank_0.pt")
-    (backend.parent / "state.json").write_text(json.dumps({"config": {"model": {"path": str(model)}}}))
+    tiny = {"path": None, "tiny": dataclasses.asdict(TinyModelConfig(arch="qwen2_vl")), "cache_dir": str(model.parent)}
+    config = {"model": {"path": str(model)} if model_path else tiny}
+    (backend.parent / "state.json").write_text(json.dumps({"config": config}))
 
     out = tmp_path / "export"
     export_checkpoint(backend.parent, out, progress=None)
