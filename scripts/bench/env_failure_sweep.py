@@ -111,27 +111,35 @@ def job(out: Path, task: str, urls: list[str], rule: str, steps: int, sim: bool,
 
 def curve(trajs: list[dict], steps: int, window: int, threshold: float) -> dict:
     """Mean reward per `window` steps, the first step whose trailing `window`-step mean reaches `threshold`, and
-    the last window's reward and tool-call rate."""
+    the last window's reward and tool-call rate; the same three again without the samples trained with a fake 0
+    (`_real`): what the policy really earned, where a fake 0 (zero_reward) lowers the logged mean by ~rate x reward."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for t in trajs:
         by_step[t["step"]].append(t)
-    per_step = {k: sum(t["reward"] for t in v) / len(v) for k, v in by_step.items()}
+    last = [t for k in range(steps - window + 1, steps + 1) for t in by_step.get(k, [])]
+    logged = _reading(by_step, steps, window, threshold, lambda t: True)
+    real = _reading(by_step, steps, window, threshold, lambda t: not t.get("env_zeroed"))
+    return {
+        **logged,
+        **{f"{k}_real": v for k, v in real.items()},
+        # A second model turn follows only a tool call (a digit or any other first token ends the episode).
+        "tool_rate_last": sum(t.get("turns", 0) > 1 for t in last) / max(1, len(last)),
+    }
+
+
+def _reading(by_step: dict[int, list[dict]], steps: int, window: int, threshold: float, keep) -> dict:
+    per_step = {
+        k: sum(t["reward"] for t in kept) / len(kept) for k, v in by_step.items() if (kept := list(filter(keep, v)))
+    }
 
     def mean(lo: int, hi: int) -> float:
         xs = [per_step[k] for k in range(lo, hi + 1) if k in per_step]
         return sum(xs) / max(1, len(xs))
 
-    crossed = next((k for k in range(window, steps + 1) if mean(k - window + 1, k) >= threshold), None)
-    last = [t for k in range(steps - window + 1, steps + 1) for t in by_step.get(k, [])]
-    real = [t for t in last if not t.get("env_zeroed")]
     return {
         "windows": [round(mean(lo, min(lo + window - 1, steps)), 3) for lo in range(1, steps + 1, window)],
-        "crossed": crossed,
+        "crossed": next((k for k in range(window, steps + 1) if mean(k - window + 1, k) >= threshold), None),
         "last_window": mean(steps - window + 1, steps),
-        # A second model turn follows only a tool call (a digit or any other first token ends the episode).
-        "tool_rate_last": sum(t.get("turns", 0) > 1 for t in last) / max(1, len(last)),
-        # What the policy really earned: a fake 0 (zero_reward) lowers the logged mean by ~rate x reward by itself.
-        "last_real": sum(t["reward"] for t in real) / max(1, len(real)),
     }
 
 
@@ -162,11 +170,14 @@ def summarize(out: Path, window: int = 20, threshold: float = 0.5) -> dict:
 
 def print_curves(cells: list[tuple[float, str, dict]], window: int, threshold: float) -> None:
     print(f"\n| failure rate | rule | steps | mean reward per {window} steps | {window}-step mean >= {threshold} "
-          f"at step | last-{window} reward | last-{window} reward without the fake 0s | last-{window} tool-call rate | "
-          "fake 0 trained | groups re-issued | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          f"at step | last-{window} reward | without the fake 0s: mean reward per {window} steps | >= {threshold} at "
+          f"step | last-{window} reward | last-{window} tool-call rate | fake 0 trained | groups re-issued | seconds |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for rate, rule, s in cells:
         print(f"| {rate:.0%} | {rule} | {s['steps']} | {' '.join(f'{w:.2f}' for w in s['windows'])} | "
-              f"{s['crossed'] or 'not reached'} | {s['last_window']:.3f} | {s['last_real']:.3f} | {s['tool_rate_last']:.2f} | "
+              f"{s['crossed'] or 'not reached'} | {s['last_window']:.3f} | "
+              f"{' '.join(f'{w:.2f}' for w in s['windows_real'])} | {s['crossed_real'] or 'not reached'} | "
+              f"{s['last_window_real']:.3f} | {s['tool_rate_last']:.2f} | "
               f"{s['zeroed'] / max(1, s['samples']):.1%} | {s['reissued']} | {s['seconds']:.0f} |", flush=True)  # fmt: skip
 
 

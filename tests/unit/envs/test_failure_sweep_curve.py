@@ -43,5 +43,8 @@ def test_the_last_windows_reward_without_the_fake_zeros(sweep):
              {"step": 4, "reward": 0.0}, {"step": 4, "reward": 0.0, "env_zeroed": True}]  # fmt: skip
     c = sweep.curve(trajs, steps=4, window=2, threshold=1.0)
     assert c["last_window"] == pytest.approx(0.2)  # the logged mean counts the fake zeros
-    assert c["last_real"] == pytest.approx(0.4)  # the policy's real reward does not
-    assert sweep.curve([], steps=2, window=2, threshold=1.0)["last_real"] == 0.0  # nothing logged: no division by 0
+    assert c["last_window_real"] == pytest.approx(0.4)  # the policy's real reward does not
+    assert c["windows_real"] == [0.0, 0.4] and c["windows"] == [0.0, 0.2]  # steps 1-2 hold nothing
+    assert sweep.curve(trajs, steps=4, window=1, threshold=0.8)["crossed_real"] == 3  # step 3's real mean is 0.8
+    assert sweep.curve(trajs, steps=4, window=1, threshold=0.8)["crossed"] is None  # its logged mean 0.4
+    assert sweep.curve([], steps=2, window=2, threshold=1.0)["last_window_real"] == 0.0  # nothing: no division by 0
