@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+PHASE = "timing_s/param_sync/"
 
 
 def one_tp(tp: int, models: tuple[Path, Path], rounds: int, tmp: Path) -> dict[str, float]:
@@ -56,7 +57,7 @@ def one_tp(tp: int, models: tuple[Path, Path], rounds: int, tmp: Path) -> dict[s
                 sync = ParamSync(handle, backend, root, "float32", 120.0, transport=built)
             else:
                 sync = ParamSync(handle, backend, root, "float32", 120.0)
-            seconds = []
+            seconds, phases = [], []
             try:
                 for r in range(rounds):
                     backend.state, version = states[r % 2], version + 1  # every sync changes the weights
@@ -64,8 +65,11 @@ def one_tp(tp: int, models: tuple[Path, Path], rounds: int, tmp: Path) -> dict[s
                     timings = sync.sync(version)
                     seconds.append(time.perf_counter() - t0)
                     assert timings["fully_async/param_sync/verified_servers"] == 1.0
+                    phases.append({k.split("/")[-1]: v for k, v in timings.items() if k.startswith(PHASE)})
             finally:
                 sync.close(remove=False)
+            for name in phases[0]:  # where the seconds go: the median of syncs 2.. per phase
+                out[f"{transport} {name}"] = statistics.median(p.get(name, 0.0) for p in phases[1:] or phases)
             out[f"{transport}_first_s"], out[f"{transport}_s"] = seconds[0], statistics.median(seconds[1:] or seconds)
             if transport == "collective":
                 out["collective_bytes"] = staging_bytes(backend.sender.plan(), "float32")
@@ -98,6 +102,9 @@ def main() -> None:
         print(f"| {tp} | {r['start_s']:.1f} | {r['collective_first_s']:.3f} | {r['collective_s']:.3f} | "
               f"{r['collective_bytes']:,} | {r['disk_first_s']:.3f} | {r['disk_s']:.3f} | {r['disk_bytes']:,} |")  # fmt: skip
     one, two = rows[1], rows[2]
+    print("\n| phase (median s) | TP=1 | TP=2 |\n|---|---|---|")
+    for key in (k for k in one if " " in k):
+        print(f"| {key} | {one[key]:.3f} | {two.get(key, 0.0):.3f} |")
     print(f"\nTP=2 / TP=1: collective sync {two['collective_s'] / one['collective_s']:.2f}x, disk sync "
           f"{two['disk_s'] / one['disk_s']:.2f}x, start {two['start_s'] / one['start_s']:.2f}x")  # fmt: skip
 
