@@ -53,18 +53,23 @@ def _cfg(**env) -> EngineConfig:
                         gpu_memory_utilization=0.3, env=env)  # fmt: skip
 
 
+def _fresh_outputs(cfg: EngineConfig, model, prompts, tmp_path_factory):
+    """Greedy image outputs of a fresh GPU server of `model` (the bf16 reference), stopped before the test's own."""
+    fresh = build_engine(cfg, model, tmp_path_factory.mktemp("fresh"), device="cuda")
+    fresh.start()
+    try:
+        return asyncio.run(generate_images(fresh, prompts))
+    finally:
+        fresh.stop()
+
+
 def test_an_nccl_sync_of_the_vlm_serves_a_fresh_servers_image_outputs_and_sends_no_tower(tmp_path_factory, tmp_path):
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs: one for the sender (this process), one for the engine")
     start, target = vlm_pair(tmp_path_factory.mktemp("models"))
     prompts = image_prompts(start)
     cfg = _cfg(CUDA_VISIBLE_DEVICES="1")
-    fresh = build_engine(cfg, target, tmp_path_factory.mktemp("fresh"), device="cuda")
-    fresh.start()
-    try:
-        reference = asyncio.run(generate_images(fresh, prompts))
-    finally:
-        fresh.stop()
+    reference = _fresh_outputs(cfg, target, prompts, tmp_path_factory)
     servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
@@ -90,12 +95,7 @@ def test_a_tp2_server_of_the_vlm_takes_an_nccl_sync_and_a_disk_reload(tmp_path_f
     start, target = vlm_pair(tmp_path_factory.mktemp("models"))
     prompts = image_prompts(start)
     cfg = dataclasses.replace(_cfg(CUDA_VISIBLE_DEVICES="1,2"), tensor_parallel_size=2)
-    fresh = build_engine(cfg, target, tmp_path_factory.mktemp("fresh"), device="cuda")
-    fresh.start()
-    try:
-        reference = asyncio.run(generate_images(fresh, prompts))
-    finally:
-        fresh.stop()
+    reference = _fresh_outputs(cfg, target, prompts, tmp_path_factory)
     servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
     assert servers.kind.workers_per_server == 2
     servers.start()
