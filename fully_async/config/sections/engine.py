@@ -160,7 +160,8 @@ class PlacementConfig:
     timeout_s: float = 120.0
     """How long to wait for Ray to grant the placement groups before failing (a cluster that is still starting)."""
     engine_cpus: float = 1.0
-    """Ray CPUs each engine host reserves (its server's tokenizer and API process)."""
+    """Ray CPUs each engine host reserves (its server's tokenizer and API process); without GPUs, once per
+    tensor-parallel rank (each rank computes on cores of its own)."""
     engine_resources: dict = field(default_factory=dict)
     """Custom Ray resources each engine server's bundle also reserves, e.g. {inference: 1}: engines then go only to
     nodes started with `--resources '{"inference": N}'` (scripts/cluster/start_worker.sh passes extra ray flags)."""
