@@ -50,20 +50,24 @@ def host_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def cpu_binding(index: int, num_servers: int, cpus: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for server `index`: disjoint core ranges, one core left for the API servers and the
-    rest of the run when there are spare cores; round-robin single cores when there are more servers than cores."""
-    spare = len(cpus) - 1
-    if spare >= num_servers:
-        per = spare // num_servers
-        return ",".join(str(c) for c in cpus[index * per : (index + 1) * per])
-    return str(cpus[index % len(cpus)])
+def cpu_binding(index: int, num_servers: int, cpus: list[int], ranks: int = 1) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for server `index` of `num_servers`, each with `ranks` tensor-parallel ranks: one
+    core range per rank, the ranks' ranges joined by '|' (vLLM binds local rank i to the i-th). Disjoint ranges, one
+    core left for the API servers and the rest of the run when there are spare cores; round-robin single cores when
+    there are more ranks than spare cores (2 cores, one TP=2 server: "0|1")."""
+    spare, slots = len(cpus) - 1, num_servers * ranks
+    first = index * ranks
+    if spare >= slots:
+        per = spare // slots
+        return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(first, first + ranks))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(first, first + ranks))
 
 
-def engine_cpus(num_servers: int, cpus: list[int] | None = None) -> set[int]:
+def engine_cpus(num_servers: int, cpus: list[int] | None = None, ranks: int = 1) -> set[int]:
     """Cores the CPU engine servers' compute threads are bound to (see `cpu_binding`), out of `cpus` (the host's)."""
     cpus = host_cpus() if cpus is None else cpus
-    return {int(c) for i in range(num_servers) for c in cpu_binding(i, num_servers, cpus).split(",")}
+    bindings = (cpu_binding(i, num_servers, cpus, ranks) for i in range(num_servers))
+    return {int(c) for b in bindings for rank in b.split("|") for c in rank.split(",")}
 
 
 def cpu_split(cfg: Any, device_name: str) -> tuple[list[int] | None, list[int] | None]:
@@ -76,7 +80,7 @@ def cpu_split(cfg: Any, device_name: str) -> tuple[list[int] | None, list[int] |
     core as well, the default job's update took 0.26 s instead of 0.32 s."""
     if device_name == "cuda" or cfg.engine.kind == "sim":
         return None, None
-    engines = engine_cpus(cfg.engine.num_servers)
+    engines = engine_cpus(cfg.engine.num_servers, ranks=cfg.engine.tensor_parallel_size)
     rest = sorted(set(host_cpus()) - engines)
     return (sorted(engines), rest) if rest else (None, None)
 

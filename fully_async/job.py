@@ -50,7 +50,7 @@ def connect_ray(cfg: FullyAsyncConfig) -> None:
     least as many as the run's placement groups need."""
     import ray
 
-    from fully_async.placement import needs_engines, needs_trainer, trainer_roles
+    from fully_async.placement import engine_server_cpus, needs_engines, needs_trainer, trainer_roles
 
     if ray.is_initialized():
         return
@@ -60,7 +60,7 @@ def connect_ray(cfg: FullyAsyncConfig) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
         return
     tokens = 2 + cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node * trainer_roles(cfg) * needs_trainer(cfg)
-    tokens += cfg.engine.num_servers * cfg.placement.engine_cpus * needs_engines(cfg)
+    tokens += cfg.engine.num_servers * engine_server_cpus(cfg, gpu=False) * needs_engines(cfg)
     ray.init(num_cpus=max(os.cpu_count() or 1, int(tokens + 0.999)), include_dashboard=False,
              logging_level=logging.WARNING)  # fmt: skip
 

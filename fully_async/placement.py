@@ -112,14 +112,14 @@ def engines_first(cfg: FullyAsyncConfig, gpu: bool) -> bool:
 def check_fit(cfg: FullyAsyncConfig, nodes: list[Node], gpu: bool) -> Assignment:
     """Raise PlacementError with the arithmetic when the run's groups cannot be packed onto `nodes` (best fit, the
     larger bundles first), in GPUs (gpu) and in logical CPUs (always: each trainer bundle holds one CPU per role, each
-    engine bundle placement.engine_cpus). Else the packing's node per group (in GPUs with gpu, else in CPUs): the
+    engine bundle engine_server_cpus). Else the packing's node per group (in GPUs with gpu, else in CPUs): the
     targets `Placement.reserve` gives Ray, which has the last word. Nodes are taken in `cluster_nodes`' order
     whatever order they come in, so the same cluster always gives the same assignment."""
     tr, en = cfg.trainer, cfg.engine
     ordered = sorted(nodes, key=_node_order)
     roles = float(trainer_roles(cfg))
     dims = [("GPUs", "gpus", 1.0, float(en.tensor_parallel_size))] if gpu else []
-    dims.append(("CPUs", "cpus", roles, cfg.placement.engine_cpus))
+    dims.append(("CPUs", "cpus", roles, engine_server_cpus(cfg, gpu)))
     assignment = None
     for unit, key, per_rank, per_server in dims:
         trainer = [tr.n_gpus_per_node * per_rank] * tr.nnodes if needs_trainer(cfg) else []
@@ -191,9 +191,16 @@ def custom(resources: dict) -> dict[str, float]:
     return {str(k): float(v) for k, v in resources.items()}
 
 
+def engine_server_cpus(cfg: FullyAsyncConfig, gpu: bool) -> float:
+    """Ray CPUs one engine server's bundle reserves: placement.engine_cpus, once per tensor-parallel rank without
+    GPUs (each rank computes on cores of its own there: device.cpu_binding); with GPUs the ranks are its GPUs."""
+    return cfg.placement.engine_cpus * (1 if gpu else cfg.engine.tensor_parallel_size)
+
+
 def engine_bundle(cfg: FullyAsyncConfig, gpu: bool) -> dict[str, float]:
-    """The one bundle an engine server reserves: its host's CPUs, its tensor-parallel GPUs (gpu), custom resources."""
-    bundle = {"CPU": cfg.placement.engine_cpus} | ({"GPU": float(cfg.engine.tensor_parallel_size)} if gpu else {})
+    """The one bundle an engine server reserves: its CPUs (engine_server_cpus), its tensor-parallel GPUs (gpu),
+    custom resources."""
+    bundle = {"CPU": engine_server_cpus(cfg, gpu)} | ({"GPU": float(cfg.engine.tensor_parallel_size)} if gpu else {})
     bundle = {k: v for k, v in bundle.items() if v > 0} | custom(cfg.placement.engine_resources)
     return bundle or {"CPU": 0.001}
 

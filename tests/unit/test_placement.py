@@ -159,3 +159,14 @@ def test_a_group_that_fits_nowhere_is_reported_not_granted(ray_local, monkeypatc
     from ray.util.placement_group import remove_placement_group
 
     remove_placement_group(pgs[0])
+
+
+def test_a_cpu_tp_server_reserves_a_cpu_per_rank_and_a_gpu_one_its_gpus():
+    from fully_async.placement import engine_bundle
+
+    cfg = _cfg("placement.resources=cpu", "trainer=sim", "engine.tensor_parallel_size=2")
+    assert engine_bundle(cfg, gpu=False) == {"CPU": 2.0}  # each rank computes on cores of its own
+    assert engine_bundle(cfg, gpu=True) == {"CPU": 1.0, "GPU": 2.0}  # the ranks are the GPUs
+    check_fit(cfg, _nodes(0, cpus=2), gpu=False)
+    with pytest.raises(PlacementError, match=r"needs 2 CPUs: engines 1 x 2 = 2; cluster has 1 CPUs"):
+        check_fit(cfg, _nodes(0, cpus=1), gpu=False)

@@ -61,7 +61,8 @@ class EngineConfig:
     """A server set aside whose engine host does not answer (its node hung) is replaced once Ray declares the node
     dead, or after this many seconds if Ray has not; restarted in place if the host answers again first."""
     tensor_parallel_size: int = 1
-    """GPUs per engine server (one placement-group bundle, all on one node); its tensor-parallel size on GPUs."""
+    """Tensor-parallel ranks per engine server: its GPUs (one placement-group bundle, on one node) on GPUs; on CPU
+    (engine.kind=vllm only) processes joined by gloo, each bound to its own cores, at most one rank per core."""
     python: str | None = field(default=None, metadata=PATH)
     """Interpreter of the engine environment; null = .venv-engine/bin/python (vllm) or .venv-sglang/bin/python
     (sglang) at the repository root."""
@@ -159,7 +160,8 @@ class PlacementConfig:
     timeout_s: float = 120.0
     """How long to wait for Ray to grant the placement groups before failing (a cluster that is still starting)."""
     engine_cpus: float = 1.0
-    """Ray CPUs each engine host reserves (its server's tokenizer and API process)."""
+    """Ray CPUs each engine host reserves (its server's tokenizer and API process); without GPUs, once per
+    tensor-parallel rank (each rank computes on cores of its own)."""
     engine_resources: dict = field(default_factory=dict)
     """Custom Ray resources each engine server's bundle also reserves, e.g. {inference: 1}: engines then go only to
     nodes started with `--resources '{"inference": N}'` (scripts/cluster/start_worker.sh passes extra ray flags)."""
