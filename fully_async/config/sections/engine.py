@@ -156,7 +156,8 @@ class EngineConfig:
 class PlacementConfig:
     resources: Literal["auto", "gpu", "cpu"] = "auto"
     """What trainer ranks and engine servers reserve from Ray: gpu = GPUs (trainer.nnodes x n_gpus_per_node, and
-    engine.tensor_parallel_size per server); cpu = one CPU each; auto = gpu when the cluster declares GPUs."""
+    engine.tensor_parallel_size per server); cpu = CPUs (one per trainer rank, placement.engine_cpus per engine
+    server's tensor-parallel rank); auto = gpu when the cluster declares GPUs."""
     timeout_s: float = 120.0
     """How long to wait for Ray to grant the placement groups before failing (a cluster that is still starting)."""
     engine_cpus: float = 1.0
