@@ -4,6 +4,9 @@
     .venv/bin/python scripts/bench/offpolicy_sweep.py --staleness 0 2 --seeds 0 --steps 120 --out /tmp/offpolicy
     .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --table-only     # the table of finished runs
 
+A cell whose run under --out already logged every step is kept, not run again: the same command goes on with the
+grid where an earlier invocation (or session) stopped.
+
 Each cell is one job (`python -m fully_async.runner task=reverse`, jsonl logger only) at
 async_training.max_staleness in --staleness with one of the corrections:
   none   bypass mode, nothing weighed or rejected (preset bypass_ppo_clip, opted out of the fail-closed rule)
@@ -49,6 +52,12 @@ def offpolicy(run_dir: Path) -> dict:
         "rejected": mean("offpolicy/rejected_token_frac", "rollout_corr/rollout_rs_masked_fraction"),
         "k3": mean("offpolicy/k3"),
     }
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """The run under `run_dir` logged all its `steps` (an interrupted one is run again from the start)."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= steps
 
 
 def row(run_dir: Path) -> dict:
@@ -105,8 +114,12 @@ def main() -> None:
             order = args.corrections[seed % len(args.corrections) :] + args.corrections[: seed % len(args.corrections)]
             for s in args.staleness:
                 for c in order:
+                    out = args.out / f"s{s}_{c}_seed{seed}"
+                    if finished(out, steps):  # the grid spans sessions: a rerun of the command goes on where it was
+                        print(f"max_staleness={s} {c} seed {seed}: finished before, kept", flush=True)
+                        continue
                     extra = ["task=reverse", f"async_training.max_staleness={s}", *CORRECTIONS[c], *args.overrides]
-                    wall = run(args.out / f"s{s}_{c}_seed{seed}", mode, seed, steps, extra)
+                    wall = run(out, mode, seed, steps, extra)
                     print(f"max_staleness={s} {c} seed {seed}: {wall:.0f} s wall", flush=True)
     rows = [row(d) for d in sorted(args.out.glob("s*_*_seed*")) if (d / "metrics.jsonl").exists()]
     if not rows:
