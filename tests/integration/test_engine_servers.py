@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -132,31 +133,48 @@ async def _use_weights(servers, model_dir, version):
     await servers.resume()
 
 
-def _hf_logprobs(model_dir, prompt, response, temperature):
+@functools.cache
+def _hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model_dir, prompt, response, temperature, top_k=-1, top_p=1.0):
+    """transformers' float32 log-probs of `response` at `temperature`; with top_k / top_p, of the truncated
+    distribution (verl patch 0007's rule, the one the trainer uses), the sampled tokens kept."""
+    from verl.utils.torch_functional import truncate_to_sampling_support
+
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+        logits = _hf_model(model_dir)(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    logits = truncate_to_sampling_support(logits.double() / temperature, top_k, top_p, keep=torch.tensor(response))
+    logp = torch.log_softmax(logits, dim=-1)
     return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_behaviour_logprobs_match_transformers_float32(engine, models, temperature):
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.8, -1, 0.8), (0.8, 5, 1.0)]
+)
+async def test_behaviour_logprobs_match_transformers_float32(kind, engine, models, temperature, top_k, top_p):
+    """Under top_k / top_p each kind returns what its EngineKind.logprobs_truncated says, which decides whether the
+    trainer repeats the truncation (training/sampling_support.py): vLLM the truncated, renormalised distribution it
+    sampled from (--logprobs-mode processed_logprobs), SGLang the full softmax at the temperature."""
+    from fully_async.engines import logprobs_truncated
+
     await _use_weights(engine, models[0], 0)
     client = EngineClient(engine)
-    outs = await asyncio.gather(
-        *(
-            client.generate(p, 24, Sampling(temperature=temperature, seed=i, ignore_eos=True))
-            for i, p in enumerate(PROMPTS)
-        )
-    )
+    sampling = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, ignore_eos=True) for i in range(4)]
+    outs = await asyncio.gather(*(client.generate(p, 24, s) for p, s in zip(PROMPTS, sampling)))
     await client.close()
+    truncated = logprobs_truncated(kind)
     for prompt, out in zip(PROMPTS, outs):
         assert len(out.token_ids) == len(out.logprobs) == 24 and out.versions == [0] * 24
-        ref = _hf_logprobs(models[0], prompt, out.token_ids, temperature)
+        ref = _hf_logprobs(models[0], prompt, out.token_ids, temperature, *((top_k, top_p) if truncated else ()))
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) < 1e-4
+    if (top_k, top_p) != (-1, 1.0):  # the truncation is visible: the other reading is far off somewhere
+        other = [_hf_logprobs(models[0], p, o.token_ids, temperature, *(() if truncated else (top_k, top_p)))
+                 for p, o in zip(PROMPTS, outs)]  # fmt: skip
+        assert max(abs(a - b) for o, ref in zip(outs, other) for a, b in zip(o.logprobs, ref)) > 1e-2
 
 
 async def test_abort_reload_continue(engine, models):
