@@ -16,7 +16,10 @@ Runs go one at a time, seed by seed, the order of the corrections rotating with 
 machine's load does not favour one. From each run's metrics.jsonl (background_sync.py's reading): the last-20 mean
 reward, training seconds until the 20-step mean reward first reached 0.8, seconds per step; and here the mean
 fraction of loss tokens rejected per step and the mean k3 between the trainer's pi_prox and the engine's log-probs
-(decoupled runs only). Prints one row per run and one per (staleness, correction), in Markdown.
+(decoupled runs only), and the trained tokens' staleness, mean and largest: max_staleness is a ceiling, and how
+close a run comes to it depends on whether the trainer or the engine is the slower (on 2 cores the trainer of
+task=reverse is the faster, so a quiet run at max_staleness=8 trains ~1.5 versions old; a loaded trainer lets the
+engine run up to the bound). Prints one row per run and one per (staleness, correction), in Markdown.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ CORRECTIONS = {
 
 
 def offpolicy(run_dir: Path) -> dict:
-    """Mean per step of the rejected token fraction and of the trainer-vs-engine k3 (nan where not logged)."""
+    """Mean per step of the rejected token fraction, of the trainer-vs-engine k3 and of the trained tokens' staleness
+    (what the bound let happen: the trainer-to-engine speed ratio decides how close to it a run comes), and the
+    largest token staleness trained (nan where not logged)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
     def mean(*keys: str) -> float:
@@ -51,6 +56,10 @@ def offpolicy(run_dir: Path) -> dict:
     return {
         "rejected": mean("offpolicy/rejected_token_frac", "rollout_corr/rollout_rs_masked_fraction"),
         "k3": mean("offpolicy/k3"),
+        "token_staleness": mean("staleness/token_mean"),
+        "token_staleness_max": max(
+            (r["staleness/token_max"] for r in rows if "staleness/token_max" in r), default=float("nan")
+        ),
     }
 
 
@@ -72,9 +81,11 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def tables(rows: list[dict]) -> str:
     per_run = markdown(
-        ["run", "steps", "last 20", f"s to {LEVEL}", "s per step", "rejected tokens", "k3 prox vs behave"],
+        ["run", "steps", "last 20", f"s to {LEVEL}", "s per step", "token staleness: mean (max)", "rejected tokens",
+         "k3 prox vs behave"],
         [[r["name"], str(r["steps"]), f"{r['last20']:.3f}", _fmt(r["reached"], ".0f"), f"{r['step_s']:.2f}",
-          _fmt(r["rejected"], ".3f"), _fmt(r["k3"], ".2e")] for r in rows],
+          f"{_fmt(r['token_staleness'], '.2f')} ({_fmt(r['token_staleness_max'], '.0f')})", _fmt(r["rejected"], ".3f"),
+          _fmt(r["k3"], ".2e")] for r in rows],
     )  # fmt: skip
     cells = []
     for s in sorted({r["staleness"] for r in rows}):
@@ -88,10 +99,13 @@ def tables(rows: list[dict]) -> str:
             cells.append([
                 str(s), c, str(len(rs)), f"{statistics.mean(last):.3f} ({min(last):.3f}-{max(last):.3f})",
                 f"{statistics.median(hit):.0f} ({len(hit)} of {len(rs)})" if hit else f"- (0 of {len(rs)})",
-                f"{statistics.mean(r['step_s'] for r in rs):.2f}", _fmt(statistics.mean(rej) if rej else None, ".3f"),
+                f"{statistics.mean(r['step_s'] for r in rs):.2f}",
+                f"{statistics.mean(r['token_staleness'] for r in rs):.2f} ({max(r['token_staleness_max'] for r in rs):.0f})",
+                _fmt(statistics.mean(rej) if rej else None, ".3f"),
             ])  # fmt: skip
     summary = markdown(["max_staleness", "correction", "seeds", "last 20: mean (min-max)",
-                        f"s to {LEVEL}: median (runs that reached it)", "s per step", "rejected tokens"], cells)  # fmt: skip
+                        f"s to {LEVEL}: median (runs that reached it)", "s per step", "token staleness: mean (max)",
+                        "rejected tokens"], cells)  # fmt: skip
     return per_run + "\n\n" + summary
 
 

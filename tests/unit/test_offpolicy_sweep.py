@@ -32,3 +32,31 @@ def test_a_run_is_finished_only_when_it_logged_every_step(sweep, tmp_path):
     assert not sweep.finished(run, 3)  # cut off at step 2 (a blank line is no step)
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     assert sweep.finished(run, 3)
+
+
+def test_the_tables_show_the_staleness_a_run_trained_at_not_only_its_bound(sweep, tmp_path):
+    """max_staleness is a ceiling: the per-run and per-cell tables carry the trained tokens' mean and largest
+    staleness, read from the run's metrics (a run that never came near its bound must not read as one that did)."""
+    import json
+
+    run = tmp_path / "s8_tis_seed0"
+    run.mkdir()
+    steps = [{"step": i, "staleness/token_mean": m, "staleness/token_max": x, "offpolicy/k3": 0.01}
+             for i, (m, x) in enumerate([(0.0, 0), (1.0, 2), (2.0, 7)], 1)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    got = sweep.offpolicy(run)
+    assert got["token_staleness"] == pytest.approx(1.0) and got["token_staleness_max"] == 7
+    row = {
+        "name": run.name,
+        "steps": 3,
+        "last20": 0.5,
+        "reached": None,
+        "step_s": 1.0,
+        **got,
+        "staleness": 8,
+        "correction": "tis",
+        "token_staleness": 8 / 3,
+    }
+    per_run, summary = sweep.tables([row, {**row, "token_staleness_max": 3, "token_staleness": 1 / 3}]).split("\n\n")
+    assert "token staleness: mean (max)" in per_run.splitlines()[0] and "| 2.67 (7) |" in per_run
+    assert "| 1.50 (7) |" in summary  # the cell: mean over its runs, the largest of any run
