@@ -115,9 +115,11 @@ async def test_shutdown_after_a_node_loss_says_one_line_per_dead_host_and_stops_
     files = file_chunks(tmp_path / "export", ray.put)
     # Both hosts run on this one node: their roots are named after pretend nodes "a" and "b". A host's first write
     # removes this run's roots of nodes that are not alive, which pretend ones never are: each host writes once under
-    # another run's name first.
+    # another run's name first, one after the other: the two write one root on this one machine, which a real
+    # cluster never does (one writer per node), so they must not race its rename.
     warm_up = f"fully_async-weights-{os.getpid()}-warm-up-node-0"
-    ray.get([h.write_weights.remote(warm_up, 0, files) for h in hosts])
+    for host in hosts:
+        ray.get(host.write_weights.remote(warm_up, 0, files))
     shutil.rmtree(node_root(warm_up))
     for node, host in zip(("a" * 12, "b" * 12), hosts):  # one writer per (pretend) node
         ray.get(host.write_weights.remote(transport.node_root_name(node), 1, files))
