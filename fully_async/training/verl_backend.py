@@ -93,10 +93,7 @@ class VerlBackend(TrainingBackend):
         self.use_critic = algorithm.adv_estimator in NEEDS_CRITIC
         if algorithm.use_kl_loss and not use_reference:
             raise ConfigError("algorithm.use_kl_loss=true needs the reference model (use_reference=true)")
-        if use_reference and self.cpu:
-            _require_patch(
-                "0002-forward-only-engine-on-cpu", "verl.workers.engine.fsdp.transformer_impl", "offload_wanted"
-            )
+        _require_patches(algorithm, bool(use_reference), self.cpu)
         twc, self.actor_config = engine_configs(trainer, algorithm, str(model_path), self.cpu, self.lora)
         roles = 1 + bool(use_reference) + self.use_critic  # worker groups per bundle (placement.trainer_roles)
         self.ranks = RankGroups(trainer, self.cpu, roles, cpu_set, placement_groups)
@@ -346,6 +343,18 @@ class VerlBackend(TrainingBackend):
 
     def shutdown(self) -> None:
         self.ranks.shutdown()
+
+
+def _require_patches(algorithm: AlgorithmConfig, use_reference: bool, cpu: bool) -> None:
+    """The verl patches this configuration depends on: 0002 for a reference model on CPU; 0008 where rejection
+    meets an entropy bonus or a KL loss (unpatched, both would still count the rejected tokens)."""
+    if use_reference and cpu:
+        _require_patch("0002-forward-only-engine-on-cpu", "verl.workers.engine.fsdp.transformer_impl", "offload_wanted")
+    rc = algorithm.rollout_correction.verl_fields()
+    icepop = rc["rollout_is"] is not None and "_" in str(rc["rollout_is_threshold"])  # zero outside its bounds
+    rejects = rc["rollout_rs"] is not None or icepop
+    if rejects and (algorithm.entropy_coeff > 0 or algorithm.use_kl_loss):
+        _require_patch("0008-entropy-and-kl-over-kept-tokens", "verl.workers.utils.losses", "_kept_by_rollout_correction")
 
 
 def _require_patch(name: str, module: str, marker: str) -> None:

@@ -26,6 +26,7 @@ def _verl_files() -> dict[str, str]:
         "workers/engine/fsdp/transformer_impl.py",
         "trainer/ppo/core_algos.py",
         "utils/torch_functional.py",
+        "workers/utils/losses.py",
     ]
     return {n: hashlib.sha256((base / n).read_bytes()).hexdigest() for n in names}
 
@@ -306,3 +307,80 @@ def test_0007_verls_forward_gives_log_probs_and_entropy_of_the_truncated_distrib
                 checked += 1
             k += 1
     assert k == len(flat) and checked == len(flat) - len(seqs)
+
+
+def _ppo_loss_metrics(config, weights=None, behave_shift=(0.0, 0.0)) -> dict[str, float]:
+    """verl's own ppo_loss on two 3-token responses whose entropies are 1 (row 0) and 5 (row 1), all loss tokens,
+    the global count of 6 loss tokens passed as the engine passes it; `weights`: the rollout-correction weights per
+    row, `behave_shift`: how far below pi_theta each row's behaviour (old) log-probs sit."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    rows, prompt, resp = 2, 2, 3
+    torch.manual_seed(8)
+    lp = -torch.rand(rows, prompt + resp)
+    entropy = torch.tensor([[0.0, 1, 1, 1, 9], [0.0, 5, 5, 5, 9]])  # the model's outputs, shifted by one in the loss
+    own = lp[:, prompt - 1 : -1]
+    data = {
+        "prompts": torch.ones(rows, prompt, dtype=torch.long),
+        "responses": torch.ones(rows, resp, dtype=torch.long),
+        "attention_mask": torch.ones(rows, prompt + resp, dtype=torch.long),
+        "response_mask": torch.ones(rows, resp),
+        "old_log_probs": own - torch.tensor(behave_shift)[:, None],
+        "advantages": torch.ones(rows, resp),
+        "ref_log_prob": own - 1.0,
+    }
+    if weights is not None:
+        data["rollout_is_weights"] = torch.tensor(weights)[:, None].expand(rows, resp).clone()
+    td = TensorDict(data, batch_size=[rows])
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=rows * resp, global_batch_size=None)
+    _, metrics = ppo_loss(config, {"log_probs": lp.reshape(-1), "entropy": entropy.reshape(-1)}, td)
+    return {k: float(v.values[0]) for k, v in metrics.items() if k in ("actor/entropy_loss", "kl_loss")}
+
+
+def test_0008_rejected_tokens_add_no_entropy_or_kl():
+    """A rejected token (weight 0 in decoupled mode; outside the bypass_mode loss's geometric-mean bound) adds
+    neither to the entropy bonus nor to the KL loss, and stays in their denominator (6 tokens)."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    common = dict(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, entropy_coeff=0.1, use_kl_loss=True)
+    decoupled = FSDPActorConfig(**common)
+    kept = _ppo_loss_metrics(decoupled, weights=[1.0, 1.5])
+    assert kept["actor/entropy_loss"] == pytest.approx((3 * 1 + 3 * 5) / 6)
+    row1_rejected = _ppo_loss_metrics(decoupled, weights=[1.0, 0.0])
+    assert row1_rejected["actor/entropy_loss"] == pytest.approx(3 * 1 / 6)
+    assert row1_rejected["kl_loss"] == pytest.approx(kept["kl_loss"] / 2)  # each token's KL is the same here
+    rs = RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001")
+    bypass = FSDPActorConfig(**common, policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rs))
+    assert _ppo_loss_metrics(bypass, behave_shift=(0.0, 0.0))["actor/entropy_loss"] == pytest.approx(18 / 6)
+    by_rs = _ppo_loss_metrics(bypass, behave_shift=(0.0, 0.5))  # row 1's geometric-mean ratio e^0.5: rejected
+    assert by_rs["actor/entropy_loss"] == pytest.approx(3 / 6)
+    assert by_rs["kl_loss"] == pytest.approx(kept["kl_loss"] / 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needs_0008"),
+    [
+        (["algorithm.rollout_correction.preset=decoupled_geo_rs_token_tis"], True),
+        (["algorithm.rollout_correction.preset=decoupled_token_icepop"], True),
+        (["algorithm.rollout_correction.preset=decoupled_geo_rs_token_tis", "algorithm.entropy_coeff=0"], False),
+        (["algorithm.rollout_correction.preset=decoupled_token_is"], False),
+    ],
+)
+def test_a_rejecting_correction_with_an_entropy_bonus_needs_patch_0008(overrides, needs_0008, monkeypatch):
+    """The backend refuses to start a run that rejects tokens and has an entropy bonus (or a KL loss) on a verl
+    without patch 0008, naming it; a run that rejects nothing, or has neither term, does not need it."""
+    from fully_async.config import compose
+    from fully_async.training import verl_backend
+
+    # The marker the check looks for is what patch 0008 adds to verl (applied here by the set-up script).
+    verl_backend._require_patch(
+        "0008-entropy-and-kl-over-kept-tokens", "verl.workers.utils.losses", "_kept_by_rollout_correction"
+    )
+    asked = []
+    monkeypatch.setattr(verl_backend, "_require_patch", lambda name, module, marker: asked.append(name))
+    algorithm = compose(["algorithm.entropy_coeff=0.1", *overrides]).algorithm
+    verl_backend._require_patches(algorithm, use_reference=False, cpu=True)
+    assert asked == (["0008-entropy-and-kl-over-kept-tokens"] if needs_0008 else [])
