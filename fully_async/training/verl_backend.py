@@ -354,7 +354,9 @@ def _require_patches(algorithm: AlgorithmConfig, use_reference: bool, cpu: bool)
     icepop = rc["rollout_is"] is not None and "_" in str(rc["rollout_is_threshold"])  # zero outside its bounds
     rejects = rc["rollout_rs"] is not None or icepop
     if rejects and (algorithm.entropy_coeff > 0 or algorithm.use_kl_loss):
-        _require_patch("0008-entropy-and-kl-over-kept-tokens", "verl.workers.utils.losses", "_kept_by_rollout_correction")
+        _require_patch(
+            "0008-entropy-and-kl-over-kept-tokens", "verl.workers.utils.losses", "_kept_by_rollout_correction"
+        )
 
 
 def _require_patch(name: str, module: str, marker: str) -> None:
