@@ -6,7 +6,8 @@ Contract:
 - `correct(prox, behave, mask, rc, ...)` (decoupled mode: pi_prox recomputed by the trainer) returns the per-token
   weights the loss multiplies its terms by: verl's IS weights (1 without IS) times verl's rejection mask. The
   response mask itself is left alone, so a rejected token still counts in the token-mean denominator (the step is
-  not rescaled up by what it rejected). `None` when nothing is weighed or rejected.
+  not rescaled up by what it rejected). A rejected token adds no entropy bonus and no KL term either (verl patch
+  0008 aggregates both over the tokens with a weight above 0). `None` when nothing is weighed or rejected.
 - A group whose every loss token is rejected is dropped (it adds nothing to the gradient) and counted in
   `offpolicy/groups_all_rejected`; it is not generated again.
 - `diagnostics(prox, behave, mask, versions, trainer_version)`: mismatch metrics over loss tokens, overall and per

@@ -12,6 +12,8 @@ async_training.max_staleness in --staleness with one of the corrections:
   none   bypass mode, nothing weighed or rejected (preset bypass_ppo_clip, opted out of the fail-closed rule)
   tis    decoupled PPO with token-level truncated IS at 2 (preset decoupled_token_is, the default)
   geo    decoupled PPO with token TIS and geometric-mean rejection (preset decoupled_geo_rs_token_tis)
+  k3     (only with --corrections k3) bypass, PPO clip on pi_behave, sequences whose mean k3 passes 0.01 rejected
+         (preset bypass_ppo_clip_k3_rs)
 Runs go one at a time, seed by seed, the order of the corrections rotating with the seed so a drift of the
 machine's load does not favour one. From each run's metrics.jsonl (background_sync.py's reading): the last-20 mean
 reward, training seconds until the 20-step mean reward first reached 0.8, seconds per step; and here the mean
@@ -40,7 +42,10 @@ CORRECTIONS = {
     ],
     "tis": ["algorithm.rollout_correction.preset=decoupled_token_is"],
     "geo": ["algorithm.rollout_correction.preset=decoupled_geo_rs_token_tis"],
+    "k3": ["algorithm.rollout_correction.preset=bypass_ppo_clip_k3_rs"],
 }
+GRID = ["none", "tis", "geo"]
+"""The default grid's corrections (k3 on request: `--corrections k3`)."""
 
 
 def offpolicy(run_dir: Path) -> dict:
@@ -112,7 +117,7 @@ def tables(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 8])
-    parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
+    parser.add_argument("--corrections", nargs="+", default=GRID, choices=list(CORRECTIONS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: task=reverse's)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/offpolicy"))
