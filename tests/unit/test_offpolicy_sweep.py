@@ -60,3 +60,18 @@ def test_the_tables_show_the_staleness_a_run_trained_at_not_only_its_bound(sweep
     per_run, summary = sweep.tables([row, {**row, "token_staleness_max": 3, "token_staleness": 1 / 3}]).split("\n\n")
     assert "token staleness: mean (max)" in per_run.splitlines()[0] and "| 2.67 (7) |" in per_run
     assert "| 1.50 (7) |" in summary  # the cell: mean over its runs, the largest of any run
+
+
+@pytest.mark.parametrize("staleness", [0, 2, 8])
+def test_every_correction_of_the_sweep_is_a_valid_run_at_every_staleness(sweep, staleness):
+    """Each cell's overrides pass the config's validation (the fail-closed rule included) as the runner would see
+    them; the uncorrected cell gets through only by its explicit opt-out, so the rule is what it measures."""
+    from fully_async.config import ConfigError, compose
+
+    for name, overrides in sweep.CORRECTIONS.items():
+        config = compose(["task=reverse", f"async_training.max_staleness={staleness}", *overrides])
+        assert config.algorithm.rollout_correction.preset in {o.split("=")[1] for o in overrides}, name
+    if staleness:
+        opted_out = [o for o in sweep.CORRECTIONS["none"] if "allow_uncorrected" not in o]
+        with pytest.raises(ConfigError, match="corrects nothing|allow_uncorrected"):
+            compose(["task=reverse", f"async_training.max_staleness={staleness}", *opted_out])
