@@ -152,29 +152,35 @@ def _hf_logprobs(model_dir, prompt, response, temperature, top_k=-1, top_p=1.0):
     return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
 
 
-@pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.8, -1, 0.8), (0.8, 5, 1.0)]
-)
-async def test_behaviour_logprobs_match_transformers_float32(kind, engine, models, temperature, top_k, top_p):
+SAMPLINGS = [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.8, -1, 0.8), (0.8, 5, 1.0)]
+"""(temperature, top_k, top_p) of the behaviour log-prob check: plain, a temperature, top_p, top_k."""
+
+
+async def test_behaviour_logprobs_match_transformers_float32(kind, engine, models):
     """Under top_k / top_p each kind returns what its EngineKind.logprobs_truncated says, which decides whether the
     trainer repeats the truncation (training/sampling_support.py): vLLM the truncated, renormalised distribution it
-    sampled from (--logprobs-mode processed_logprobs), SGLang the full softmax at the temperature."""
+    sampled from (--logprobs-mode processed_logprobs), SGLang the full softmax at the temperature. Every sampling
+    setting in one batch of requests on one weight load (each setting its own test cost a reload: CI minutes)."""
     from fully_async.engines import logprobs_truncated
 
     await _use_weights(engine, models[0], 0)
     client = EngineClient(engine)
-    sampling = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, ignore_eos=True) for i in range(4)]
-    outs = await asyncio.gather(*(client.generate(p, 24, s) for p, s in zip(PROMPTS, sampling)))
+    asks = [(case, p, Sampling(temperature=case[0], top_k=case[1], top_p=case[2], seed=i, ignore_eos=True))
+            for case in SAMPLINGS for i, p in enumerate(PROMPTS)]  # fmt: skip
+    outs = await asyncio.gather(*(client.generate(p, 24, s) for _, p, s in asks))
     await client.close()
     truncated = logprobs_truncated(kind)
-    for prompt, out in zip(PROMPTS, outs):
-        assert len(out.token_ids) == len(out.logprobs) == 24 and out.versions == [0] * 24
+    for (temperature, top_k, top_p), prompt, out in ((c, p, o) for (c, p, _), o in zip(asks, outs, strict=True)):
+        case = f"temperature {temperature}, top_k {top_k}, top_p {top_p}"
+        assert len(out.token_ids) == len(out.logprobs) == 24 and out.versions == [0] * 24, case
         ref = _hf_logprobs(models[0], prompt, out.token_ids, temperature, *((top_k, top_p) if truncated else ()))
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) < 1e-4
-    if (top_k, top_p) != (-1, 1.0):  # the truncation is visible: the other reading is far off somewhere
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) < 1e-4, case
+    for temperature, top_k, top_p in SAMPLINGS[2:]:  # the truncation is visible: the other reading is far off somewhere
+        pairs = [(p, o) for (c, p, _), o in zip(asks, outs) if c == (temperature, top_k, top_p)]
         other = [_hf_logprobs(models[0], p, o.token_ids, temperature, *(() if truncated else (top_k, top_p)))
-                 for p, o in zip(PROMPTS, outs)]  # fmt: skip
-        assert max(abs(a - b) for o, ref in zip(outs, other) for a, b in zip(o.logprobs, ref)) > 1e-2
+                 for p, o in pairs]  # fmt: skip
+        gap = max(abs(a - b) for (_, o), ref in zip(pairs, other) for a, b in zip(o.logprobs, ref))
+        assert gap > 1e-2, f"top_k {top_k}, top_p {top_p}: {gap}"
 
 
 async def test_abort_reload_continue(engine, models):
