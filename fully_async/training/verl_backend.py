@@ -127,6 +127,7 @@ class VerlBackend(TrainingBackend):
                 f"algorithm.adv_estimator={algorithm.adv_estimator} needs the critic, which this backend was built "
                 "without (build the backend with that estimator)"
             )
+        _require_patches(algorithm, False, self.cpu)
         _, self.actor_config = engine_configs(self.trainer, algorithm, str(self.model_path), self.cpu, self.lora)
         self.algorithm = algorithm
         self.ranks.call_all("policy", "set_loss_fn", partial(ppo_loss, config=self.actor_config))

@@ -384,3 +384,20 @@ def test_a_rejecting_correction_with_an_entropy_bonus_needs_patch_0008(overrides
     algorithm = compose(["algorithm.entropy_coeff=0.1", *overrides]).algorithm
     verl_backend._require_patches(algorithm, use_reference=False, cpu=True)
     assert asked == (["0008-entropy-and-kl-over-kept-tokens"] if needs_0008 else [])
+
+
+def test_switching_to_a_rejecting_algorithm_mid_run_checks_patch_0008_before_the_ranks_get_the_loss(monkeypatch):
+    """VerlBackend.set_algorithm (the estimator or loss changed between updates) asks for patch 0008 as the build does,
+    before anything reaches the ranks."""
+    from fully_async.config import compose
+    from fully_async.training import verl_backend
+
+    def missing(name, module, marker):
+        raise RuntimeError(f"verl patch patches/{name}.patch is not applied")
+
+    monkeypatch.setattr(verl_backend, "_require_patch", missing)
+    backend = object.__new__(verl_backend.VerlBackend)  # no ranks: the check must come first
+    backend.cpu, backend.ranks = True, {}
+    algorithm = compose(["algorithm.rollout_correction.preset=decoupled_geo_rs_token_tis"]).algorithm
+    with pytest.raises(RuntimeError, match="0008-entropy-and-kl-over-kept-tokens"):
+        backend.set_algorithm(algorithm)
