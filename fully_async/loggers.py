@@ -159,7 +159,13 @@ class WandbLogger:
         self.run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
+        """Finish the run and wait until wandb's service process has written all of it: finish() alone can return
+        with the last steps still in that process's buffers (seen on a loaded box: an offline run file without its
+        last 2 of 6 steps), and the run directory must be whole when the run ends (`wandb sync` reads it)."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 class TensorboardLogger:
