@@ -358,6 +358,9 @@ def test_0008_rejected_tokens_add_no_entropy_or_kl():
     by_rs = _ppo_loss_metrics(bypass, behave_shift=(0.0, 0.5))  # row 1's geometric-mean ratio e^0.5: rejected
     assert by_rs["actor/entropy_loss"] == pytest.approx(3 / 6)
     assert by_rs["kl_loss"] == pytest.approx(kept["kl_loss"] / 2)
+    # Per-sequence means: the rejected row still counts as a sequence (mean 0), not left out ((1 + 0) / 2, not 1).
+    seq_mean = FSDPActorConfig(**common, loss_agg_mode="seq-mean-token-mean")
+    assert _ppo_loss_metrics(seq_mean, weights=[1.0, 0.0])["actor/entropy_loss"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(
