@@ -351,10 +351,7 @@ def _require_patches(algorithm: AlgorithmConfig, use_reference: bool, cpu: bool)
     meets an entropy bonus or a KL loss (unpatched, both would still count the rejected tokens)."""
     if use_reference and cpu:
         _require_patch("0002-forward-only-engine-on-cpu", "verl.workers.engine.fsdp.transformer_impl", "offload_wanted")
-    rc = algorithm.rollout_correction.verl_fields()
-    icepop = rc["rollout_is"] is not None and "_" in str(rc["rollout_is_threshold"])  # zero outside its bounds
-    rejects = rc["rollout_rs"] is not None or icepop
-    if rejects and (algorithm.entropy_coeff > 0 or algorithm.use_kl_loss):
+    if algorithm.rollout_correction.rejects() and (algorithm.entropy_coeff > 0 or algorithm.use_kl_loss):
         _require_patch(
             "0008-entropy-and-kl-over-kept-tokens", "verl.workers.utils.losses", "_kept_by_rollout_correction"
         )

@@ -129,6 +129,11 @@ class RolloutCorrectionConfig:
         weighs = self.rollout_is is not None and not (self.bypass_mode and self.loss_type == "ppo_clip")
         return weighs or self.rollout_rs is not None
 
+    def rejects(self) -> bool:
+        """Whether some loss tokens can get weight 0: rejection sampling, or IS with IcePop's 'lower_upper' bound
+        (weights outside it are zeroed)."""
+        return self.rollout_rs is not None or (self.rollout_is is not None and "_" in str(self.rollout_is_threshold))
+
     def verl_fields(self) -> dict:
         """The keyword arguments of verl's RolloutCorrectionConfig."""
         return {k: getattr(self, k) for k in _VERL_DEFAULTS}

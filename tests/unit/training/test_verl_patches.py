@@ -358,6 +358,11 @@ def test_0008_rejected_tokens_add_no_entropy_or_kl():
     by_rs = _ppo_loss_metrics(bypass, behave_shift=(0.0, 0.5))  # row 1's geometric-mean ratio e^0.5: rejected
     assert by_rs["actor/entropy_loss"] == pytest.approx(3 / 6)
     assert by_rs["kl_loss"] == pytest.approx(kept["kl_loss"] / 2)
+    # IcePop in bypass mode with REINFORCE: the loss weighs row 1 (ratio e^-2, under its 0.5 bound) by 0.
+    icepop = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_5.0", loss_type="reinforce",
+                                     bypass_mode=True)  # fmt: skip
+    by_is = FSDPActorConfig(**common, policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=icepop))
+    assert _ppo_loss_metrics(by_is, behave_shift=(0.0, -2.0))["actor/entropy_loss"] == pytest.approx(3 / 6)
     # Per-sequence means: the rejected row still counts as a sequence (mean 0), not left out ((1 + 0) / 2, not 1).
     seq_mean = FSDPActorConfig(**common, loss_agg_mode="seq-mean-token-mean")
     assert _ppo_loss_metrics(seq_mean, weights=[1.0, 0.0])["actor/entropy_loss"] == pytest.approx(0.5)
