@@ -39,7 +39,10 @@ def tensor_digest(name: str, tensor: torch.Tensor, samples: int = SAMPLES) -> by
     flat = tensor.detach().reshape(-1)
     n = flat.numel()
     if samples and n > samples:
-        index = torch.linspace(0, n - 1, samples, device=flat.device).round().long()
+        # Exact integers: a float32 linspace rounds n - 1 up to n past 2**24 elements (issue 48: an IndexError on
+        # SmolLM2's 49,152 x 576 embedding), and any rounding there would pick other elements on the two sides.
+        steps = torch.arange(samples, dtype=torch.int64, device=flat.device)
+        index = steps * (n - 1) // max(1, samples - 1)
         flat = flat[index]
     raw = flat.contiguous().cpu().view(torch.uint8).numpy().tobytes()
     h = hashlib.blake2b(digest_size=16)

@@ -83,3 +83,15 @@ def test_the_export_records_the_digest_of_what_it_wrote_and_the_disk_side_takes_
     assert files_digest(tmp_path) == "0" * 32
     (tmp_path / INDEX).unlink()
     assert files_digest(tmp_path) == recorded
+
+
+def test_a_tensor_past_two_to_the_24_elements_digests_and_its_last_element_is_sampled():
+    """Issue 48: SmolLM2's embedding (49,152 x 576 = 28,311,552 elements) failed the sync's digest with an IndexError:
+    the sample positions were computed in float32, where n - 1 rounds up to n past 2**24. The positions are exact
+    integers: the first and the last element are always among the samples, whatever the size."""
+    n = 49_152 * 576
+    big = torch.zeros(n, dtype=torch.uint8)
+    base = digest([("model.embed_tokens.weight", big)])
+    last = big.clone()
+    last[-1] = 1
+    assert digest([("model.embed_tokens.weight", last)]) != base
