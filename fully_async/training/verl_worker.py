@@ -249,7 +249,7 @@ class FullyAsyncTrainingWorker(TrainingWorker):
 
         if getattr(self, "_weight_sender", None) is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._weight_sender = CollectiveSender(self._sync_tensors, device)
+            self._weight_sender = CollectiveSender(self._policy_tensors, device, tower_frozen=self.tower_frozen)
         return self._weight_sender
 
     @staticmethod

@@ -202,10 +202,23 @@ def staged_tensors(buckets: list[dict], staging: list) -> Iterator[tuple[str, An
 # ---- the sending side --------------------------------------------------------------------------------------------
 class CollectiveSender:
     """Rank 0 of the weight group, in the process that holds the full tensors. `named_tensors()` gives a fresh
-    iterator of (checkpoint name, full tensor) in a fixed order each call; `device`: where they live (cpu | cuda)."""
+    iterator of (checkpoint name, full tensor) in a fixed order each call; `device`: where they live (cpu | cuda).
+    `tower_frozen` (model.freeze_vision_tower on a vision-language model): the sender itself leaves the vision
+    tower's tensors out of the plan, the sends and the digest, whatever `named_tensors` holds: the engines keep the
+    tower they loaded from model.path (training/vision_tower.py); the iterator is still drained to its end."""
 
-    def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, Any]]], device: str = "cpu") -> None:
+    def __init__(
+        self, named_tensors: Callable[[], Iterable[tuple[str, Any]]], device: str = "cpu", *, tower_frozen: bool = False
+    ) -> None:
         _new_digest()  # its import (fully_async.engines, ~0.7 s here) at the transport's set-up, not in a send
+        if tower_frozen:
+            from fully_async.training.vision_tower import without_tower
+
+            source = named_tensors
+
+            def named_tensors() -> Iterator[tuple[str, Any]]:
+                return without_tower(source())
+
         self.named_tensors, self.device = named_tensors, device
         self.store = None
         self.pg = None

@@ -90,3 +90,49 @@ def test_lora_adapts_the_language_model_only(vlm):
         assert any("q_proj" in n for n in adapted)
     finally:
         peft.unload()  # the module fixture's model without the adapter layers again
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_the_collective_sender_given_the_whole_vlm_sends_no_tower_tensor_when_the_tower_is_frozen(vlm, tmp_path, mode):
+    """The exclusion is the sender's own (CollectiveSender(tower_frozen=True), as the verl worker builds it): handed
+    every tensor of the tiny Qwen2-VL, tower included, a sync over a real gloo group (the engine worker's receiving
+    code in a thread) puts on the wire, loads and proves the language model's tensors only, in both sync modes."""
+    from safetensors.torch import save_file
+
+    from fully_async.handles import LocalActor
+    from fully_async.param_sync import ParamSync
+    from fully_async.vllm_ext.fa_digest import digest
+    from fully_async.weights.collective import CollectiveTransport
+    from fully_async.weights.collective_sender import CollectiveSender
+    from fully_async.weights.verify import VERIFIED_METRIC
+    from tests.unit.weights.test_collective import _ThreadEngines, _Worker
+
+    whole = {n: t.detach().clone().contiguous() for n, t in vlm.state_dict().items() if t.is_floating_point()}
+    (tmp_path / "model").mkdir()
+    save_file(whole, str(tmp_path / "model" / "model.safetensors"))  # the engine's checkpoint: the plan check's names
+    trained = {n: t + 1.0 for n, t in whole.items()}
+    language = {n: t for n, t in trained.items() if not is_tower(n)}
+    assert language and len(language) < len(trained)
+
+    class WholeModel:  # the trainer's side: every tensor it holds, the sender decides what goes
+        def weight_sender(self):
+            return CollectiveSender(lambda: iter(trained.items()), tower_frozen=True)
+
+    worker = _Worker(tmp_path / "model")
+    handle = LocalActor(_ThreadEngines([worker]))
+    transport = CollectiveTransport(handle, WholeModel(), tmp_path / "w", "float32", bucket_mb=0.05,
+                                    sync_timeout_s=20)  # fmt: skip
+    sync = ParamSync(handle, None, tmp_path / "w", "float32", 20.0, transport=transport, mode=mode)
+    try:
+        timings = sync.sync(1)
+        if mode == "background":
+            timings = sync.wait()
+        assert list(worker.model_runner.loaded) == list(language)  # over the wire: not one tower tensor
+        assert all(torch.equal(worker.model_runner.loaded[n], t) for n, t in language.items())
+        sent = transport.last["sender"]
+        assert sent["bytes"] == 4 * sum(t.numel() for t in language.values())
+        assert sent["digest"] == digest(language.items()) and worker.fa_loaded_digest()["digest"] == sent["digest"]
+        assert timings[VERIFIED_METRIC] == 1
+    finally:
+        sync.close(remove=False)
+        handle.close()
