@@ -52,7 +52,10 @@ _RNG_LOCK = threading.Lock()
 
 def settings_hash(cfg: TinyModelConfig) -> str:
     """Short, stable hash of everything that determines the built files."""
-    payload = json.dumps({"builder": BUILDER_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True)
+    fields = dataclasses.asdict(cfg)
+    if not fields["tie_word_embeddings"]:  # added later: an untied build keeps the name it had before
+        del fields["tie_word_embeddings"]
+    payload = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -117,7 +120,7 @@ def text_fields(cfg: TinyModelConfig, vocab_size: int) -> dict:
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings,
         initializer_range=cfg.init_std,
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=eos,
         eos_token_id=eos,
         pad_token_id=eos,

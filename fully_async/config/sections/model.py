@@ -30,6 +30,8 @@ class TinyModelConfig:
     """Standard deviation of the normal initialisation of the weights. 0.1 rather than the usual 0.02: the built-in
     tasks are learned from scratch by RL, and the copy task reached 0.8 in a third fewer steps (median step 137
     against 216 over twelve seeds of the in-process screen, docs/benchmarks.md issue 4)."""
+    tie_word_embeddings: bool = False
+    """The LM head shares the token embedding's weight (as SmolLM2's and small Qwen2's do); qwen2 and llama only."""
 
     def validate_section(self, p: str) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
@@ -47,6 +49,8 @@ class TinyModelConfig:
             f"a divisor of num_heads={self.num_heads}",
         )
         require(self.init_std > 0, p + "init_std", self.init_std, "> 0")
+        tied = self.tie_word_embeddings
+        require(not tied or self.arch != "qwen2_vl", p + "tie_word_embeddings", tied, "false for arch=qwen2_vl")
 
 
 LORA_SYNCS = ("auto", "adapter", "merged")

@@ -130,3 +130,22 @@ def test_run_seed_reaches_the_tiny_model_and_the_shuffle(built):
     assert len(paths) == 3 and resolve_run_model(zero) == built
     orders = {tuple(EpochCursor(64, cfg.mixed_seed(cfg.data.seed))._permutation(0)) for cfg in (zero, one, two)}
     assert len(orders) == 3
+
+
+def test_a_tied_build_shares_the_head_with_the_embedding_and_untied_builds_keep_their_cache_names(tmp_path):
+    """model.tiny.tie_word_embeddings=true (issue 48: SmolLM2 ties its embeddings): the head is the embedding in
+    transformers, and the files hold the embedding once, as save_pretrained writes a tied model. The field was
+    added later: a default build keeps the cache name it had (5f12fcc... is the default's name before the field)."""
+    from transformers import AutoModelForCausalLM
+
+    assert tiny.settings_hash(TinyModelConfig()) == "5f12fccafb555c29"
+    tied = dataclasses.replace(SMALL, tie_word_embeddings=True)
+    assert tiny.settings_hash(tied) != tiny.settings_hash(SMALL)
+    path = build_tiny_model(tied, tmp_path)
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    files = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in files and "model.embed_tokens.weight" in files
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(ConfigError, match="model.tiny.tie_word_embeddings"):
+        build_tiny_model(dataclasses.replace(tied, arch="qwen2_vl"), tmp_path)
