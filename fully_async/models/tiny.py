@@ -157,11 +157,18 @@ def write_seeded(make, seed: int, eos_ids: list[int], out_dir: Path) -> None:
     turn ends with <|im_end|>, plain text with <|endoftext|>)."""
     import torch
     from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = make()
-    model.save_pretrained(out_dir, safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would be a fresh machine's first console line
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0], bos_token_id=eos_ids[0]).save_pretrained(out_dir)
 
 
