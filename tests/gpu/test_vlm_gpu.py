@@ -34,7 +34,13 @@ from fully_async.weights.lora import LoraServing
 from tests.fakes import AdapterBackend, ServersRollouter
 from tests.integration.test_vlm_lora_sync import _merged_greedy, generate_images, image_prompts
 from tests.integration.test_vlm_tensor_parallel import rank_digests
-from tests.integration.test_vlm_weights_collective import frozen_tower_backend, sync_once, vlm_pair
+from tests.integration.test_vlm_weights_collective import (
+    WholeModelBackend,
+    frozen_tower_backend,
+    language_digest,
+    sync_once,
+    vlm_pair,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -74,10 +80,10 @@ def test_an_nccl_sync_of_the_vlm_serves_a_fresh_servers_image_outputs_and_sends_
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     try:
-        backend = frozen_tower_backend(target, "cuda")
-        timings, sent, _ = sync_once(handle, backend, tmp_path, "bfloat16", "cuda")
+        backend = WholeModelBackend(target, device="cuda")  # the whole model: the sender leaves the tower out
+        timings, sent, _, wire = sync_once(handle, backend, tmp_path, "bfloat16", "cuda")
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert sent and not [n for n in sent if is_tower(n)]
+        assert sent and not [n for n in sent if is_tower(n)] and wire["digest"] == language_digest(target, "bfloat16")
         got = asyncio.run(generate_images(servers, prompts))
         for r, want in zip(got, reference, strict=True):
             assert list(r.token_ids) == list(want.token_ids) and set(r.versions) == {1}
@@ -102,9 +108,11 @@ def test_a_tp2_server_of_the_vlm_takes_an_nccl_sync_and_a_disk_reload(tmp_path_f
     handle = LocalActor(ServersRollouter(servers))
     try:
         first = asyncio.run(generate_images(servers, prompts))
-        timings, sent, _ = sync_once(handle, frozen_tower_backend(target, "cuda"), tmp_path, "bfloat16", "cuda")
+        timings, sent, _, wire = sync_once(
+            handle, WholeModelBackend(target, device="cuda"), tmp_path, "bfloat16", "cuda"
+        )
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert sent and not [n for n in sent if is_tower(n)]
+        assert sent and not [n for n in sent if is_tower(n)] and wire["digest"] == language_digest(target, "bfloat16")
         digests = rank_digests(handle)
         assert len(digests) == 2 and len(set(digests)) == 1 and digests[0]
         _assert_same(asyncio.run(generate_images(servers, prompts)), reference, 1)

@@ -24,7 +24,13 @@ from fully_async.training.vision_tower import is_tower
 from fully_async.weights.verify import ask_engines
 from tests.fakes import ServersRollouter
 from tests.integration.test_vlm_lora_sync import generate_images, hf_greedy, image_prompts
-from tests.integration.test_vlm_weights_collective import frozen_tower_backend, sync_once, vlm_pair
+from tests.integration.test_vlm_weights_collective import (
+    WholeModelBackend,
+    frozen_tower_backend,
+    language_digest,
+    sync_once,
+    vlm_pair,
+)
 
 pytestmark = [pytest.mark.long, pytest.mark.timeout(1200), pytest.mark.needs_venv(".venv-engine")]
 
@@ -65,10 +71,11 @@ def test_a_tp2_cpu_server_of_the_vlm_takes_a_collective_sync_and_a_disk_reload(t
     handle = LocalActor(ServersRollouter(servers))
     try:
         _assert_serves(servers, prompts, want_start, 0)  # split over 2 ranks, it answers as the whole model does
-        # Collective (gloo): world 1 + TP, each rank takes every tensor whole and loads its shard.
-        timings, sent, _ = sync_once(handle, frozen_tower_backend(target, "cpu"), tmp_path, "float32", "cpu")
+        # Collective (gloo): world 1 + TP, each rank takes every tensor whole and loads its shard. The sender is
+        # handed the whole model, tower included, and leaves the frozen tower out itself.
+        timings, sent, _, wire = sync_once(handle, WholeModelBackend(target, device="cpu"), tmp_path, "float32", "cpu")
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert sent and not [n for n in sent if is_tower(n)]
+        assert sent and not [n for n in sent if is_tower(n)] and wire["digest"] == language_digest(target)
         digests = rank_digests(handle)
         assert len(digests) == TP and len(set(digests)) == 1 and digests[0]
         _assert_serves(servers, prompts, want_target, 1)

