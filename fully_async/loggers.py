@@ -5,14 +5,21 @@ out to all of them.
 wandb reads its API key from WANDB_API_KEY (never from config, never logged) and honours WANDB_MODE=offline; its run
 files go under RUN_DIR/wandb and its run id is kept in RUN_DIR/wandb_run_id, so a resumed run continues the same
 wandb run. tensorboard event files go under RUN_DIR/tensorboard.
+
+`startup_problems(cfg)` says, before Ray starts (fully_async/preflight.py), why a configured sink could not start:
+wandb online with no credentials anywhere wandb looks. Whether each sink's package is installed is config
+validation's (LoggerConfig.validate_section).
 """
 
 from __future__ import annotations
 
+import configparser
 import math
+import netrc
+import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +190,59 @@ class TensorboardLogger:
 
     def close(self) -> None:
         self.writer.close()
+
+
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+"""WANDB_MODE values under which wandb needs no account (it writes locally, or nothing)."""
+
+
+def startup_problems(cfg: LoggerConfig, environ: Mapping[str, str] = os.environ, cwd: Path | None = None) -> list[str]:
+    """Why a sink of `cfg.backends` could not start, one line each (none: every one can). Cheap and local: wandb
+    online needs credentials where wandb itself reads them (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, a netrc entry
+    for its host, an api_key in its settings files); a network failure is still found only when the run starts."""
+    if "wandb" not in cfg.backends:
+        return []
+    settings = _wandb_settings(environ, cwd or Path.cwd())
+    mode = (environ.get("WANDB_MODE") or settings.get("mode") or "online").strip().lower()
+    if mode in WANDB_LOCAL_MODES or _wandb_has_credentials(environ, settings):
+        return []
+    return [
+        f"logger.backends includes wandb, and wandb (WANDB_MODE={mode}) finds no API key: set WANDB_API_KEY (or "
+        "run `wandb login`), or WANDB_MODE=offline to log locally (sync later with `wandb sync RUN_DIR/wandb`), or "
+        "remove wandb from logger.backends"
+    ]
+
+
+def _wandb_settings(environ: Mapping[str, str], cwd: Path) -> dict[str, str]:
+    """The [default] section of wandb's global settings file, then the working directory's (which wins)."""
+    home = Path(environ.get("HOME") or Path.home())
+    config_dir = Path(environ.get("WANDB_CONFIG_DIR") or home / ".config" / "wandb")
+    out: dict[str, str] = {}
+    for path in (config_dir / "settings", cwd / "wandb" / "settings"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:  # a file wandb itself would warn about: not ours to refuse the run for
+            continue
+        if parser.has_section("default"):
+            out.update(parser["default"])
+    return out
+
+
+def _wandb_has_credentials(environ: Mapping[str, str], settings: Mapping[str, str]) -> bool:
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.get("api_key"):
+        return True
+    from urllib.parse import urlsplit
+
+    base = environ.get("WANDB_BASE_URL") or settings.get("base_url") or "https://api.wandb.ai"
+    home = Path(environ.get("HOME") or Path.home())
+    path = Path(environ["NETRC"]).expanduser() if environ.get("NETRC") else home / ".netrc"
+    if not path.exists():
+        return False
+    try:
+        return netrc.netrc(str(path)).authenticators(urlsplit(base).netloc) is not None
+    except (netrc.NetrcParseError, OSError):  # wandb warns and goes on without it; so do we, without the key
+        return False
 
 
 class Loggers:

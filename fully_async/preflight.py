@@ -5,7 +5,8 @@ What is checked: model.path (an existing directory holding a config.json, or a H
 local cache; fully_async/models/hub.py, which downloads only when the hub is online) or the tiny model's build, and
 every row of data.train_files (and data.val_files when validation runs), read by data.py's own loader so the rules
 are the ones the run applies; that the trainer writes weights the engine can load (not trainer=sim with a real
-engine); trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at
+engine); that every metric sink can start (wandb online with no API key: fully_async/loggers.py startup_problems);
+trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at
 module level (the tiny model's build imports torch).
 """
 
@@ -115,8 +116,13 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
     data, and is often made on a machine that has neither (a laptop planning a GPU cluster's run)."""
     if plan_only:
         return None
-    check_trainer_feeds_engine(cfg)
-    check_cpu_tensor_parallel(cfg)
+    from fully_async.config.base import collect, raise_problems
+    from fully_async.loggers import startup_problems
+
+    problems = startup_problems(cfg.logger)  # the settings' problems together, before the slower checks below
+    for check in (check_trainer_feeds_engine, check_cpu_tensor_parallel):
+        collect(problems, check, cfg)
+    raise_problems(problems)
     if line := limit_to_epochs(cfg, check_data(cfg)):
         print(line, flush=True)
     from fully_async.models import resolve_run_model

@@ -136,3 +136,60 @@ def test_epochs_that_fill_no_step_are_refused():
 
     with pytest.raises(ConfigError, match="8 training rows fill no step of async_training.groups_per_step=16"):
         limit_to_epochs(compose(["trainer.total_epochs=1", "async_training.groups_per_step=16"]), 8)
+
+
+_WANDB_ENV = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_CONFIG_DIR", "WANDB_BASE_URL", "NETRC")
+
+
+def test_wandb_without_a_key_is_refused_before_ray(tmp_path):
+    """verl's `trainer.logger=['console','wandb']` with no wandb key used to start Ray, the engines and the trainer,
+    then fail in the trainer's first logger call; now it is a preflight problem, answered in seconds. HOME is a fresh
+    directory (a real ~/.netrc key is never read). Ray not started: RAY_TMPDIR points into tmp_path, where a Ray that
+    started leaves its session directory, and the runner prints the run dir only right before it imports Ray. The
+    emulated engine and trainer keep the run cheap should the check be gone (Ray then starts and the run fails later)."""
+    home, ray_dir = tmp_path / "home", tmp_path / "ray"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _WANDB_ENV}
+    env |= {"HOME": str(home), "RAY_TMPDIR": str(ray_dir), "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fully_async.runner", "trainer.logger=['console','wandb']",
+                          "engine=sim", "trainer=sim", f"hydra.run.dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    _before_ray(out, time.monotonic() - started)
+    assert not ray_dir.exists()
+    assert "ConfigError: logger.backends includes wandb, and wandb (WANDB_MODE=online) finds no API key" in out.stderr
+
+
+def test_a_logger_problem_is_listed_with_the_other_preflight_problems(tmp_path, monkeypatch):
+    for name in _WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        preflight(compose(["logger=[console,wandb]", "trainer=sim"]))
+    assert len(err.value.problems) == 2, err.value.problems
+    assert "finds no API key" in err.value.problems[0] and "trainer.backend=sim cannot feed" in err.value.problems[1]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # then wandb logs locally: nothing to refuse for it
+    with pytest.raises(ConfigError) as err:
+        preflight(compose(["logger=[console,wandb]", "trainer=sim"]))
+    assert len(err.value.problems) == 1
+
+
+def test_wandb_credentials_are_found_where_wandb_reads_them(tmp_path):
+    from fully_async.config import LoggerConfig
+    from fully_async.loggers import startup_problems
+
+    wandb, plain = LoggerConfig(backends=["console", "wandb"]), LoggerConfig(backends=["console", "tensorboard"])
+    home = {"HOME": str(tmp_path)}
+    assert startup_problems(plain, home, tmp_path) == []
+    assert len(startup_problems(wandb, home, tmp_path)) == 1
+    for env in ({"WANDB_API_KEY": "k"}, {"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}):
+        assert startup_problems(wandb, home | env, tmp_path) == [], env
+    assert startup_problems(wandb, home | {"WANDB_MODE": "online"}, tmp_path)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    assert startup_problems(wandb, home, tmp_path) == []  # `wandb login` writes there
+    assert startup_problems(wandb, home | {"WANDB_BASE_URL": "https://wandb.example.org"}, tmp_path)  # another host
+    (tmp_path / ".netrc").unlink()
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")  # `wandb offline` in this directory
+    assert startup_problems(wandb, home, tmp_path) == []
