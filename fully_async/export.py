@@ -6,7 +6,8 @@ ranks), then written as safetensors with the model's config.json, generation_con
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it and `model.path=DIR` serves it. Needs memory for
 the full model once (in float32 as FSDP keeps it). The policy only: a critic (`backend/critic/`) is not exported.
 
-A LoRA run (model.lora.rank > 0) gives both: DIR holds the merged model (base + adapter, Hugging Face names) and
+A model that ties its word embeddings is written without `lm_head.weight`, as `save_pretrained` writes it
+(training/hf_files.without_tied_head). A LoRA run (model.lora.rank > 0) gives both: DIR holds the merged model (base + adapter, Hugging Face names) and
 DIR/adapter/ the adapter alone in PEFT format (`peft.PeftModel.from_pretrained(base, DIR/adapter)`), its
 adapter_config.json the one the run wrote into the checkpoint's `adapter/`.
 """
@@ -98,6 +99,9 @@ def export_checkpoint(
     named = tensors.items()
     if any(lora.is_adapter(name) for name in tensors):
         named = _export_adapter(ckpt, tensors, out / "adapter", dtype, progress)
+    config_dir = next((d for d in sources if d is not None and (d / "config.json").is_file()), None)
+    # A model that ties its word embeddings comes out as save_pretrained writes it, without lm_head.weight.
+    named = hf_files.without_tied_head(named, config_dir is not None and hf_files.ties_embeddings(config_dir))
     named = hf_names.checkpoint_names(named, hf_names.model_type(sources))
     files = hf_files.write_safetensors(named, out, dtype, progress=progress)
     copied = hf_files.copy_model_files(sources, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,6 +84,49 @@ def write_safetensors(
     (out / INDEX).write_text(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=1))
     like_neighbours(out / INDEX, [out / f for f in files])
     return files
+
+
+TIED_HEAD = "lm_head.weight"
+"""The output layer's weight, which a model that ties its word embeddings shares with its token embedding."""
+EMBEDDING_SUFFIX = "embed_tokens.weight"
+"""How the token embedding's name ends (model.embed_tokens.weight; the language model's inside a VLM)."""
+
+
+def ties_embeddings(config) -> bool:
+    """Whether a Hugging Face config (a `PretrainedConfig`, or a directory holding config.json) ties the LM head to
+    the token embedding: its `tie_word_embeddings`, the attribute transformers ties by, as transformers resolves it
+    for the architecture (the default differs between them, so a directory is read through AutoConfig, not as
+    JSON)."""
+    if isinstance(config, (str, Path)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(config))
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def without_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """What leaves the trainer for a model that ties its word embeddings: every (Hugging Face name, tensor) pair but
+    `lm_head.weight`, lazily. Every path that moves weights applies it (the disk transport's export, staged or not;
+    the collective transport's plan and send; the HF exports, trainer.save_hf and `python -m fully_async.export`;
+    the engines' start on resume, which is a disk export), so a tied model's weights travel as `save_pretrained`
+    writes them and the Hub holds them: the embedding once. Why: vLLM skips a tied model's head when it loads, the
+    collective transport checks its plan against the engine's checkpoint (which has no head), transformers re-ties
+    on load, and the head is the embedding's bytes again (28 M of SmolLM2's 135 M parameters). The sync's digests
+    are taken over what is written or sent, so they agree with the engines' (which digest what their loader takes).
+    A head that is not equal to the embedding it is tied to (a run that untied them, e.g. LoRA on lm_head) raises
+    ValueError rather than dropping trained weights. The LoRA adapter-only sync sends the adapter alone, which holds
+    neither. `tied` False: the pairs unchanged."""
+    embedding = None
+    for name, tensor in tensors:
+        if not tied:
+            yield name, tensor
+            continue
+        if name.endswith(EMBEDDING_SUFFIX):
+            embedding = tensor
+        if name != TIED_HEAD:
+            yield name, tensor
+        elif embedding is not None and not torch.equal(tensor, embedding):
+            raise ValueError(f"the model ties its word embeddings, but {TIED_HEAD} differs from the embedding")
 
 
 def like_neighbours(written: Path, saved: list[Path]) -> None:

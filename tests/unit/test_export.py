@@ -131,3 +131,49 @@ def test_checkpoint_names_rename_only_the_layouts_transformers_renames(name, mod
     from fully_async.training.hf_names import checkpoint_name
 
     assert checkpoint_name(name, model_type) == checkpoint
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_a_tied_model_exports_without_its_head_and_loads_back_tied_to_the_trained_embedding(tmp_path, lora_rank):
+    """Issue 48: a model that ties its word embeddings (SmolLM2) comes out as save_pretrained writes it: the
+    embedding once, no lm_head.weight (vLLM's loader skips a tied head; training/hf_files.without_tied_head), the
+    recorded digest that of the files, and transformers loads it tied to the trained embedding. The checkpoint holds
+    the module's state dict, head included (torch's state_dict lists a shared parameter under both names); a LoRA
+    run's holds PEFT's names and comes out merged (the adapter, on the linear layers, touches neither)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fully_async.config import TinyModelConfig
+    from fully_async.export import export_checkpoint
+    from fully_async.models import build_tiny_model
+    from fully_async.training import lora
+    from fully_async.vllm_ext.fa_digest import directory_digest, recorded_digest
+
+    model_dir = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                 intermediate_size=64, tie_word_embeddings=True), tmp_path / "m")  # fmt: skip
+    module = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        module.model.embed_tokens.weight.add_(1.0)  # trained: the export must carry the new embedding
+    backend = _checkpoint(tmp_path / "run", 3) / "backend"
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        module = get_peft_model(module, LoraConfig(r=lora_rank, lora_alpha=8, target_modules="all-linear"))
+        (backend.parent / "adapter").mkdir()
+        adapter_config = {"r": lora_rank, "lora_alpha": 8}
+        (backend.parent / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps(adapter_config))
+    state = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    assert any(n.endswith("lm_head.weight") for n in state)  # the checkpoint has the head
+    torch.save(state, backend / "model_world_size_1_rank_0.pt")
+    (backend.parent / "state.json").write_text(json.dumps({"config": {"model": {"path": str(model_dir)}}}))
+
+    out = tmp_path / "export"
+    export_checkpoint(backend.parent, out, progress=None)
+    exported = {n: t for f in out.glob("model-*.safetensors") for n, t in load_file(f).items()}
+    assert set(exported) == set(load_file(model_dir / "model.safetensors"))  # the tied layout: no lm_head.weight
+    assert recorded_digest(str(out)) == directory_digest(str(out))[0]
+    back = AutoModelForCausalLM.from_pretrained(out)
+    trained = state[("base_model.model." if lora_rank else "") + "model.embed_tokens.weight"]
+    assert torch.equal(back.model.embed_tokens.weight, trained)
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
