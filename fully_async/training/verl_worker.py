@@ -144,13 +144,16 @@ class FullyAsyncTrainingWorker(TrainingWorker):
     def _policy_tensors(self, sync: bool = False):
         """(Hugging Face name, full tensor) of the policy as an engine serves it: with LoRA the merged model
         (fully_async/training/lora.py; verl's own iterator would give the base without the adapter here), else
-        verl's per-tensor iterator. `sync`: what a weight sync sends, the frozen vision tower left out."""
+        verl's per-tensor iterator; a model that ties its word embeddings without `lm_head.weight`
+        (hf_files.without_tied_head: every sync, export and resume takes its tensors from here). `sync`: what a
+        weight sync sends, the frozen vision tower left out."""
         peft = self._peft_model()
         if peft is None:
             tensors = self.engine.get_per_tensor_param()[0]
         else:
             config = lora.adapter_config(peft.peft_config["default"])
             tensors = lora.merged_tensors(self._full_tensors(), lora.scaling(config))
+        tensors = hf_files.without_tied_head(tensors, hf_files.ties_embeddings(self.config.model_config.hf_config))
         return vision_tower.without_tower(tensors) if sync and self.tower_frozen else tensors
 
     def _sync_tensors(self):
