@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from fully_async.aio import bounded
 from fully_async.data import EpochCursor
 from fully_async.handles import resolve_async
 from fully_async.protocol import PromptRef
@@ -171,7 +172,7 @@ class Admission:
                     if admitted % ADMIT_CHUNK_GROUPS == 0:
                         await asyncio.sleep(0)  # let calls queued behind the burst (stats, pause) run
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+                    await bounded(self.wake.wait(), IDLE_POLL_S)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.protocol import PromptRef, TrajectoryGroup, decode_groups, encode_groups
 from fully_async.staleness import is_fresh
@@ -137,7 +138,7 @@ class MessageQueue:
             if remaining is not None and remaining <= 0:
                 raise QueueTimeout(f"{what}({n}) waited {timeout:.1f}s; queue state: {self.stats()}")
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                await bounded(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 continue
 

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.multimodal.images import ImageError, to_png
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -146,7 +147,7 @@ async def run_call(tools: dict[str, Tool], call: ToolCall, episode_id: str, time
     loop = asyncio.get_running_loop()
     start = loop.time()
     try:
-        out = await asyncio.wait_for(tool.call(episode_id, call.arguments), timeout_s)
+        out = await bounded(tool.call(episode_id, call.arguments), timeout_s)
     except asyncio.TimeoutError:
         return ToolResult(f"Error: {call.name} timed out after {timeout_s:g} s.", "timeout", loop.time() - start)
     except TypeError as e:  # a signature the schema did not describe

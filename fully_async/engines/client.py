@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from fully_async.aio import bounded
 from fully_async.engines.auth import auth_headers
 from fully_async.engines.errors import EngineError
 from fully_async.engines.pool import EngineServers
@@ -294,7 +295,7 @@ class EngineClient:
         tokens, finish = 0, "error"
         try:
             if self.servers.kind.in_process:  # emulated engines (engine=sim): the same request, without a socket
-                seg = await asyncio.wait_for(
+                seg = await bounded(
                     self.servers.kind.send_direct(idx, prompt, max_tokens, sampling), self.request_timeout_s
                 )
             else:
@@ -337,7 +338,7 @@ class EngineClient:
         while time.monotonic() < deadline:
             if state.paused:
                 try:
-                    await asyncio.wait_for(state.resumed.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                    await bounded(state.resumed.wait(), max(0.01, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     break
                 continue

@@ -27,12 +27,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
+from fully_async.aio import NamedLock, bounded
 from fully_async.engines.auth import auth_headers
 from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
@@ -43,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 1.0
 """While a slow call runs, a server that answered its liveness probe is probed again after this many seconds."""
+
+CALLS_KEPT = 8
+"""How many of its last control calls the plane keeps per server (`recent_calls`: a stuck sync's error shows them)."""
 
 NODE_TABLE_WAIT_S = 2.0
 """How long a pool-wide call waits for Ray's node table (which servers are on dead nodes) before calling every serving
@@ -62,7 +68,7 @@ class ControlledPool(Protocol):
     node_dirs: dict[str, Path]
 
     @property
-    def membership(self) -> asyncio.Lock: ...
+    def membership(self) -> NamedLock: ...
     @property
     def live(self) -> list[int]: ...
     @property
@@ -107,6 +113,8 @@ class ControlPlane:
         self.pool = pool
         self.deadline_s = deadline_s
         self.timeout_s = deadline_s if timeout_s is None else timeout_s
+        self._calls: dict[str, deque[list[Any]]] = {}
+        """Per server URL: its last CALLS_KEPT control calls as [what, started (wall), seconds or None, outcome]."""
 
     # ---- pool-wide operations ----------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort", idle: Callable[[], bool] | None = None) -> bool:
@@ -292,12 +300,41 @@ class ControlPlane:
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=auth_headers())
 
     async def _one(self, session: Any, url: str, call: HttpCall, bound_s: float, slow: bool) -> Any:
+        record = self._started(url, call)
         try:
             if slow:
-                return await self._watched(session, url, call, bound_s)
-            return await asyncio.wait_for(self.deliver(session, url, call), bound_s)
+                answer = await self._watched(session, url, call, bound_s)
+            else:
+                answer = await bounded(self.deliver(session, url, call), bound_s)
         except TimeoutError as e:
+            self._ended(record, "unanswered")
             raise Unanswered(f"no answer to {call.method} {call.path} within {self._bound_name(bound_s)}") from e
+        except BaseException as e:
+            self._ended(record, type(e).__name__)
+            raise
+        self._ended(record, "ok")
+        return answer
+
+    def _started(self, url: str, call: HttpCall) -> list[Any]:
+        record = [f"{call.method} {call.path}", time.time(), None, "running"]
+        self._calls.setdefault(url, deque(maxlen=CALLS_KEPT)).append(record)
+        return record
+
+    @staticmethod
+    def _ended(record: list[Any], outcome: str) -> None:
+        record[2], record[3] = time.time() - record[1], outcome
+
+    def recent_calls(self) -> str:
+        """Each server's last control calls, oldest first, one line each (`running` = still unanswered), for the error
+        of a sync that passed its timeout."""
+        lines = []
+        for url, calls in self._calls.items():
+            lines.append(f"- {url}:")
+            for what, started, took, outcome in calls:
+                at = time.strftime("%H:%M:%S", time.localtime(started)) + f".{int(started % 1 * 1000):03d}"
+                spent = f"{took:.3f} s" if took is not None else f"for {time.time() - started:.1f} s"
+                lines.append(f"    {at} {what}: {outcome} ({spent})")
+        return "\n".join(lines) if lines else "(no control calls yet)"
 
     def _bound_name(self, bound_s: float) -> str:
         if bound_s == self.deadline_s:
@@ -309,7 +346,7 @@ class ControlPlane:
     async def _watched(self, session: Any, url: str, call: HttpCall, bound_s: float) -> Any:
         """`call` within `bound_s`, while the server answers a liveness probe within `deadline_s`: Unanswered as soon
         as one probe goes unanswered (the server, or its node, stopped), whatever is left of `bound_s`."""
-        work = asyncio.ensure_future(asyncio.wait_for(self.deliver(session, url, call), bound_s))
+        work = asyncio.ensure_future(bounded(self.deliver(session, url, call), bound_s))
         watch = asyncio.ensure_future(self._watch(session, url, call))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -317,14 +354,18 @@ class ControlPlane:
         finally:
             for task in (work, watch):
                 task.cancel()
-            await asyncio.gather(work, watch, return_exceptions=True)
+            # Bounded too: a task that ignored its cancellation must not hold the call (it did, issue 46).
+            _, left = await asyncio.wait({work, watch}, timeout=self.deadline_s)
+            if left:
+                logger.error("%s %s on %s: %d of its tasks still run %g s after their cancellation; left behind",
+                             call.method, call.path, url, len(left), self.deadline_s)  # fmt: skip
 
     async def _watch(self, session: Any, url: str, call: HttpCall) -> None:
         """Probe the server at `url` until cancelled; Unanswered when a probe is not answered within `deadline_s`."""
         probe = HttpCall("GET", self.pool.kind.liveness_path)
         while True:
             try:
-                await asyncio.wait_for(self.deliver(session, url, probe), self.deadline_s)
+                await bounded(self.deliver(session, url, probe), self.deadline_s)
             except EngineError:
                 pass  # an answer, even an error, shows a live front; a refused connection fails the call itself
             except TimeoutError as e:
@@ -350,7 +391,7 @@ class ControlPlane:
         pool = self.pool
         try:
             wait_s = min(NODE_TABLE_WAIT_S, self.deadline_s)
-            lost = await asyncio.wait_for(asyncio.to_thread(pool.on_lost_nodes, pool.serving), wait_s)
+            lost = await bounded(asyncio.to_thread(pool.on_lost_nodes, pool.serving), wait_s)
         except TimeoutError:
             logger.warning("%s: Ray's node table did not answer within %g s; calling every serving server", what,
                            wait_s)  # fmt: skip
@@ -388,7 +429,7 @@ class ControlPlane:
             if not isinstance(r, Exception) or url not in index:
                 continue
             with contextlib.suppress(TimeoutError):
-                if await asyncio.wait_for(asyncio.to_thread(pool.is_alive, index[url]), self.deadline_s):
+                if await bounded(asyncio.to_thread(pool.is_alive, index[url]), self.deadline_s):
                     continue
             logger.warning("%s: engine server %s is gone (%s); the pool goes on without it", what, url, r)
             pool.server_died(index[url])

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.engines.slots import SlotState
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,6 @@ async def _node_id(proc: Any) -> str | None:
     if getattr(proc, "host", None) is None:
         return None
     try:
-        return (await asyncio.wait_for(proc.host.where.remote(), 10))["node_id"]
+        return (await bounded(proc.host.where.remote(), 10))["node_id"]
     except Exception:  # the host (or its node) is gone: that is what the state column says
         return None

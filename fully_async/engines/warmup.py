@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from fully_async.aio import bounded
 from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
 from fully_async.engines.types import HttpCall, Sampling
@@ -80,7 +81,7 @@ async def warm(pool: WarmedPool, procs: list[Any], plan: WarmupPlan | None) -> d
 async def _warm_one(pool: WarmedPool, session: Any, proc: Any, plan: WarmupPlan) -> float:
     start = time.monotonic()
     try:
-        await asyncio.wait_for(_rounds(pool, session, proc, plan), plan.timeout_s)
+        await bounded(_rounds(pool, session, proc, plan), plan.timeout_s)
     except (EngineError, ValueError, TimeoutError) as e:  # warm-up saves time only: the healthy server serves cold
         what = f"no answer within {plan.timeout_s:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
         logger.warning("engine warm-up of %s given up (%s); it serves cold", proc.url, what)

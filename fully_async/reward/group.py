@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.config import RewardConfig
 from fully_async.config.sections import GROUP_FN_NAME as NAME
 from fully_async.plugins import load
@@ -71,7 +72,7 @@ class GroupScorer:
         start = time.monotonic()
         try:
             if self.is_async:
-                out = await asyncio.wait_for(load(self.path, "reward.group_fn")(group=group), self.timeout_s)
+                out = await bounded(load(self.path, "reward.group_fn")(group=group), self.timeout_s)
             else:
                 out = await self.pool.call(self.path, {"group": group}, self.timeout_s)
             rewards, infos = _parse(out, len(trajs))

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.config import RewardLimitsConfig
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class LimiterServer:
                 if wait == 0.0:
                     break
                 with contextlib.suppress(asyncio.TimeoutError):  # timed out = the buckets refilled: try again
-                    await asyncio.wait_for(self._released.wait(), wait)
+                    await bounded(self._released.wait(), wait)
         self.granted["leases"] += 1
         self.granted["requests"] += requests
         self.granted["tokens"] += tokens

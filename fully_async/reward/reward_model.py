@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.config import RewardSourceConfig
 from fully_async.reward.judge import Judge, RemoteError, Reply, parse_retry_after
 from fully_async.reward.sources import Source
@@ -52,7 +53,7 @@ class DynamicBatcher:
             if len(self._pending) < self.max_batch and left > 0:
                 self._full.clear()
                 with contextlib.suppress(asyncio.TimeoutError):  # timed out: run what we have
-                    await asyncio.wait_for(self._full.wait(), left)
+                    await bounded(self._full.wait(), left)
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             self.batches.append(len(batch))
             try:
@@ -154,10 +155,8 @@ class RewardModelService(Source):
     async def attempt(self, solution: str, meta: dict[str, Any]) -> Reply:
         if self.cfg.reward_model.endpoint == "chat":
             prompt = self.replicas.targets[0].render(solution, meta)
-            return await asyncio.wait_for(self.replicas.call(lambda j: j.ask(prompt)), self.cfg.timeout_s)
-        return await asyncio.wait_for(
-            self.replicas.call(lambda url: self._post(url, solution, meta)), self.cfg.timeout_s
-        )
+            return await bounded(self.replicas.call(lambda j: j.ask(prompt)), self.cfg.timeout_s)
+        return await bounded(self.replicas.call(lambda url: self._post(url, solution, meta)), self.cfg.timeout_s)
 
     async def _post(self, url: str, solution: str, meta: dict[str, Any]) -> Reply:
         import aiohttp
@@ -216,9 +215,7 @@ class LocalRewardModelSource(Source):
     async def attempt(self, solution: str, meta: dict[str, Any]) -> Reply:
         question = meta.get("question", "")
         start = time.monotonic()
-        score = await asyncio.wait_for(
-            self.replicas.call(lambda a: a.score.remote(question, solution)), self.cfg.timeout_s
-        )
+        score = await bounded(self.replicas.call(lambda a: a.score.remote(question, solution)), self.cfg.timeout_s)
         return Reply(score, {"model_s": time.monotonic() - start}, None)
 
     async def close(self) -> None:

@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.config import RewardSourceConfig
 from fully_async.data import SYNTHETIC_SOURCE
 from fully_async.plugins import load
@@ -64,7 +64,7 @@ class RuleSource(Source):
         path = self.path_for(source)
         kwargs = compute_score_kwargs(source, solution, meta.get("ground_truth"), meta.get("extra_info") or {})
         if self.is_async(path):
-            out = await asyncio.wait_for(load(path, f"{self.key}.kind")(**kwargs), self.cfg.timeout_s)
+            out = await bounded(load(path, f"{self.key}.kind")(**kwargs), self.cfg.timeout_s)
         else:
             out = await self.pool.call(path, kwargs, self.cfg.timeout_s)
         score, info = to_score(out)
@@ -83,7 +83,7 @@ class JudgeSource(Source):
         return float(self.count_tokens(self.judge.render(solution, meta)) + self.cfg.judge.max_tokens)
 
     async def attempt(self, solution: str, meta: dict[str, Any]) -> Reply:
-        return await asyncio.wait_for(self.judge.ask(self.judge.render(solution, meta)), self.cfg.timeout_s)
+        return await bounded(self.judge.ask(self.judge.render(solution, meta)), self.cfg.timeout_s)
 
     async def close(self) -> None:
         await self.judge.close()

@@ -16,6 +16,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.plugins import load
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,10 @@ class ScoringPool:
         try:
             worker.conn.send((path, kwargs))
             phase, limit = "import", import_timeout
-            status, payload = await asyncio.wait_for(self._recv(worker.conn), limit)
+            status, payload = await bounded(self._recv(worker.conn), limit)
             if status == "started":
                 phase, limit = "call", timeout
-                status, payload = await asyncio.wait_for(self._recv(worker.conn), limit)
+                status, payload = await bounded(self._recv(worker.conn), limit)
         except asyncio.TimeoutError:
             worker = self._replace(worker, f"{path} passed its {limit:g}s {phase} timeout")
             raise RewardTimeout(f"{path} did not return within {limit:g}s; its worker process was killed") from None

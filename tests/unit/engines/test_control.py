@@ -7,12 +7,14 @@ live one that failed still fails the call; engine=sim goes through the same set-
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 
 import pytest
 
 from fully_async.config import EngineConfig
-from fully_async.engines import EngineError, build_engine
+from fully_async.engines import EngineError, build_engine, control
 from fully_async.engines.process import free_port
 from tests.fakes import FakeEngine
 
@@ -64,6 +66,11 @@ async def test_a_server_that_misses_the_deadline_is_set_aside_and_the_others_get
     assert silent[0].unanswered == ["/pause"]
     await servers.set_version(2)  # the one set aside is not called again
     assert fakes[0].version == "2" and handed == [1] and silent[0].unanswered == ["/pause"]
+    calls = servers.control.recent_calls()  # what a stuck sync's error shows of each server
+    assert re.search(
+        rf"- {fakes[0].url}:\n .* POST /pause: ok \(\d.\d+ s\)\n .* POST /update_weight_version: ok", calls
+    )
+    assert re.search(rf"- {silent[0].url}:\n .* POST /pause: unanswered \(0.5\d\d s\)$", calls), calls
 
 
 async def test_a_server_on_a_node_ray_reports_dead_is_never_called(fakes, silent):
@@ -139,3 +146,38 @@ async def test_engine_sim_sets_a_hung_engine_aside_through_the_same_path():
     servers.kind.engines[0].hung = True
     with pytest.raises(EngineError, match="no engine server answered in time"):
         await servers.resume()
+
+
+@pytest.mark.parametrize("lag", range(8))
+async def test_a_reload_answered_beside_a_liveness_probe_ends(fakes, tmp_path, monkeypatch, lag):
+    """Issue 46: a two-node run hung for 300 s in a sync's reload after both servers had reloaded. A reload is watched
+    by a liveness probe loop, cancelled when the reload answers; when a probe's answer came in the same few turns of
+    the event loop as that cancellation, asyncio.wait_for (Python < 3.12) returned the probe's answer instead of the
+    cancellation, the loop probed on forever and the reload waited for it to end. Here the second probe is answered
+    `lag` turns after the reload, which sweeps that window deterministically."""
+    monkeypatch.setattr(control, "PROBE_EVERY_S", 0.01)
+    servers, handed = pool([fakes[0].url], deadline_s=5.0, timeout_s=30.0)
+    deliver, liveness = servers.control.deliver, servers.kind.liveness_path
+    answered, reloaded, probes = asyncio.Event(), asyncio.Event(), []
+
+    async def scripted(session, url, call):  # the HTTP edge: the real fake server, with the answers' order set
+        answer = await deliver(session, url, call)
+        if call.path == liveness:
+            probes.append(call)
+            if len(probes) == 2:  # the reload answers now, this probe `lag` turns later
+                answered.set()
+                await reloaded.wait()
+                for _ in range(lag):
+                    await asyncio.sleep(0)
+        elif call.path == "/collective_rpc":
+            await answered.wait()
+            reloaded.set()
+        return answer
+
+    servers.control.deliver = scripted
+    async with asyncio.timeout(10):
+        await servers.load_weights(tmp_path, 1)
+    assert fakes[0].version == "1" and handed == []
+    probed = len(probes)
+    await asyncio.sleep(0.2)
+    assert len(probes) == probed  # nothing probes on after the reload ended
