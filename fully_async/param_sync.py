@@ -29,13 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config.sections.async_training import SYNC_MODES
-from fully_async.handles import resolve
+from fully_async.handles import one_line, resolve
 from fully_async.sync import BackgroundSync, PhaseRunner, add_timings
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.base import ParamSyncError, SyncPlan
 from fully_async.weights.disk import default_weights_root
 from fully_async.weights.verify import VERIFIED_METRIC
+
+DIAGNOSE_S = 10.0
+"""How long a sync that passed its timeout waits for the Rollouter's account of where it is stuck."""
 
 __all__ = ["SYNC_MODES", "ParamSync", "ParamSyncError", "add_timings", "default_weights_root"]
 
@@ -72,7 +75,7 @@ class ParamSync:
             transport = build_transport(transport, rollouter, backend, weights_root, dtype, verify, bucket_mb=bucket_mb,
                                         sync_timeout_s=timeout_s, device=device, staging=staging)  # fmt: skip
         self.transport = transport
-        self.phases = PhaseRunner(timeout_s, tracer, transport.pending)
+        self.phases = PhaseRunner(timeout_s, tracer, transport.pending, self._diagnose)
         self.background = BackgroundSync()
         self._prepared = False
         self._blocking_syncs = 0
@@ -148,6 +151,13 @@ class ParamSync:
         self.background.close(min(self.timeout_s, 30.0))  # a sync still reading the files gets its phases' time
         self.transport.close(remove)
         self.phases.close()
+
+    def _diagnose(self) -> str:
+        """Where the Rollouter is stuck (its `diagnose`), asked within DIAGNOSE_S: for a phase's timeout message."""
+        try:
+            return resolve(self.rollouter.diagnose.remote(), DIAGNOSE_S)
+        except Exception as e:  # a stand-in without it, or an actor whose event loop is blocked: say so, go on
+            return f"the Rollouter gave no diagnosis within {DIAGNOSE_S:g} s: {one_line(e)}"
 
     def _run_phases(self, t: dict[str, float], phases: tuple) -> None:
         for name, fn in phases:

@@ -30,6 +30,7 @@ from typing import Any
 from fully_async.admission import Admission
 from fully_async.agents import build_agent_loop
 from fully_async.agents.tokens import stop_token_ids
+from fully_async.aio import task_stacks
 from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import EpochCursor, PromptRow, dataset
 from fully_async.device import device as run_device
@@ -260,6 +261,16 @@ class Rollouter:
                 return []
             raise RuntimeError(f"engine port call {call!r} before the Rollouter started its engines")
         return await self.engine_service.call(call, *args)
+
+    async def diagnose(self) -> str:
+        """What this actor is waiting for, for the error of a sync that passed advanced.sync_timeout_s: its event
+        loop's pending tasks with their await chains, the pool's membership lock and each server's last control
+        calls (fully_async/aio.py `task_stacks`, engines/control.py `recent_calls`)."""
+        parts = [f"Rollouter (pid {os.getpid()}): {task_stacks()}"]
+        if self.servers is not None:
+            parts.append(f"{self.servers.membership.name}: {self.servers.membership.held_by()}")
+            parts.append("last control calls per engine server:\n" + self.servers.control.recent_calls())
+        return "\n".join(parts)
 
     def _synced(self, version: int, serving: bool) -> None:
         """The engines hold `version` (the port's `synced`): the ledger moves; an adapter serves at once, so admission

@@ -22,14 +22,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from fully_async.aio import NamedLock
 from fully_async.engines.base import EngineKind
 from fully_async.engines.errors import EngineError
 from fully_async.engines.types import EngineState
 from fully_async.weights.lora import LoraServing, adapter_name
 
 if TYPE_CHECKING:
-    import asyncio
-
     from fully_async.engines.control import ControlPlane
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class AdaptedPool(Protocol):
     control: ControlPlane
 
     @property
-    def membership(self) -> asyncio.Lock: ...
+    def membership(self) -> NamedLock: ...
     @property
     def serving(self) -> list[int]: ...
     def address(self, index: int) -> str: ...

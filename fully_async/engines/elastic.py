@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from fully_async.aio import NamedLock
 from fully_async.config import EngineConfig
 from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
@@ -51,7 +52,7 @@ class ElasticPool(Protocol):
     closed: bool
 
     @property
-    def membership(self) -> asyncio.Lock: ...
+    def membership(self) -> NamedLock: ...
     @property
     def stale_on_return(self) -> bool: ...
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> Any: ...

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from fully_async.aio import NamedLock
 from fully_async.config import EngineConfig
 from fully_async.engines.base import EngineKind
 from fully_async.engines.elastic import bring_current, came_back
@@ -40,7 +41,7 @@ class LifecyclePool(Protocol):
     closed: bool
 
     @property
-    def membership(self) -> asyncio.Lock: ...
+    def membership(self) -> NamedLock: ...
     def routed_urls(self) -> list[str]: ...
     def relaunch(self, index: int) -> None: ...
     def sync_router(self) -> None: ...

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fully_async.aio import NamedLock
 from fully_async.config import EngineConfig
 from fully_async.engines import lifecycle
 from fully_async.engines.adapters import Adapters
@@ -37,6 +38,14 @@ from fully_async.engines.warmup import WarmupPlan
 from fully_async.handles import dead_nodes
 
 logger = logging.getLogger(__name__)
+
+
+def membership_wait_s(cfg: Any) -> float:
+    """How long a change of the pool waits for its membership lock: what one holder may legitimately take, a reload
+    (engine.control_timeout_s) and three pool-wide calls after it (engine.control_deadline_s each: version, pause,
+    prefix cache). Below advanced.sync_timeout_s at the defaults (90 s against 300 s), so a stuck holder fails the
+    sync naming itself before the sync's own bound fires."""
+    return cfg.control_timeout_s + 3 * cfg.control_deadline_s
 
 
 class EngineServers:
@@ -84,7 +93,7 @@ class EngineServers:
         current), `engine_warmup` (the start-up's record, fully_async/startup.py)."""
         self.on_dead: Any = None
         """Called with the index of a server a control call found dead (the client schedules its restart)."""
-        self._membership: asyncio.Lock | None = None
+        self._membership: NamedLock | None = None
         self._growing_lock: asyncio.Lock | None = None
         self.pool_events: list[tuple[str, int, str, str | None]] = []
         """(event, index, url, new url) for joins, leaves and replacements, in order (the rollouter's metrics)."""
@@ -224,11 +233,12 @@ class EngineServers:
 
     # ---- control plane (control.py), as the pool's own calls ---------------------------------------------------------
     @property
-    def membership(self) -> asyncio.Lock:
+    def membership(self) -> NamedLock:
         """Held while the pool's members or their weights change (a sync's reload and version, a join, a rejoin), so a
-        server never joins with weights older than the version it is labelled with."""
+        server never joins with weights older than the version it is labelled with. Waited for at most
+        `membership_wait_s`: a holder that hangs fails the waiter naming itself instead of stalling a sync."""
         if self._membership is None:
-            self._membership = asyncio.Lock()
+            self._membership = NamedLock("the engine pool's membership lock", membership_wait_s(self.cfg))
         return self._membership
 
     async def pause(self, mode: PauseMode = "abort", idle: Callable[[], bool] | None = None) -> bool:

@@ -16,11 +16,17 @@ from fully_async.weights.base import ParamSyncError
 
 class PhaseRunner:
     def __init__(
-        self, timeout_s: float, tracer: Tracer | None = None, pending: Callable[[], str] | None = None
+        self,
+        timeout_s: float,
+        tracer: Tracer | None = None,
+        pending: Callable[[], str] | None = None,
+        diagnose: Callable[[], str] | None = None,
     ) -> None:
-        """`pending`: who a phase that hangs still waits for (the transport's `pending`), for the timeout's message."""
+        """`pending`: who a phase that hangs still waits for (the transport's `pending`), for the timeout's first line;
+        `diagnose`: where the other side is stuck (the Rollouter's tasks and control calls), on the lines after it."""
         self.timeout_s, self.tracer = timeout_s, tracer
         self.pending = pending or (lambda: "")
+        self.diagnose = diagnose or (lambda: "")
         self._thread = CallThread("param-sync-phase")
 
     def run(self, name: str, timings: dict[str, float], fn: Callable[[], Any]) -> Any:
@@ -34,10 +40,10 @@ class PhaseRunner:
             done, _ = concurrent.futures.wait([future], self.timeout_s)
             if not done:
                 self._thread = CallThread("param-sync-phase")
-                waiting = self.pending()
+                waiting, where = self.pending(), self.diagnose()
                 raise ParamSyncError(
                     f"weight sync phase '{name}' did not finish within advanced.sync_timeout_s="
-                    f"{self.timeout_s:g}s" + (f" ({waiting})" if waiting else "")
+                    f"{self.timeout_s:g}s" + (f" ({waiting})" if waiting else "") + (f"\n{where}" if where else "")
                 )
             e = future.exception()
             if e is not None:

@@ -4,6 +4,7 @@ ParamSyncError naming it, and the weight directories it keeps."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -213,3 +214,81 @@ def test_background_reading_phases_that_only_queue_run_in_the_callers_thread_and
         handle.close()
         sync.close()
     assert [c[0] for c in stub.calls] == ["pause", "load_weights", "resume"] and stub.version == 1
+
+
+def _stuck_rollouter(tmp_path, overrides: list[str]):
+    """A real Rollouter (engine=sim) behind a LocalActor, started, with its pool's membership lock taken by a holder
+    that never lets go (as a stuck restart would); (handle, release)."""
+    import asyncio
+
+    from fully_async.config import compose, to_dict
+    from fully_async.message_queue import MessageQueue
+    from fully_async.models import resolve_model_path
+    from fully_async.rollouter import Rollouter
+    from tests.helpers import SIM_ROLLOUT
+
+    cfg = compose([*SIM_ROLLOUT, "engine.num_servers=2", *overrides])
+    queue = LocalActor(MessageQueue(cfg.async_training.effective_queue_capacity(), 1), "queue")
+    rollouter = Rollouter(to_dict(cfg), str(resolve_model_path(cfg.model)), str(tmp_path / "run"), queue)
+    handle = LocalActor(rollouter, "rollouter")
+    handle.start.remote().result(60)
+    release = threading.Event()
+
+    async def stuck_holder():
+        async with rollouter.servers.membership:
+            await asyncio.to_thread(release.wait, 30)
+
+    asyncio.run_coroutine_threadsafe(stuck_holder(), handle._loop)
+    time.sleep(0.2)
+    return handle, queue, release
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_stuck_in_reload_fails_with_the_rollouters_tasks_the_lock_holder_and_the_control_calls(
+    backend, tmp_path
+):
+    """Issue 46: a stuck sync shows where it is stuck without a debugger. The phase's timeout (4 s) comes before the
+    lock's own bound (engine.control_timeout_s + 3 x control_deadline_s): the error carries the Rollouter's pending
+    tasks down to the lock they wait on, who holds the lock, and each server's last control calls."""
+    handle, queue, release = _stuck_rollouter(tmp_path, [])
+    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", 4.0)
+    try:
+        with pytest.raises(ParamSyncError) as failed:
+            sync.sync(1)
+    finally:
+        release.set()
+        sync.close()
+        handle.engine.remote("rows").result(10)
+        handle.shutdown.remote().result(30)
+        handle.close()
+        queue.close()
+    text = str(failed.value)
+    first, rest = text.split("\n", 1)
+    assert "phase 'reload' did not finish within advanced.sync_timeout_s=4s" in first
+    assert "pending asyncio tasks" in rest
+    assert "in ControlPlane.load_weights\n" in rest and "in NamedLock.__aenter__" in rest  # the waiter's chain
+    assert re.search(r"membership lock: held by .*stuck_holder .* for \d", rest)
+    assert "last control calls per engine server:\n" in rest  # (none here: an idle pause calls no server)
+
+
+@pytest.mark.timeout(120)
+def test_a_membership_lock_held_past_its_bound_fails_the_reload_naming_the_holder(backend, tmp_path):
+    """The lock's own bound (here 0.5 + 3 x 0.1 s) comes before the sync's (10 s): the reload fails at once, naming
+    the lock, the waiter and the holder."""
+    handle, queue, release = _stuck_rollouter(
+        tmp_path, ["engine.control_timeout_s=0.5", "engine.control_deadline_s=0.1"]
+    )
+    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", 10.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ParamSyncError) as failed:
+            sync.sync(1)
+    finally:
+        release.set()
+        sync.close()
+        handle.shutdown.remote().result(30)
+        handle.close()
+        queue.close()
+    assert time.monotonic() - start < 5.0
+    assert re.search(r"phase 'reload' failed: .*LockWaitTimeout: the engine pool's membership lock was not free "
+                     r"within 0.8 s for ControlPlane.load_weights .*: held by .*stuck_holder", str(failed.value))  # fmt: skip
