@@ -14,7 +14,8 @@ handler in the driver:
   `report_every_s` (and at `close()`) one line per kind that repeated says how many times it did.
 
 The same chatter from the driver process itself (Ray's token-auth notice at `ray.init`, torch's is_fx_tracing
-warning) is held by `hold_driver_chatter()` (called before `ray.init`) and written to the same file once it is open.
+warning, matplotlib's font cache notice at a fresh machine's first plot) is held by `hold_driver_chatter()` (called
+before `ray.init`) and written to the same file once it is open.
 
 A line's kind is its source's actor (or task) name, not its pid, so all ranks of a role share kinds, plus its text with
 digit runs replaced by `#` except inside addresses (`scheme://host:port`), so the same retry against two engines is two
@@ -62,7 +63,11 @@ QUIET = re.compile(
     )
 )
 """Lines that go to the log file only: third-party start-up chatter that says nothing about this run."""
-DRIVER_CHATTER = ("ray._private.authentication.authentication_token_setup", "torch.fx._symbolic_trace")
+DRIVER_CHATTER = (
+    "ray._private.authentication.authentication_token_setup",
+    "torch.fx._symbolic_trace",
+    "matplotlib.font_manager",  # "generated new fontManager": the first plot on a machine without matplotlib's cache
+)
 """Loggers in the driver process whose records go to the log file only (see hold_driver_chatter)."""
 
 
