@@ -3,10 +3,8 @@ denominator, and the mismatch diagnostics split by staleness (fully_async/traini
 
 from __future__ import annotations
 
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -92,24 +90,25 @@ def test_a_correcting_preset_is_accepted_at_any_staleness(preset):
     compose([f"algorithm.rollout_correction.preset={preset}", "async_training.max_staleness=8"])
 
 
-def test_the_runner_refuses_an_uncorrected_async_run_before_ray_in_under_2s(tmp_path):
-    """Under 2 s of the child's CPU time (wall time on this shared machine varies with the load; 2.5 s measured on
-    a loaded 2-core machine, 0.6 s of it CPU)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "fully_async.runner", "algorithm.rollout_correction.preset=bypass_ppo_clip",
-],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
-    elapsed = time.monotonic() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert proc.returncode != 0
-    assert "corrects nothing" in proc.stderr + proc.stdout
-    assert "ray" not in (proc.stderr + proc.stdout).lower().replace("array", "")
-    assert cpu < 2.0, f"refusal took {cpu:.2f} s of CPU"
-    assert elapsed < 20, f"refusal took {elapsed:.2f} s"
+HEAVY = ("ray", "torch", "transformers", "vllm", "verl")
+"""What the runner imports only once the command line is known to be good (its start-up's seconds are theirs)."""
+
+
+def test_the_runner_refuses_an_uncorrected_async_run_before_ray_and_any_heavy_import(tmp_path):
+    """The refusal is the command line's check (runner.cli), reached with none of HEAVY imported: what keeps it
+    within seconds on any machine. Its time is measured, not asserted: docs/benchmarks.md, off-policy."""
+    probe = (
+        "import sys\n"
+        "from fully_async import runner\n"
+        "sys.argv[1:] = ['algorithm.rollout_correction.preset=bypass_ppo_clip']\n"
+        "code = runner.cli()\n"
+        f"print('imported:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "corrects nothing" in proc.stderr
+    assert "imported: []" in proc.stdout.splitlines()
 
 
 def _logps(seed=0, b=4, r=5):
