@@ -77,6 +77,25 @@ def resolve_devices(cfg: FullyAsyncConfig, cluster_gpus: float) -> FullyAsyncCon
     )
 
 
+ERROR_LOG = Path("logs") / "error.log"
+"""Where in the run directory a failed run's traceback goes (`record_failure`); the console keeps its one line."""
+
+
+def record_failure(run_dir: str | Path, e: BaseException) -> Path:
+    """Append `e`'s full traceback to RUN_DIR/logs/error.log, with the time, and return the file: its causes' (a
+    sync phase's error and what it wraps), the notes (a staged export's writer thread's traceback,
+    training/hf_files.py) and a Ray task's remote traceback (a RayTaskError's message holds it). The runner prints one
+    line naming the cause and this file."""
+    import traceback
+
+    path = Path(run_dir) / ERROR_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} the run failed: {type(e).__name__}\n")
+        f.write("".join(traceback.format_exception(e)))
+    return path
+
+
 class TrainerLost(RuntimeError):
     """A node that held trainer ranks is gone; the run must be resumed from its last checkpoint."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -143,6 +144,9 @@ def like_neighbours(written: Path, saved: list[Path]) -> None:
 FAILED_SUFFIX = ".failed"
 """Beside a staged export's directory `D`, the file `D.failed` holds why writing it failed (`write_staged`)."""
 
+TRACEBACK_MARK = "\n--- the writer's traceback ---\n"
+"""In a `.failed` file, between the reason (the error's one line) and the writer's traceback."""
+
 STAGED_POLL_S = 0.001
 """How often `wait_for_staged` looks for the directory (a staged export of the default job writes in ~5 ms)."""
 
@@ -163,7 +167,7 @@ def write_staged(tensors: list[tuple[str, torch.Tensor]], out_dir: str | Path, d
         # Written beside it and renamed: wait_for_staged polls for the file and must never read it half written (an
         # empty reason was seen once under load).
         note = out.parent / f".{out.name}{FAILED_SUFFIX}.partial"
-        note.write_text(f"{type(e).__name__}: {e}")
+        note.write_text(f"{type(e).__name__}: {e}{TRACEBACK_MARK}{''.join(traceback.format_exception(e))}")
         note.rename(str(out) + FAILED_SUFFIX)
 
 
@@ -175,7 +179,11 @@ def wait_for_staged(out_dir: str | Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not out.is_dir():
         if failed.is_file():
-            raise RuntimeError(f"writing the weights into {out} failed: {failed.read_text()}")
+            reason, _, trace = failed.read_text().partition(TRACEBACK_MARK)
+            error = RuntimeError(f"writing the weights into {out} failed: {reason}")
+            if trace:  # for the run's logs/error.log (job.record_failure); the message stays one line
+                error.add_note(f"the writer's traceback (the rank's thread):\n{trace.rstrip()}")
+            raise error
         if time.monotonic() > deadline:
             raise TimeoutError(f"the weights were not written into {out} within {timeout_s:g} s")
         time.sleep(STAGED_POLL_S)
