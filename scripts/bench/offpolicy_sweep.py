@@ -4,8 +4,12 @@
     .venv/bin/python scripts/bench/offpolicy_sweep.py --staleness 0 2 --seeds 0 --steps 120 --out /tmp/offpolicy
     .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --table-only     # the table of finished runs
 
-A cell whose run under --out already logged every step is kept, not run again: the same command goes on with the
-grid where an earlier invocation (or session) stopped.
+Each run is keyed by its whole override set (the correction's preset, max_staleness, seed, steps, sync mode and every
+further override): its directory under --out is `s{staleness}_{correction}_seed{seed}_{key}`, `key` a hash of the
+sorted overrides, which its `sweep.json` lists. A run of this command that already logged every step is kept, not
+run again (the same command goes on with the grid where an earlier invocation, or session, stopped); a command with
+other overrides (say, widened rejection bounds) runs its own. The tables hold exactly this command's runs: the same
+command with --table-only prints them again.
 
 Each cell is one job (`python -m fully_async.runner task=reverse`, jsonl logger only) at
 async_training.max_staleness in --staleness with one of the corrections:
@@ -27,6 +31,8 @@ engine run up to the bound). Prints one row per run and one per (staleness, corr
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -68,16 +74,82 @@ def offpolicy(run_dir: Path) -> dict:
     }
 
 
-def finished(run_dir: Path, steps: int) -> bool:
-    """The run under `run_dir` logged all its `steps` (an interrupted one is run again from the start)."""
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= steps
+STAMP = "sweep.json"
+"""A run directory's record of what it ran: its cell and its whole override set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of the sweep. `extra`: the command's further overrides, for every run."""
+
+    staleness: int
+    correction: str
+    seed: int
+    steps: int
+    mode: str
+    extra: tuple[str, ...] = ()
+
+    def job_overrides(self) -> list[str]:
+        """The overrides background_sync.run adds to the seed, sync mode and steps it sets itself."""
+        return ["task=reverse", f"async_training.max_staleness={self.staleness}", *CORRECTIONS[self.correction],
+                *self.extra]  # fmt: skip
+
+    def overrides(self) -> list[str]:
+        """Every override the run's job gets (all but its run directory and the logger), sorted: what keys it."""
+        return sorted([f"seed={self.seed}", f"async_training.sync_mode={self.mode}",
+                       f"trainer.total_steps={self.steps}", *self.job_overrides()])  # fmt: skip
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.overrides()).encode()).hexdigest()[:10]
+
+    def run_dir(self, out: Path) -> Path:
+        return out / f"s{self.staleness}_{self.correction}_seed{self.seed}_{self.key()}"
+
+
+def cells(staleness: list[int], corrections: list[str], seeds: list[int], steps: int, mode: str,
+          extra: list[str]) -> list[Cell]:  # fmt: skip
+    """The command's runs in the order they run: seed by seed, the order of the corrections rotating with the seed."""
+    out = []
+    for seed in seeds:
+        order = corrections[seed % len(corrections) :] + corrections[: seed % len(corrections)]
+        out += [Cell(s, c, seed, steps, mode, tuple(extra)) for s in staleness for c in order]
+    return out
+
+
+def stamp(cell: Cell, out: Path) -> None:
+    """Write the run directory's STAMP (before the run: an interrupted run's directory says what it was)."""
+    run_dir = cell.run_dir(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"staleness": cell.staleness, "correction": cell.correction, "seed": cell.seed,
+              "overrides": cell.overrides()}  # fmt: skip
+    (run_dir / STAMP).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def finished(cell: Cell, out: Path) -> bool:
+    """The run of `cell` under `out` ran with exactly its overrides (its STAMP) and logged all its steps (an
+    interrupted one is run again from the start)."""
+    run_dir = cell.run_dir(out)
+    metrics, record = run_dir / "metrics.jsonl", run_dir / STAMP
+    if not (metrics.is_file() and record.is_file()):
+        return False
+    if json.loads(record.read_text()).get("overrides") != cell.overrides():
+        return False
+    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= cell.steps
+
+
+def finished_runs(grid: list[Cell], out: Path) -> list[Path]:
+    """The directories of the command's finished runs (its tables' rows), none of another command's."""
+    return [cell.run_dir(out) for cell in grid if finished(cell, out)]
+
+
+def recorded(run_dir: Path) -> dict:
+    """The cell a run directory's STAMP records: staleness, correction, seed."""
+    record = json.loads((run_dir / STAMP).read_text())
+    return {k: record[k] for k in ("staleness", "correction", "seed")}
 
 
 def row(run_dir: Path) -> dict:
-    staleness, correction, seed = run_dir.name.split("_")
-    return {**summarize(run_dir), **offpolicy(run_dir), "staleness": int(staleness[1:]), "correction": correction,
-            "seed": int(seed[4:])}  # fmt: skip
+    return {**summarize(run_dir), **offpolicy(run_dir), **recorded(run_dir)}
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -124,26 +196,24 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true", help="summarise the runs already under --out")
     parser.add_argument("overrides", nargs="*", help="further key=value overrides for every run")
     args = parser.parse_args()
-    if not args.table_only:
-        from fully_async.config import compose
+    from fully_async.config import compose
 
-        steps = args.steps or compose(["task=reverse"]).trainer.total_steps
-        mode = AsyncTrainingConfig().sync_mode
-        for seed in args.seeds:
-            order = args.corrections[seed % len(args.corrections) :] + args.corrections[: seed % len(args.corrections)]
-            for s in args.staleness:
-                for c in order:
-                    out = args.out / f"s{s}_{c}_seed{seed}"
-                    if finished(out, steps):  # the grid spans sessions: a rerun of the command goes on where it was
-                        print(f"max_staleness={s} {c} seed {seed}: finished before, kept", flush=True)
-                        continue
-                    extra = ["task=reverse", f"async_training.max_staleness={s}", *CORRECTIONS[c], *args.overrides]
-                    wall = run(out, mode, seed, steps, extra)
-                    print(f"max_staleness={s} {c} seed {seed}: {wall:.0f} s wall", flush=True)
-    rows = [row(d) for d in sorted(args.out.glob("s*_*_seed*")) if (d / "metrics.jsonl").exists()]
+    steps = args.steps or compose(["task=reverse"]).trainer.total_steps
+    grid = cells(args.staleness, args.corrections, args.seeds, steps, AsyncTrainingConfig().sync_mode, args.overrides)
+    for cell in [] if args.table_only else grid:
+        what = f"max_staleness={cell.staleness} {cell.correction} seed {cell.seed}"
+        if finished(cell, args.out):  # the grid spans sessions: a rerun of the command goes on where it was
+            print(f"{what}: finished before, kept ({cell.run_dir(args.out).name})", flush=True)
+            continue
+        stamp(cell, args.out)
+        wall = run(cell.run_dir(args.out), cell.mode, cell.seed, cell.steps, cell.job_overrides())
+        print(f"{what}: {wall:.0f} s wall", flush=True)
+    rows = [row(run_dir) for run_dir in finished_runs(grid, args.out)]
     if not rows:
-        raise SystemExit(f"no finished runs under {args.out}")
-    print(tables(rows))
+        raise SystemExit(f"no finished runs of this command under {args.out}")
+    if args.overrides:
+        print("every run also with: " + " ".join(args.overrides))
+    print(tables(sorted(rows, key=lambda r: r["name"])))
 
 
 if __name__ == "__main__":
