@@ -157,11 +157,12 @@ def start_cluster(
     node_ip: str = NODE_IP,
     head_resources: dict | None = None,
     worker_resources: dict | None = None,
+    worker_cpus: int | None = None,
 ) -> LocalCluster:
     """A head and one worker per entry of worker_gpus, started by the scripts in a fresh temp dir, waited for with
     wait.sh (every node alive, every declared GPU). `head_resources` / `worker_resources`: custom Ray resources the
     head / every worker declares (ray start --resources). On failure, whatever was started is stopped before
-    raising."""
+    raising. `worker_cpus`: the logical CPUs each worker declares (None: `cpus_per_node`, as the head)."""
     import json
 
     def extra(resources: dict | None) -> list[str]:
@@ -182,8 +183,9 @@ def start_cluster(
         values = dict(
             line.split("=", 1) for line in (temp_dir / "fully_async" / "cluster.env").read_text().split("\n") if line
         )
+        worker = [*head[:-1], str(worker_cpus or cpus_per_node)]  # --num-cpus is the last of `head`'s flags
         for gpus in worker_gpus:
-            out = run_script("start_worker.sh", *head, "--num-gpus", str(gpus), "--",
+            out = run_script("start_worker.sh", *worker, "--num-gpus", str(gpus), "--",
                              f"--dashboard-agent-listen-port={free_port()}", *extra(worker_resources),
                              cwd=temp_dir)  # fmt: skip
             _check(out)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fully_async.aio import NamedLock
+from fully_async.aio import NamedLock, bounded
 from fully_async.config import EngineConfig
 from fully_async.engines import lifecycle
 from fully_async.engines.adapters import Adapters
@@ -220,10 +220,14 @@ class EngineServers:
         server, and the next membership change syncs again)."""
         if self.router is None:
             return
+        bound_s = self.cfg.control_timeout_s + self.cfg.control_deadline_s  # the router's own calls take timeout_s
         try:
-            await asyncio.to_thread(self.sync_router)
+            await bounded(asyncio.to_thread(self.sync_router), bound_s)
         except EngineError as e:
             logger.warning("router worker list not updated: %s", e)
+        except TimeoutError:
+            logger.warning("router worker list not updated: no answer within %g s (the call goes on in its thread)",
+                           bound_s)  # fmt: skip
 
     def restart_router(self) -> None:
         """Start a router that died again, over the servers that may serve now (a new port). Blocking."""
