@@ -121,8 +121,13 @@ def main(composed: DictConfig) -> None:
 
 
 def _cause(e: BaseException) -> str:
-    """The remote exception's own message for errors raised inside Ray actors."""
-    return str(getattr(e, "cause", None) or e).strip().splitlines()[-1] if str(e) else repr(e)
+    """The remote exception's own message for errors raised inside Ray actors (the last line of its traceback);
+    the first line of one raised here (the lines after it, a stuck sync's diagnosis, go to the run's log)."""
+    if not str(e):
+        return repr(e)
+    cause = getattr(e, "cause", None)
+    lines = str(cause or e).strip().splitlines()
+    return lines[-1] if cause is not None else lines[0]
 
 
 def _terminate(signum, frame):
