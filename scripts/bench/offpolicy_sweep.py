@@ -1,8 +1,10 @@
-"""Off-policy correction on task=reverse: max_staleness x correction x seeds, side by side (issue 35).
+r"""Off-policy correction on task=reverse: max_staleness x correction x seeds, side by side (issue 35).
 
     .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy                 # the full grid, 4 seeds
     .venv/bin/python scripts/bench/offpolicy_sweep.py --staleness 0 2 --seeds 0 --steps 120 --out /tmp/offpolicy
-    .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --table-only     # the table of finished runs
+    .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --table-only     # the full grid's tables
+    .venv/bin/python scripts/bench/offpolicy_sweep.py --out /tmp/offpolicy --staleness 2 8 --corrections geo -- \
+        "algorithm.rollout_correction.rollout_rs_threshold='0.9_1.1'"                    # runs of its own: widened
 
 Each run is keyed by its whole override set (the correction's preset, max_staleness, seed, steps, sync mode and every
 further override): its directory under --out is `s{staleness}_{correction}_seed{seed}_{key}`, `key` a hash of the
