@@ -4,8 +4,9 @@ Validates the command line (every problem at once, before any heavy import; verl
 model and the data files (fully_async/preflight.py), prints the effective limits, connects to Ray (RAY_ADDRESS, else a
 local one), and hands over to the job (fully_async/job.py), which places, builds, runs and shuts everything down
 (engines included) on success, error or Ctrl-C. `--plan` prints the placement table and exits (exit code 2, with the
-arithmetic, when the run does not fit). `--cfg job` prints the composed config once it is valid; `hydra.run.dir=DIR` chooses the run
-directory (and `trainer.resume=auto` resumes from it).
+arithmetic, when the run does not fit). `--cfg job` prints the resolved config once it is valid, each key that a preset,
+an older key or a built-in task set marked with where it came from; `hydra.run.dir=DIR` chooses the run directory
+(and `trainer.resume=auto` resumes from it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from fully_async.config import PRIMARY_CONFIG, ConfigError, build_config, compose, expand_overrides, register_defaults
+from fully_async.config import (
+    PRIMARY_CONFIG,
+    ConfigError,
+    FullyAsyncConfig,
+    build_config,
+    compose,
+    expand_overrides,
+    register_defaults,
+    to_yaml,
+)
 from fully_async.config.verl_table import is_verl_config_flag
 from fully_async.preflight import preflight
 from fully_async.startup import Timeline
@@ -47,16 +57,22 @@ def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return out, flags
 
 
-def check_command_line(argv: list[str]) -> None:
+def check_command_line(argv: list[str]) -> FullyAsyncConfig:
     """Compose and validate what Hydra will run, raising one ConfigError with every problem of the command line
-    (`--cfg job` included, which Hydra would otherwise print unchecked)."""
+    (`--cfg job` included, which Hydra would otherwise print unchecked); returns the resolved config."""
     overrides, flags = _split(argv)
     name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
     where = flags.get("--config-dir") or flags.get("-cd") or flags.get("--config-path") or flags.get("-cp")
     # Hydra reads --config-path relative to this file, --config-dir relative to the working directory.
     base = Path(__file__).parent if (flags.get("--config-path") or flags.get("-cp")) else Path.cwd()
-    compose([o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
-            config_dir=(base / where).resolve() if where else None, config_name=name)  # fmt: skip
+    return compose([o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
+                   config_dir=(base / where).resolve() if where else None, config_name=name)  # fmt: skip
+
+
+def _prints_job_config(argv: list[str]) -> bool:
+    """`--cfg job` (or `-c job`): printed by us, resolved (Hydra's print shows '???' for a key a preset fills)."""
+    _, flags = _split(argv)
+    return (flags.get("--cfg") or flags.get("-c")) == "job"
 
 
 @hydra.main(config_path="config", config_name="fully_async", version_base=None)
@@ -142,7 +158,10 @@ def cli() -> int:
         PLAN_ONLY = True
         sys.argv.remove("--plan")
     try:
-        check_command_line(sys.argv[1:])  # says what it read of verl's keys, once
+        cfg = check_command_line(sys.argv[1:])  # says what it read of verl's keys, once
+        if _prints_job_config(sys.argv[1:]):
+            print(to_yaml(cfg), end="", flush=True)
+            return 0
         # Hydra parses argv: give it our spelling (verl keys read, logger=[a,b] -> logger.backends=[a,b], task=X).
         sys.argv[1:] = expand_overrides(sys.argv[1:], problems=[], announce=False)
         register_defaults()

@@ -19,16 +19,20 @@ from fully_async.config.base import (
     KEY_HINTS,
     ConfigError,
     collect,
+    defaults_node,
     field_docs,
     from_dict,
+    origins,
     raise_problems,
     schema_node,
+    set_from,
     suggest,
     to_dict,
     validate_tree,
+    was_given,
+    without_missing,
 )
 from fully_async.config.sections import (
-    DEFAULT_AGENT_LOOP,
     GROUP_ESTIMATORS,
     GUESS_LOOP,
     LOOKUP_LOOP,
@@ -104,6 +108,7 @@ __all__ = [
     "field_docs",
     "group_options",
     "to_dict",
+    "to_yaml",
 ]
 
 
@@ -122,17 +127,8 @@ class FullyAsyncConfig:
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
     def agent_loop_path(self) -> str:
-        """The AgentLoop class the rollouter runs: rollout.agent_loop, the rollout-function loop when
-        rollout.rollout_fn is set, and the guess task's environment loop for data.synthetic_task=guess (the lookup
-        task's tool loop for lookup) unless rollout.agent_loop names another."""
-        task_loop = {"guess": GUESS_LOOP, "lookup": LOOKUP_LOOP}.get(self.data.synthetic_task)
-        if (
-            task_loop is not None
-            and not self.data.train_files
-            and not self.rollout.rollout_fn
-            and self.rollout.agent_loop == DEFAULT_AGENT_LOOP
-        ):
-            return task_loop
+        """The AgentLoop class the rollouter runs: rollout.agent_loop (the built-in task's own loop when unset, set
+        by __post_init__), or the rollout-function loop when rollout.rollout_fn is set."""
         return self.rollout.agent_loop_path()
 
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
@@ -160,6 +156,15 @@ class FullyAsyncConfig:
 
     def __post_init__(self) -> None:
         read_moved_keys(self)
+        self._task_loop()
+
+    def _task_loop(self) -> None:
+        """data.synthetic_task=guess or lookup (no data files, no rollout_fn) runs the task's own loop, unless
+        rollout.agent_loop is set (to any loop, the default's included: an explicit key wins)."""
+        task_loop = {"guess": GUESS_LOOP, "lookup": LOOKUP_LOOP}.get(self.data.synthetic_task)
+        ro = self.rollout
+        if task_loop and not self.data.train_files and not ro.rollout_fn and not was_given(ro, "agent_loop"):
+            set_from(ro, "agent_loop", task_loop, f"data.synthetic_task={self.data.synthetic_task}")
 
     def validate(self) -> FullyAsyncConfig:
         """Check every section and the cross-section rules; raise one ConfigError naming every key at fault (the
@@ -231,12 +236,13 @@ class FullyAsyncConfig:
 
 
 def build_config(data: Any) -> FullyAsyncConfig:
-    """Composed mapping (dict or OmegaConf node; a `hydra` key is ignored) -> validated FullyAsyncConfig."""
+    """Composed mapping (dict or OmegaConf node; a `hydra` key is ignored) -> validated FullyAsyncConfig. A MISSING
+    value ('???', register_defaults' mark of a key no YAML and no override set) is left to presets and defaults."""
     if not isinstance(data, dict):
         from omegaconf import OmegaConf
 
         data = OmegaConf.to_container(data, resolve=True)
-    data = {k: v for k, v in data.items() if k != "hydra"}
+    data = without_missing({k: v for k, v in data.items() if k != "hydra"})
     problems: list[str] = []
     cfg = from_dict(FullyAsyncConfig, data, problems=problems)
     collect(problems, cfg.validate)  # the other keys' problems too, with defaults in place of the ones refused above
@@ -334,10 +340,11 @@ def _override_problem(ov: Any) -> str | None:
 
 def register_defaults() -> None:
     """Store the dataclass defaults as an untyped node, so every key exists for overrides while type and range
-    checks stay ours (they name the key and what is allowed; OmegaConf's do not)."""
+    checks stay ours (they name the key and what is allowed; OmegaConf's do not). The keys a preset or an older key
+    may set hold MISSING there (config/base.py `settable`): one still MISSING after composition was set by nobody."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="fully_async_defaults", node=to_dict(FullyAsyncConfig()))
+    ConfigStore.instance().store(name="fully_async_defaults", node=defaults_node(FullyAsyncConfig()))
 
 
 def compose(
@@ -364,6 +371,25 @@ def _compose(overrides: list[str], config_dir: str | Path | None, config_name: s
     with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base=None):
         composed = hydra_compose(config_name=config_name, overrides=overrides)
     return build_config(composed)
+
+
+_YAML_KEY = re.compile(r"^( *)([^\s:#\-'\"][^:]*):( |$)")
+
+
+def to_yaml(cfg: FullyAsyncConfig) -> str:
+    """The resolved config as YAML (what `--cfg job` prints), each key a preset, an older key or a built-in task set
+    marked with a comment saying which; every other key is the YAML's, the command line's or the default."""
+    import yaml
+
+    marks, path, out = origins(cfg), [], []
+    for line in yaml.safe_dump(to_dict(cfg), sort_keys=False, width=1 << 30).splitlines():
+        m = _YAML_KEY.match(line)
+        if m:
+            path = path[: len(m.group(1)) // 2] + [m.group(2)]
+            if (key := ".".join(path)) in marks:
+                line += f"  # from {marks[key]}"
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def describe(cls: type = FullyAsyncConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -299,3 +299,89 @@ def validate_tree(cfg: Any, prefix: str = "") -> None:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict of a config dataclass (for printing, checkpoints and metrics)."""
     return dataclasses.asdict(cfg)
+
+
+# An explicit key always wins. A preset (algorithm.rollout_correction.preset), an older key read as a newer one
+# (an alias) and a built-in task's own loop fill only the keys nobody set; a key set in a YAML or on the command line
+# stays, even when it equals the default. Such keys are declared with `settable(default)`: their dataclass default
+# is UNSET, the Hydra defaults node holds MISSING for them (`defaults_node`), so after composition a key that no YAML
+# and no override gave is still MISSING, is left out of the mapping (`without_missing`), and reaches the dataclass as
+# UNSET. The section's __post_init__ then calls `resolve_unset`, which fills it from the preset or the default and
+# records where each value came from (`origins`, printed by the runner's `--cfg job`).
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+"""The dataclass default of a `settable` field until its section's __post_init__ resolves it."""
+MISSING = "???"
+"""OmegaConf's 'no value given': the Hydra defaults node's value of a `settable` key."""
+
+
+def settable(default: Any) -> Any:
+    """A field a preset or an older key may set when no YAML or command line sets it; `default` otherwise."""
+    return dataclasses.field(default=UNSET, metadata={"settable": default})
+
+
+def resolve_unset(section: Any, fill: Mapping[str, Any] | None = None, origin: str = "") -> None:
+    """Each `settable` field of `section` still UNSET takes fill[name] (its origin recorded as `origin`) or its
+    declared default; the fields that were given are recorded (`was_given`)."""
+    given, origins = set(), {}
+    for f in dataclasses.fields(section):
+        if "settable" not in f.metadata:
+            continue
+        if getattr(section, f.name) is not UNSET:
+            given.add(f.name)
+        elif fill is not None and f.name in fill:
+            setattr(section, f.name, fill[f.name])
+            origins[f.name] = origin
+        else:
+            setattr(section, f.name, f.metadata["settable"])
+    section.__dict__["_given"] = given
+    section.__dict__["_origins"] = origins
+
+
+def was_given(section: Any, name: str) -> bool:
+    """Whether a `settable` field was set by a YAML, the command line or a caller (not filled by resolve_unset)."""
+    return name in section.__dict__.get("_given", ())
+
+
+def set_from(section: Any, name: str, value: Any, origin: str) -> None:
+    """Set a `settable` field from `origin` (an older key, a task) and record it; call only when not was_given."""
+    setattr(section, name, value)
+    section.__dict__.setdefault("_origins", {})[name] = origin
+
+
+def origins(cfg: Any, prefix: str = "") -> dict[str, str]:
+    """{dotted key: where its value came from} for every key a preset, an older key or a task set."""
+    out = {prefix + k: v for k, v in cfg.__dict__.get("_origins", {}).items()}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(origins(value, f"{prefix}{f.name}."))
+    return out
+
+
+def defaults_node(cfg: Any) -> dict[str, Any]:
+    """to_dict(cfg) with MISSING at every `settable` key: the Hydra defaults node, so that composition tells a key
+    that a YAML or the command line set (even to its default) from one nobody set."""
+    out = to_dict(cfg)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "settable" in f.metadata:
+            out[f.name] = MISSING
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = defaults_node(value)
+    return out
+
+
+def without_missing(data: Any) -> Any:
+    """A composed mapping less its MISSING values (keys nobody set), at every depth."""
+    if isinstance(data, Mapping):
+        return {k: without_missing(v) for k, v in data.items() if v != MISSING}
+    if isinstance(data, list):
+        return [without_missing(v) for v in data]
+    return data

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fully_async.config.base import note_alias, require
+from fully_async.config.base import ConfigError, note_alias, require, resolve_unset, set_from, settable, was_given
 
 STAGINGS = ("device", "pinned")
 """Values of advanced.staging."""
@@ -29,20 +29,25 @@ MOVED = (
 
 @dataclass
 class AdvancedConfig:
-    get_timeout_s: float = 1800.0
+    get_timeout_s: float = settable(1800.0)
     """How long the trainer waits for a batch before failing the run with the queue and rollouter state."""
-    sync_timeout_s: float = 300.0
+    sync_timeout_s: float = settable(300.0)
     """Timeout of each weight-sync phase (pause, the transport's phases, resume); passing it fails the run naming the phase."""
-    staging: Literal["device", "pinned"] = "device"
+    staging: Literal["device", "pinned"] = settable("device")
     """Where a background sync's collective transport keeps its copy of the weights (one model's size in the engine dtype, printed at the first sync): device (a second buffer on the trainer's device, sent as it is) or pinned (pinned host memory, copied into the two send buckets on the device as it goes out; costs no device memory). On CPU both are plain host memory; pinned runs the same copy-through code there."""
-    bucket_mb: int = 16
+    bucket_mb: int = settable(16)
     """Size of each flat bucket the collective weight transport broadcasts (engines load one while the next is on the wire; 16: fastest of 16/64/256 in docs/benchmarks.md)."""
-    ignore_eos: bool = False
+    ignore_eos: bool = settable(False)
     """Generate exactly rollout.response_length tokens, ignoring end tokens (benchmarks and tests of long rollouts)."""
     failed_groups_in_a_row: int = 200
     """Groups that may fail one after another with none finishing in between (an engine error after its retries, a reward source's drop, an environment's failures past their budget) before the run fails with the last one's error: a request every server refuses (a 4xx, such as an adapter no server holds) would otherwise be re-issued for ever; 0 = no limit."""
 
+    def __post_init__(self) -> None:
+        resolve_unset(self)  # a key set here, even to its default, is known as set: an older key then clashes
+
     def validate_section(self, p: str) -> None:
+        if self.__dict__.get("_clashes"):
+            raise ConfigError(self._clashes[0])
         require(self.get_timeout_s > 0, p + "get_timeout_s", self.get_timeout_s, "> 0")
         require(self.sync_timeout_s > 0, p + "sync_timeout_s", self.sync_timeout_s, "> 0")
         require(self.staging in STAGINGS, p + "staging", self.staging, f"one of {list(STAGINGS)}")
@@ -52,11 +57,18 @@ class AdvancedConfig:
 
 def read_moved_keys(cfg: Any) -> None:
     """A value set under a key's old place (MOVED) becomes advanced's, said once per key; the old one is cleared so
-    that nothing reads it."""
+    that nothing reads it. Set beside advanced's own key to another value, the line means two things:
+    advanced.validate_section says so."""
+    clashes = cfg.advanced.__dict__.setdefault("_clashes", [])
     for section, key in MOVED:
         old = getattr(cfg, section)
         value = getattr(old, key)
-        if value is not None:
+        if value is None:
+            continue
+        if was_given(cfg.advanced, key) and getattr(cfg.advanced, key) != value:
+            clashes.append(f"advanced.{key} is set twice, to {getattr(cfg.advanced, key)!r} and (by the older key "
+                           f"{section}.{key}) to {value!r}; keep one")  # fmt: skip
+        elif not was_given(cfg.advanced, key):
             note_alias(f"{section}.{key}", f"advanced.{key}", value)
-            setattr(cfg.advanced, key, value)
-            setattr(old, key, None)
+            set_from(cfg.advanced, key, value, f"older key {section}.{key}")
+        setattr(old, key, None)

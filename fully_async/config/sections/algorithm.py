@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fully_async.config.base import ConfigError, note_alias, require
+from fully_async.config.base import ConfigError, note_alias, require, set_from, was_given
 from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
 
 
@@ -66,15 +66,25 @@ class AlgorithmConfig:
     """How token losses are aggregated over the global batch."""
 
     def __post_init__(self) -> None:
+        """An older key set is read as its rollout_correction key (over a preset's value) and cleared; set beside
+        that key to another value, the line means two things: validate_section says so."""
         rc = self.rollout_correction
+        self.__dict__["_clashes"] = []
         for old, new, value in (
             ("recompute_prox", "bypass_mode", None if self.recompute_prox is None else not self.recompute_prox),
             ("rollout_is", "rollout_is", self.rollout_is),
             ("rollout_is_threshold", "rollout_is_threshold", self.rollout_is_threshold),
         ):
-            if value is not None and isinstance(rc, RolloutCorrectionConfig):
-                note_alias(f"algorithm.{old}", f"algorithm.rollout_correction.{new}", value)
-                setattr(rc, new, value)
+            if value is None or not isinstance(rc, RolloutCorrectionConfig):
+                continue
+            new_key = f"algorithm.rollout_correction.{new}"
+            if was_given(rc, new) and getattr(rc, new) != value:
+                self._clashes.append(f"{new_key} is set twice, to {getattr(rc, new)!r} and (by the older key "
+                                     f"algorithm.{old}={getattr(self, old)}) to {value!r}; keep one")  # fmt: skip
+            elif not was_given(rc, new):
+                note_alias(f"algorithm.{old}", new_key, value)
+                set_from(rc, new, value, f"older key algorithm.{old}")
+            setattr(self, old, None)
 
     @property
     def bypass(self) -> bool:
@@ -82,6 +92,8 @@ class AlgorithmConfig:
         return self.rollout_correction.bypass_mode
 
     def validate_section(self, p: str) -> None:
+        if self.__dict__.get("_clashes"):
+            raise ConfigError(self._clashes[0])
         self._validate_registry_names(p)
         require(0 <= self.clip_ratio_low < 1, p + "clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         require(self.clip_ratio_high >= 0, p + "clip_ratio_high", self.clip_ratio_high, ">= 0")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fully_async.config.base import ConfigError, check_dotted, require
+from fully_async.config.base import ConfigError, check_dotted, require, resolve_unset, settable
 from fully_async.config.sections.env import EnvConfig
 from fully_async.config.sections.reward import RewardLimitsConfig
 
@@ -87,8 +87,8 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Top-k sampling; -1 = off."""
-    agent_loop: str = DEFAULT_AGENT_LOOP
-    """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py)."""
+    agent_loop: str = settable(DEFAULT_AGENT_LOOP)
+    """Dotted path of the AgentLoop class that turns a prompt into a trajectory (fully_async/agents/base.py); unset, the built-in task's own loop for data.synthetic_task=guess or lookup, else the single-turn loop (set to any value, it wins)."""
     rollout_fn: str | None = None
     """Dotted path 'pkg.mod:fn' of an rLLM-style `async def fn(client, tokenizer, **row)` that writes the episode as OpenAI-shaped chat calls (fully_async/agents/rollout_fn.py; replaces agent_loop); null = off."""
     val_max_concurrent: int = 16
@@ -99,6 +99,9 @@ class RolloutConfig:
     """Alias (older key) of advanced.ignore_eos; null = unset."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tools and turn limits of multi-turn agent loops (fully_async.agents.tool:ToolAgentLoop)."""
+
+    def __post_init__(self) -> None:
+        resolve_unset(self)  # agent_loop given or not: FullyAsyncConfig.__post_init__ may set the task's loop
 
     def agent_loop_path(self) -> str:
         """The AgentLoop class that runs: agent_loop, or the rollout-function loop when rollout_fn is set."""

@@ -10,9 +10,9 @@ installed verl's preset methods. Imports only the standard library.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from fully_async.config.base import ConfigError, require, suggest
+from fully_async.config.base import ConfigError, require, resolve_unset, settable, suggest
 
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _GEO = "0.999_1.001"
@@ -67,31 +67,28 @@ _VERL_DEFAULTS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_i
 @dataclass
 class RolloutCorrectionConfig:
     preset: str | None = None
-    """A verl preset by name (decoupled_token_is, decoupled_geo_rs_token_tis, bypass_pg_geo_rs, decoupled_k3_rs, ...; docs/algorithms.md); keys left at their defaults here take the preset's values, keys set to other values override it."""
-    rollout_is: str | None = "token"
+    """A verl preset by name (decoupled_token_is, decoupled_geo_rs_token_tis, bypass_pg_geo_rs, decoupled_k3_rs, ...; docs/algorithms.md); it sets the keys no YAML or command line sets (the rest take verl's defaults); a key set explicitly always wins, even set to its default value (`--cfg job` marks the keys the preset set)."""
+    rollout_is: str | None = settable("token")
     """Importance weight pi_prox / pi_behave (decoupled) or pi_theta / pi_behave (bypass + reinforce) per token or per sequence; null = none."""
-    rollout_is_threshold: str | float = 2.0
+    rollout_is_threshold: str | float = settable(2.0)
     """IS bound: a number truncates the weight above it (TIS); 'lower_upper' (e.g. '0.5_5.0') zeroes weights outside [lower, upper] (IcePop)."""
-    rollout_is_batch_normalize: bool = False
+    rollout_is_batch_normalize: bool = settable(False)
     """Divide the IS weights by their batch mean (mean weight 1)."""
-    rollout_rs: str | None = None
+    rollout_rs: str | None = settable(None)
     """Rejection sampling: comma-separated verl options token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 (seq_mean_k1 = geometric mean ratio), seq_max_k2/k3; null = none. A rejected token keeps its place in the loss denominator."""
-    rollout_rs_threshold: str | float | None = None
+    rollout_rs_threshold: str | float | None = settable(None)
     """Rejection bound per rollout_rs option: k1 takes 'lower_upper' ratio bounds (one number = upper, lower its reciprocal); k2/k3 an upper bound."""
-    bypass_mode: bool = False
+    bypass_mode: bool = settable(False)
     """True = train on the engine's log-probs as pi_old (no proximal forward pass; verl's bypass_mode loss with loss_type); false = recompute pi_prox with the trainer's weights (decoupled PPO)."""
-    loss_type: str = "ppo_clip"
+    loss_type: str = settable("ppo_clip")
     """bypass_mode: ppo_clip (PPO clip on pi_theta / pi_behave, IS weights not applied) or reinforce (policy gradient times the IS weights)."""
     allow_uncorrected: bool = False
     """Opt out of the fail-closed rule: allow async_training.max_staleness >= 1 with a configuration that corrects nothing."""
 
     def __post_init__(self) -> None:
-        if self.preset is None or self.preset not in PRESETS:
-            return  # an unknown name is reported by validate_section
-        defaults = {f.name: f.default for f in fields(self)}
-        for key, value in {**_VERL_DEFAULTS, **PRESETS[self.preset]}.items():
-            if getattr(self, key) == defaults[key]:
-                setattr(self, key, value)
+        # The preset fills only the keys nobody set (an unknown name fills nothing: validate_section reports it).
+        preset = {**_VERL_DEFAULTS, **PRESETS[self.preset]} if self.preset in PRESETS else None
+        resolve_unset(self, preset, f"preset {self.preset}")
 
     def validate_section(self, p: str) -> None:
         if self.preset is not None and self.preset not in PRESETS:

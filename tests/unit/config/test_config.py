@@ -335,7 +335,8 @@ def test_runner_reads_a_verl_command_line(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, check=True,
     )  # fmt: skip
     printed = yaml.safe_load(out.stdout)
-    assert printed["data"]["train_files"] == "~/data/gsm8k/train.parquet" and printed["rollout"]["n"] == 8
+    train = [str(Path("~/data/gsm8k/train.parquet").expanduser())]  # printed resolved: a list, `~` expanded
+    assert printed["data"]["train_files"] == train and printed["rollout"]["n"] == 8
     assert "renamed: actor_rollout_ref.rollout.n -> rollout.n" in out.stderr
 
 
