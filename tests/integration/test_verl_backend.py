@@ -472,14 +472,16 @@ def test_a_staged_export_that_cannot_be_written_fails_with_the_writers_reason(be
 def test_verl_correction_presets_run_an_update_and_reject_what_is_off(be1, preset, tmp_path):
     """One real update per mode family (decoupled / bypass, IS / IcePop / geometric and k3 rejection): half the
     sequences' behaviour log-probs are moved off the trainer's, the rest match; the rejecting presets reject some
-    tokens, never all, and the policy moves."""
+    tokens, never all, and the policy moves. (That the rejection reaches the gradient:
+    test_a_rejecting_correction_updates_as_the_kept_tokens_alone_would.)"""
     from fully_async.config import compose
 
     algorithm = compose([f"algorithm.rollout_correction.preset={preset}"]).algorithm
+    icepop = algorithm.rollout_correction.rollout_rs is None and algorithm.rollout_correction.rejects()
     _reset(be1)
     groups = _on_policy(be1, make_groups(3, 4, seed=13, response_len=(3, 6), version=2))
-    for t in flatten(groups)[::2]:
-        t.behaviour_logprobs = t.behaviour_logprobs - 1.0  # pi_prox / pi_behave = e per token
+    for t in flatten(groups)[::2]:  # pi_prox / pi_behave = e per token; e^2 for IcePop, outside its [0.5, 5]
+        t.behaviour_logprobs = t.behaviour_logprobs - (2.0 if icepop else 1.0)
     be1.set_algorithm(algorithm)
     before = _weights(be1, tmp_path / "before")
     m = be1.update(groups, version=3)
@@ -489,6 +491,8 @@ def test_verl_correction_presets_run_an_update_and_reject_what_is_off(be1, prese
     rejected = m.get("offpolicy/rejected_token_frac", m.get("rollout_corr/rollout_rs_masked_fraction"))
     if algorithm.rollout_correction.rollout_rs is not None:
         assert 0 < rejected < 1, m
+    if icepop:  # an IS weight outside the bounds is zeroed (verl counts it out of bounds, not as rejected)
+        assert 0 < m["rollout_corr/rollout_is_oob_ratio"] < 1, m
     if not algorithm.bypass:  # the trainer's own pass: the mismatch, all of it one version old
         assert m["offpolicy/staleness_1/k3"] == pytest.approx(m["offpolicy/k3"]) and m["offpolicy/k3"] > 0.1
 
@@ -500,3 +504,110 @@ def test_mismatch_reads_zero_at_staleness_0_when_the_behaviour_is_the_trainers(b
     for key in ("k1", "k3", "abs_diff", "ratio_above_tail", "ratio_below_tail"):
         assert abs(m[f"offpolicy/staleness_0/{key}"]) < 1e-6, key
     assert m["offpolicy/staleness_0/tokens"] == m["batch/loss_tokens"]
+
+
+# ----------------------------------------------------------------- the correction reaches the gradient
+def _off_by(be, shift: float, seed: int = 13):
+    """Groups whose behaviour log-probs are the trainer's own, those of every other trajectory lowered by `shift`
+    (pi_prox / pi_behave = e^shift on each of their tokens); returns (groups, the shifted trajectories' indices in
+    `flatten` order, their loss tokens, all loss tokens)."""
+    _reset(be)
+    groups = _on_policy(be, make_groups(3, 4, seed=seed, response_len=(3, 6), version=2))
+    trajs = flatten(groups)
+    shifted = list(range(0, len(trajs), 2))
+    for i in shifted:
+        trajs[i].behaviour_logprobs = trajs[i].behaviour_logprobs - shift
+    return groups, shifted, sum(len(trajs[i].response_ids) for i in shifted), sum(len(t.response_ids) for t in trajs)
+
+
+def _update(be, algorithm, groups, out):
+    """One update from the initial weights with `algorithm`: (its metrics, the weights after it)."""
+    be.load_checkpoint(be.fa_init)
+    be.set_algorithm(algorithm)
+    m = be.update(groups, version=3)
+    return m, _weights(be, out)
+
+
+def _uncorrected():
+    from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
+
+    return AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is=None, allow_uncorrected=True))
+
+
+def _tis(cap: float):
+    from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
+
+    return AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=cap))
+
+
+def _max_abs_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize(("preset", "shift"), [("decoupled_k3_rs", 1.0), ("decoupled_token_icepop", 2.0)])
+def test_a_rejecting_correction_updates_as_the_kept_tokens_alone_would(be1, preset, shift, tmp_path):
+    """Decoupled mode, the same initial weights and groups, the job's algorithm (its entropy bonus included): an
+    update whose correction rejects the shifted trajectories (k3 rejection: their seq-mean k3 is e^-1 > 0.01; IcePop:
+    their ratio e^2 is outside [0.5, 5], so their IS weight is 0) equals an uncorrected update in which those tokens
+    are out of the loss mask, with the denominator kept (training/correction.py; patch 0008 for the entropy): its
+    policy loss, entropy and (pre-clip) gradient norm are the masked update's times kept / all loss tokens, and the
+    weights Adam's first step leaves (about lr x the gradient's sign: the same for a gradient scaled by a constant)
+    are the same, within lr / 10: Adam's eps (1e-8) lets an entry whose gradient is that small move differently
+    (1.5e-5 measured), where a different update moves entries by about lr."""
+    import copy
+
+    from fully_async.config import compose
+    from fully_async.config.sections.rollout_correction import RolloutCorrectionConfig
+
+    groups, shifted, n_shifted, n_all = _off_by(be1, shift)
+    algorithm = compose([f"algorithm.rollout_correction.preset={preset}"]).algorithm
+    assert algorithm.entropy_coeff > 0
+    uncorrected = dataclasses.replace(
+        algorithm, rollout_correction=RolloutCorrectionConfig(rollout_is=None, allow_uncorrected=True)
+    )
+    m, rejecting = _update(be1, algorithm, groups, tmp_path / "rejecting")
+    if algorithm.rollout_correction.rollout_rs is not None:
+        assert m["offpolicy/rejected_token_frac"] == pytest.approx(n_shifted / n_all), m
+    else:  # IcePop zeroes the IS weight of a token outside its bounds
+        assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(n_shifted / n_all), m
+    kept = copy.deepcopy(groups)
+    for i in shifted:
+        flatten(kept)[i].loss_mask[:] = 0
+    m_kept, masked = _update(be1, uncorrected, kept, tmp_path / "masked")
+    _, everything = _update(be1, uncorrected, groups, tmp_path / "uncorrected")
+    assert m_kept["batch/loss_tokens"] == n_all - n_shifted
+    scale = (n_all - n_shifted) / n_all
+    for key in ("actor/pg_loss", "actor/entropy_loss", "actor/loss", "actor/grad_norm"):
+        assert m[key] == pytest.approx(m_kept[key] * scale, rel=1e-4, abs=1e-7), key
+    same, moved = _max_abs_diff(rejecting, masked), _max_abs_diff(rejecting, everything)
+    print(f"\n{preset}: max |w_rejecting - w_kept_alone| = {same:.2e}, vs uncorrected {moved:.2e}")
+    assert same < 1e-4 and moved > 1e-3, (same, moved)
+
+
+def test_token_tis_weighs_the_update_by_the_ratio_up_to_a_cap_that_binds(be1, tmp_path):
+    """Token TIS in decoupled mode on the same initial weights and groups, the shifted trajectories' tokens at ratio
+    e: a cap of 2 binds (their weight is 2, not e) and gives another update than no correction and than a cap of 100,
+    which does not bind (weight e); on the trainer's own behaviour (every ratio 1) a cap of 100 gives the uncorrected
+    update. Updates compared by the parameters after one step, and by the policy loss, linear in the weights at
+    pi_theta = pi_prox: (loss(cap 2) - loss(none)) / (loss(cap 100) - loss(none)) = (2 - 1) / (e - 1)."""
+    import copy
+
+    groups, _, _, _ = _off_by(be1, 1.0)
+    none, w_none = _update(be1, _uncorrected(), groups, tmp_path / "none")
+    binds, w_binds = _update(be1, _tis(2.0), groups, tmp_path / "binds")
+    loose, w_loose = _update(be1, _tis(100.0), groups, tmp_path / "loose")
+    be1.load_checkpoint(be1.fa_init)
+    on_policy = _on_policy(be1, copy.deepcopy(groups))
+    _, w_on_none = _update(be1, _uncorrected(), on_policy, tmp_path / "on_none")
+    _, w_on_loose = _update(be1, _tis(100.0), on_policy, tmp_path / "on_loose")
+    diffs = {"cap 2 vs none": _max_abs_diff(w_binds, w_none), "cap 2 vs cap 100": _max_abs_diff(w_binds, w_loose),
+             "cap 100 vs none": _max_abs_diff(w_loose, w_none),
+             "ratios 1: cap 100 vs none": _max_abs_diff(w_on_loose, w_on_none)}  # fmt: skip
+    print("\nTIS, max abs weight difference after one update:", {k: f"{v:.2e}" for k, v in diffs.items()})
+    assert min(diffs["cap 2 vs none"], diffs["cap 2 vs cap 100"], diffs["cap 100 vs none"]) > 1e-3, diffs
+    assert diffs["ratios 1: cap 100 vs none"] < 1e-4, diffs
+    assert binds["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert loose["rollout_corr/rollout_is_max"] == pytest.approx(np.e, rel=1e-4)
+    gain = (binds["actor/pg_loss"] - none["actor/pg_loss"]) / (loose["actor/pg_loss"] - none["actor/pg_loss"])
+    assert gain == pytest.approx(1 / (np.e - 1), rel=1e-3)
