@@ -82,7 +82,8 @@ def test_the_disk_exports_and_the_hf_export_send_the_embedding_once_trained(be2,
 
 def test_a_resumed_checkpoint_exports_what_it_saved_and_the_offline_export_gives_the_same(be2, tied_model, tmp_path):
     """Resume: the trainer loads its checkpoint (the module's state dict: the head under both names), the engines
-    start from a sync export of it; `python -m fully_async.export` of the same checkpoint gives the same tensors."""
+    start from a sync export of it; `python -m fully_async.export` of the same checkpoint, and a resume at another
+    world size, give the same tensors."""
     import json
 
     from fully_async.export import export_checkpoint
@@ -99,6 +100,13 @@ def test_a_resumed_checkpoint_exports_what_it_saved_and_the_offline_export_gives
     _assert_tied_export(tmp_path / "resumed", tied_model, groups, want)
     export_checkpoint(ckpt, tmp_path / "offline", progress=None)
     _assert_tied_export(tmp_path / "offline", tied_model, groups, want)
+    one = _backend(tied_model, 1)  # resumed at another world size: the shards joined, the head set with its embedding
+    try:
+        one.load_checkpoint(ckpt / "backend")
+        one.export_weights(tmp_path / "resharded", sync=True)
+        _assert_tied_export(tmp_path / "resharded", tied_model, groups, want)
+    finally:
+        one.shutdown()
 
 
 def _receiver():
