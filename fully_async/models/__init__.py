@@ -1,5 +1,6 @@
-"""The model of a run: a directory or Hugging Face hub id (model.path; hub.py), or the tiny model and tokenizer the
-project builds itself for CPU runs and tests (no download; tiny.py; its vision-language twin: tiny_vlm.py)."""
+"""The model of a run: a directory or Hugging Face hub id (model.path; hub.py), a GGUF file converted once into a cached
+directory (gguf.py; model=smollm2), or the tiny model and tokenizer the project builds itself for CPU runs and tests
+(no download; tiny.py; its vision-language twin: tiny_vlm.py)."""
 
 from fully_async.models import tiny
 from fully_async.models.hub import resolve_pretrained

@@ -1,4 +1,4 @@
-"""model.path as a directory or a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct").
+"""model.path as a directory, a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct") or a GGUF file (models/gguf.py).
 
 Contract of `resolve_pretrained(value)`: an existing directory is returned as it is (resolved; it must hold a
 config.json). Anything else that has the shape of a hub id ("name" or "org/name", optionally "@revision") is looked
@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from fully_async.config import ConfigError
+from fully_async.models.gguf import is_gguf, resolve_gguf
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?)(@(?P<revision>[\w./-]+))?$")
 """A hub id as model.path takes it: "name" or "org/name", optionally "@revision" (branch, tag or commit)."""
@@ -47,9 +48,12 @@ def _checked_dir(path: Path, value: str) -> Path:
     return path.resolve()
 
 
-def resolve_pretrained(value: str) -> Path:
-    """The model directory that model.path names: the directory itself, or the cached / downloaded snapshot of a hub
-    id (module docstring)."""
+def resolve_pretrained(value: str, cache_dir: str | Path | None = None) -> Path:
+    """The model directory that model.path names: the directory itself, the cached / downloaded snapshot of a hub id
+    (module docstring), or a GGUF file's converted directory under `cache_dir` (models/gguf.py; None = the default
+    cache)."""
+    if is_gguf(value):
+        return resolve_gguf(value, cache_dir)
     path = Path(value).expanduser()
     if path.is_dir():
         return _checked_dir(path, value)
@@ -57,7 +61,7 @@ def resolve_pretrained(value: str) -> Path:
     if match is None or value.startswith((".", "~")):
         raise ConfigError(
             f"model.path must be an existing Hugging Face model directory or a hub id such as "
-            f"'Qwen/Qwen2.5-7B-Instruct', got {value!r} (not found)"
+            f"'Qwen/Qwen2.5-7B-Instruct' (or a .gguf file), got {value!r} (not found)"
         )
     repo, revision = match["repo"], match["revision"]
     from huggingface_hub import snapshot_download
