@@ -19,6 +19,7 @@ import numpy as np
 from fully_async.multimodal.colors import color_row
 from fully_async.multimodal.images import IMAGE_PLACEHOLDER, ImageError, to_png
 from fully_async.protocol import PromptRef
+from fully_async.tasks.arith import problems
 
 if TYPE_CHECKING:
     from fully_async.config import FullyAsyncConfig
@@ -144,7 +145,7 @@ COPY_REPEATS = 5
 32 unlearned digits over twelve in-process seeds with one copy, 1 with five)."""
 
 
-SYNTHETIC_TASKS = ("copy", "add", "guess", "lookup", "reverse", "colors")
+SYNTHETIC_TASKS = ("copy", "add", "guess", "lookup", "reverse", "colors", "arith")
 
 GUESS_PROMPT = "guess one of 0123456789"
 """The prompt of every `guess` row: the digit is hidden, only the environment's answers tell it. The digits are shown
@@ -179,9 +180,12 @@ def synthetic_rows(
     shown `copy_repeats` times as for copy) is answered by several tokens, graded per position (reward/rule.py).
     `colors` is visual: a small image of one flat color, answered by the color's letter (multimodal/colors.py;
     needs a vision-language model, model.tiny.arch=qwen2_vl).
-    Train and validation draw from disjoint seeds."""
+    `arith` is a real model's task: arithmetic word problems graded on the final number (fully_async/tasks/arith.py).
+    Train and validation draw from disjoint seeds (arith: from disjoint sets of problems)."""
     if task not in SYNTHETIC_TASKS:
         raise DataError(f"unknown synthetic task {task!r}; choose one of {', '.join(SYNTHETIC_TASKS)}")
+    if task == "arith":
+        return arith_rows(size, seed, split)
     rng = random.Random(f"{seed}:{split}:{task}")
     rows = []
     for i in range(size):
@@ -212,6 +216,24 @@ def synthetic_rows(
             )
         )
     return rows
+
+
+def arith_rows(size: int, seed: int, split: str) -> list[PromptRow]:
+    """The arith task's rows of `split` (fully_async/tasks/arith.py): one user message each, the answer a number."""
+    try:
+        found = problems(size, seed, split)
+    except ValueError as e:
+        raise DataError(f"data.synthetic_size: {e}") from e
+    return [
+        PromptRow(
+            data_source=SYNTHETIC_SOURCE,
+            messages=[{"role": "user", "content": p.question}],
+            ground_truth=str(p.answer),
+            extra_info={"split": split, "index": i, "task": "arith", "problem": p.key},
+            origin=f"synthetic:{split}:{i}",
+        )
+        for i, p in enumerate(found)
+    ]
 
 
 def dataset(cfg: FullyAsyncConfig, split: str) -> list[PromptRow]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fully_async.tasks.arith import arith_score
+
 
 def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     """The built-in tasks: 1.0 when the response opens with the answer, else 0.0. What follows the answer is ignored,
@@ -11,6 +13,8 @@ def synthetic_score(data_source: str, solution_str: str, ground_truth: str, extr
     had collapsed onto another digit scored 0.1 on every sample, its GRPO group had no variance, and it never
     recovered (docs/benchmarks.md, issue 4: on the five-fold copy prompt, 18 unlearned digits over twelve in-process
     seeds with a 0.1 credit, 1 without)."""
+    if (extra_info or {}).get("task") == "arith":  # a real model's worded answer: graded on its final number
+        return arith_score(solution_str, ground_truth)
     text, answer = solution_str.lstrip(), str(ground_truth).strip()
     correct = bool(answer) and text.startswith(answer)
     if (extra_info or {}).get("task") == "reverse":

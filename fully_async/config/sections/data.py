@@ -24,8 +24,8 @@ class DataConfig:
     """Shuffle seed."""
     synthetic_size: int = 2048
     """Prompts per epoch of the built-in synthetic task."""
-    synthetic_task: Literal["copy", "add", "guess", "lookup", "reverse", "colors"] = "copy"
-    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another) or the tool task lookup (a hidden digit only the lookup tool reveals, called by a one-letter turn; runs fully_async.agents.lookup:LookupAgentLoop unless rollout.agent_loop names another) or reverse ('reverse 472' -> '274', several tokens graded per position) or the visual colors (a 56x56 image of one color -> its letter r/g/b/y; needs a vision-language model: task=colors sets model.tiny.arch=qwen2_vl, docs/vlm.md)."""
+    synthetic_task: Literal["copy", "add", "guess", "lookup", "reverse", "colors", "arith"] = "copy"
+    """Built-in task: copy ('echo 77777' -> '7'), add ('3+4=' -> '7', sums below 10) or the multi-turn guess (a hidden digit; after a wrong guess the environment tells it, the next guess must repeat it; runs fully_async.agents.guess:GuessAgentLoop unless rollout.agent_loop names another) or the tool task lookup (a hidden digit only the lookup tool reveals, called by a one-letter turn; runs fully_async.agents.lookup:LookupAgentLoop unless rollout.agent_loop names another) or reverse ('reverse 472' -> '274', several tokens graded per position) or the visual colors (a 56x56 image of one color -> its letter r/g/b/y; needs a vision-language model: task=colors sets model.tiny.arch=qwen2_vl, docs/vlm.md) or arith (arithmetic word problems for a real model, graded on the final number: task=arith sets model=smollm2, docs/models.md)."""
     synthetic_reverse_length: int = 2
     """reverse task: characters per prompt (and per answer); rollout.response_length must be at least this."""
     synthetic_env_delay_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
