@@ -24,11 +24,8 @@ delivers each call in process (sim.py `SimControl.deliver`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -38,7 +35,9 @@ import aiohttp
 from fully_async.aio import NamedLock, bounded
 from fully_async.engines.auth import auth_headers
 from fully_async.engines.base import EngineKind
+from fully_async.engines.call_log import CallLog
 from fully_async.engines.errors import EngineError
+from fully_async.engines.set_aside import Unanswered, drop_dead, set_aside, set_aside_lost, set_aside_unanswered
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, HttpCall, PauseMode
 
@@ -46,13 +45,6 @@ logger = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 1.0
 """While a slow call runs, a server that answered its liveness probe is probed again after this many seconds."""
-
-CALLS_KEPT = 8
-"""How many of its last control calls the plane keeps per server (`recent_calls`: a stuck sync's error shows them)."""
-
-NODE_TABLE_WAIT_S = 2.0
-"""How long a pool-wide call waits for Ray's node table (which servers are on dead nodes) before calling every serving
-server anyway: the question must not add a deadline of its own to a sync (it answers in milliseconds)."""
 
 
 @runtime_checkable
@@ -82,10 +74,6 @@ class ControlledPool(Protocol):
     async def sync_router_async(self) -> None: ...
 
 
-class Unanswered(EngineError):
-    """A server did not answer a control call (or, under a slow call, a liveness probe) within its bound."""
-
-
 async def call_one(session: aiohttp.ClientSession, url: str, call: HttpCall) -> Any:
     """`call` on the server at `url`: its JSON answer (or text); EngineError on an HTTP error, a broken
     connection, or an answer the call's `check` refuses."""
@@ -113,8 +101,7 @@ class ControlPlane:
         self.pool = pool
         self.deadline_s = deadline_s
         self.timeout_s = deadline_s if timeout_s is None else timeout_s
-        self._calls: dict[str, deque[list[Any]]] = {}
-        """Per server URL: its last CALLS_KEPT control calls as [what, started (wall), seconds or None, outcome]."""
+        self.calls = CallLog()
 
     # ---- pool-wide operations ----------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort", idle: Callable[[], bool] | None = None) -> bool:
@@ -164,7 +151,7 @@ class ControlPlane:
         """`method(spec)` on every worker of every serving server at once, each server within `deadline_s`:
         {url: the workers' answers, or the EngineError of a server that failed or did not answer}. Nobody is set
         aside: the caller judges the answers (a weight sync's proof, fully_async/weights/verify.py)."""
-        await self._set_aside_lost(method)
+        await set_aside_lost(self.pool, method, self.deadline_s)
         urls = [self.pool.address(i) for i in self.pool.serving]
         call = self.pool.kind.rpc_call(method, spec)
         async with self.session() as session:
@@ -221,10 +208,10 @@ class ControlPlane:
         abandoned = {node for node, d in node_dirs.items() if d is None}
         if abandoned:
             pool = self.pool
-            self.set_aside(what, [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
+            set_aside(self.pool, what, [i for i in pool.serving if pool.node_of(i)["node_id"] in abandoned],
                            "the copy to its node was abandoned")  # fmt: skip
             await pool.sync_router_async()
-        await self._set_aside_lost(what)
+        await set_aside_lost(self.pool, what, self.deadline_s)
         return {node: Path(d) for node, d in node_dirs.items() if d is not None}
 
     async def weights_received(self, version: int, epoch: int) -> None:
@@ -269,7 +256,7 @@ class ControlPlane:
         in the order of the servers called (None for one set aside or dropped)."""
         pool_wide = urls is None
         if pool_wide:
-            await self._set_aside_lost(what)
+            await set_aside_lost(self.pool, what, self.deadline_s)
             urls = [self.pool.address(i) for i in self.pool.serving]
         return await self.fan_out(what, [(url, call) for url in urls], timeout_s or self.deadline_s,
                                   pool_wide=pool_wide)  # fmt: skip
@@ -286,8 +273,8 @@ class ControlPlane:
                                            return_exceptions=True)  # fmt: skip
         urls = [url for url, _ in calls]
         if pool_wide:
-            results = await self._set_aside_unanswered(what, urls, results)
-            results = await self._drop_dead(what, urls, results)
+            results = await set_aside_unanswered(self.pool, what, urls, results)
+            results = await drop_dead(self.pool, what, urls, results, self.deadline_s)
         failed = [f"{url}: {r} (log: {pool.log_for(url)})" for url, r in zip(urls, results) if isinstance(r, Exception)]
         if failed:
             raise EngineError(
@@ -300,41 +287,24 @@ class ControlPlane:
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), headers=auth_headers())
 
     async def _one(self, session: Any, url: str, call: HttpCall, bound_s: float, slow: bool) -> Any:
-        record = self._started(url, call)
+        record = self.calls.started(url, f"{call.method} {call.path}")
         try:
             if slow:
                 answer = await self._watched(session, url, call, bound_s)
             else:
                 answer = await bounded(self.deliver(session, url, call), bound_s)
         except TimeoutError as e:
-            self._ended(record, "unanswered")
+            self.calls.ended(record, "unanswered")
             raise Unanswered(f"no answer to {call.method} {call.path} within {self._bound_name(bound_s)}") from e
         except BaseException as e:
-            self._ended(record, type(e).__name__)
+            self.calls.ended(record, type(e).__name__)
             raise
-        self._ended(record, "ok")
+        self.calls.ended(record, "ok")
         return answer
 
-    def _started(self, url: str, call: HttpCall) -> list[Any]:
-        record = [f"{call.method} {call.path}", time.time(), None, "running"]
-        self._calls.setdefault(url, deque(maxlen=CALLS_KEPT)).append(record)
-        return record
-
-    @staticmethod
-    def _ended(record: list[Any], outcome: str) -> None:
-        record[2], record[3] = time.time() - record[1], outcome
-
     def recent_calls(self) -> str:
-        """Each server's last control calls, oldest first, one line each (`running` = still unanswered), for the error
-        of a sync that passed its timeout."""
-        lines = []
-        for url, calls in self._calls.items():
-            lines.append(f"- {url}:")
-            for what, started, took, outcome in calls:
-                at = time.strftime("%H:%M:%S", time.localtime(started)) + f".{int(started % 1 * 1000):03d}"
-                spent = f"{took:.3f} s" if took is not None else f"for {time.time() - started:.1f} s"
-                lines.append(f"    {at} {what}: {outcome} ({spent})")
-        return "\n".join(lines) if lines else "(no control calls yet)"
+        """Each server's last control calls (engines/call_log.py), for the error of a sync that passed its timeout."""
+        return self.calls.text()
 
     def _bound_name(self, bound_s: float) -> str:
         if bound_s == self.deadline_s:
@@ -376,66 +346,5 @@ class ControlPlane:
     async def deliver(self, session: Any, url: str, call: HttpCall) -> Any:
         """`call` on the server at `url` (unbounded: the fan-out bounds it)."""
         return await self.call_one(session, url, call)
-
-    # ---- servers that do not answer, are lost, or died ---------------------------------------------------------------
-    def set_aside(self, what: str, indices: list[int], why: str) -> None:
-        """Servers `indices` are out of this call and of the pool until they are back: marked down and handed to the
-        pool's `on_dead` (restarted or replaced, then brought current). One line each."""
-        for i in indices:
-            logger.warning("%s: engine server %s %s; set aside (down, to be restarted or replaced), the pool goes on "
-                           "without it", what, self.pool.address(i), why)  # fmt: skip
-            self.pool.server_died(i)
-
-    async def _set_aside_lost(self, what: str) -> None:
-        """Set aside the serving servers whose Ray node is known dead: they are never called."""
-        pool = self.pool
-        try:
-            wait_s = min(NODE_TABLE_WAIT_S, self.deadline_s)
-            lost = await bounded(asyncio.to_thread(pool.on_lost_nodes, pool.serving), wait_s)
-        except TimeoutError:
-            logger.warning("%s: Ray's node table did not answer within %g s; calling every serving server", what,
-                           wait_s)  # fmt: skip
-            return
-        if lost:
-            self.set_aside(what, lost, "is on a node Ray reports dead")
-            await pool.sync_router_async()
-
-    async def _set_aside_unanswered(self, what: str, urls: list[str], results: list[Any]) -> list[Any]:
-        """Set aside each server that did not answer (Unanswered); their failures are dropped. When no server
-        answered and some did not answer in time, the call fails instead (EngineError naming them)."""
-        missed = [k for k, r in enumerate(results) if isinstance(r, Unanswered)]
-        if not missed:
-            return results
-        if len(missed) == len(urls):
-            raise EngineError(f"{self.pool.kind.name} {what}: no engine server answered in time: "
-                              + "; ".join(f"{urls[k]}: {results[k]}" for k in missed))  # fmt: skip
-        index = {self.pool.address(i): i for i in self.pool.live}
-        out = list(results)
-        for k in missed:
-            if urls[k] in index:
-                self.set_aside(what, [index[urls[k]]], f"did not answer ({results[k]})")
-                out[k] = None
-        await self.pool.sync_router_async()
-        return out
-
-    async def _drop_dead(self, what: str, urls: list[str], results: list[Any]) -> list[Any]:
-        """Each failed server whose process (or engine host, or node) is gone is marked down and handed to the pool's
-        `on_dead`; its failure is dropped. A live server that failed keeps its failure. A server whose liveness is
-        not known within `deadline_s` (its host's node does not answer) counts as gone."""
-        pool = self.pool
-        index = {pool.address(i): i for i in pool.live}
-        out = list(results)
-        for k, (url, r) in enumerate(zip(urls, results)):
-            if not isinstance(r, Exception) or url not in index:
-                continue
-            with contextlib.suppress(TimeoutError):
-                if await bounded(asyncio.to_thread(pool.is_alive, index[url]), self.deadline_s):
-                    continue
-            logger.warning("%s: engine server %s is gone (%s); the pool goes on without it", what, url, r)
-            pool.server_died(index[url])
-            out[k] = None
-        if any(r is None and isinstance(x, Exception) for r, x in zip(out, results)):
-            await pool.sync_router_async()
-        return out
 
     call_one = staticmethod(call_one)  # the module's, as the plane's own: the warm-up sends through it
