@@ -33,6 +33,9 @@ every worker of the server (one per tensor-parallel rank). The sender (the train
   what vLLM does with them afterwards is not covered (on CPU the repacked parameters no longer compare with the
   checkpoint, which is why vLLM's own /weight_checker cannot serve here). A server that loaded nothing through these
   methods since it started reports digest None.
+After fa_receive and fa_reload, an LM head tied to the token embedding is prepared again (`refresh_tied_heads`): the
+load updated the embedding in place, but vLLM prepares again only the layers that got tensors, and on CPU the head's
+logits come from a packed copy of its weights.
 No pickle crosses the network: the arguments are JSON, the payload raw tensor bytes.
 """
 
@@ -138,6 +141,33 @@ def check_plan(tensors: list, headers: dict[str, list[int]], limit: int = 5) -> 
         if len(problems) >= limit:
             break
     return problems
+
+
+def refresh_tied_heads(model) -> int:
+    """Prepare again the kernel of every unquantized LM head tied to a token embedding; returns how many there were.
+    vLLM's in-place reload copies each tensor it loads into the parameter's storage and prepares again every layer
+    it loaded, but a tied head gets no tensor of its own (the checkpoint holds the embedding once, and vLLM skips a
+    tied head's name), so its layer is never prepared again: on CPU the logits keep coming from the packed copy of
+    the weights the head was prepared with at start, whatever the syncs load (issue 48: offpolicy k3 2e-3 at
+    max_staleness=0 on SmolLM2 after the first sync). On GPUs the preparation does nothing for such a head."""
+    if model is None:
+        return 0
+    embeddings = [
+        m.weight for name, m in model.named_modules() if name.endswith("embed_tokens") and hasattr(m, "weight")
+    ]
+    heads = 0
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        tied = name.endswith("lm_head") and any(getattr(module, "weight", None) is w for w in embeddings)
+        if tied and type(method).__name__ == "UnquantizedEmbeddingMethod":
+            method.process_weights_after_loading(module)
+            heads += 1
+    return heads
+
+
+def _model_of(runner):
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if get_model is not None else None
 
 
 class BucketStream:
@@ -288,6 +318,7 @@ class WeightReceiver(AdapterDigest):
         stream = BucketStream(buckets, pool, state["pg"], device, patience=2 * float(s.get("timeout_s", 300.0)) + 60)
         start = time.monotonic()
         stream.load_into(self.model_runner.reload_weights)
+        tied_heads = refresh_tied_heads(_model_of(self.model_runner)) if not stream.failure else 0
         end = time.monotonic()
         stats, failure = stream.stats, stream.failure
         if failure:
@@ -302,7 +333,8 @@ class WeightReceiver(AdapterDigest):
         return {"tensors": len(flat), "bytes": nbytes, "buckets": len(buckets), "fresh_buffers": pool.fresh - fresh_before,
                 "receive_s": stats["receive_s"], "stall_s": stats["stall_s"], "digest_s": stats["digest_s"],
                 "load_s": stats.get("iterated_at", end) - start - stats["stall_s"],
-                "finish_s": end - stats.get("iterated_at", end), "total_s": end - start}  # fmt: skip
+                "finish_s": end - stats.get("iterated_at", end), "total_s": end - start,
+                "tied_heads": tied_heads}  # fmt: skip
 
     def fa_reload(self, spec: str) -> dict:
         """Reload from the safetensors directory spec.path through vLLM's own loader, digesting every tensor the
@@ -333,8 +365,9 @@ class WeightReceiver(AdapterDigest):
         self._fa_loaded = None  # until this load completes, the server holds no proven set
         start = time.monotonic()
         runner.reload_weights(weights_iterator=digested())
+        tied_heads = refresh_tied_heads(_model_of(runner))
         self._fa_loaded = {"digest": digest.hexdigest(), "tensors": len(digest), "source": path, "digest_s": spent[0]}
-        return {**self._fa_loaded, "total_s": time.monotonic() - start}
+        return {**self._fa_loaded, "total_s": time.monotonic() - start, "tied_heads": tied_heads}
 
     def fa_loaded_digest(self, spec: str = "{}") -> dict:
         """{"digest", "tensors", "source", "digest_s"} of the last completed load (digest None: none yet)."""
