@@ -7,7 +7,7 @@ Contract:
   same `visual` module of Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
 - `freeze(module)`: the tower's parameters stop requiring a gradient, before FSDP wraps the module and before the
   optimizer is built (which then holds no state for them); returns how many parameters it froze.
-- `without_tower(named)`: (name, tensor) pairs with the tower's left out: what a weight sync sends when the tower is
+- `without_tower(named)` (weights/tower.py, with `is_tower`: the names are the sync's business): (name, tensor) pairs with the tower's left out: what a weight sync sends when the tower is
   frozen. The engines keep the tower they loaded from model.path, which is the frozen tower's value for the whole
   run, and the proof of the sync (the digest) is taken over exactly these pairs.
 
@@ -16,17 +16,11 @@ A text model has no tower: `freeze` freezes nothing and `without_tower` passes e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 
-TOWER = "visual"
-"""The name component of the vision tower's module in the Qwen-VL family (checkpoint and module names alike)."""
+from fully_async.weights.tower import TOWER, is_tower, without_tower
 
-
-def is_tower(name: str) -> bool:
-    """Whether tensor `name` is one of the vision tower's (see the module docstring)."""
-    return TOWER in name.split(".")
+__all__ = ["LORA_EXCLUDE", "TOWER", "freeze", "is_tower", "without_tower"]
 
 
 def freeze(module: torch.nn.Module) -> int:
@@ -37,14 +31,6 @@ def freeze(module: torch.nn.Module) -> int:
             param.requires_grad_(False)
             frozen += 1
     return frozen
-
-
-def without_tower(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named` without the tower's pairs. The iterator is drained to the end even for the pairs it drops: on a
-    trainer rank each step of it may be a collective every rank takes in the same order."""
-    for name, tensor in named:
-        if not is_tower(name):
-            yield name, tensor
 
 
 LORA_EXCLUDE = r"(.*\.)?visual(\..*)?"

@@ -212,7 +212,7 @@ class CollectiveSender:
     ) -> None:
         _new_digest()  # its import (fully_async.engines, ~0.7 s here) at the transport's set-up, not in a send
         if tower_frozen:
-            from fully_async.training.vision_tower import without_tower
+            from fully_async.weights.tower import without_tower
 
             source = named_tensors
 
