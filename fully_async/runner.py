@@ -98,7 +98,7 @@ def main(composed: DictConfig) -> None:
     import ray  # heavy imports only after the config is known to be good
 
     from fully_async.engines import EngineError
-    from fully_async.job import Job, TrainerLost, connect_ray
+    from fully_async.job import Job, TrainerLost, connect_ray, record_failure
     from fully_async.loggers import LoggerError
     from fully_async.param_sync import ParamSyncError
     from fully_async.trainer import TrainerError
@@ -130,8 +130,13 @@ def main(composed: DictConfig) -> None:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
     except run_errors as e:
-        print(f"fully_async: FAILED: {type(e).__name__}: {_cause(e)}", file=sys.stderr, flush=True)
+        log_file = record_failure(run_dir, e)  # the whole traceback, a Ray task's remote one included
+        print(f"fully_async: FAILED: {type(e).__name__}: {_cause(e)} (traceback: {log_file})", file=sys.stderr,
+              flush=True)  # fmt: skip
         sys.exit(1)
+    except Exception as e:  # unexpected: Hydra prints the traceback; the run's log keeps it too
+        record_failure(run_dir, e)
+        raise
     finally:
         ray.shutdown()
 
