@@ -17,8 +17,8 @@ def test_train_and_held_out_problems_are_disjoint_and_held_out_ones_distinct():
     assert len(train_keys) > 1500  # training repeats problems only once it has drawn most of its split
     assert not train_keys & val_keys
     assert {split_of(0, *_parts(k)) for k in val_keys} == {"val"}
-    # The partition moves with the seed: another seed holds out other problems.
-    assert {p.key for p in problems(250, 1, "val")} != val_keys
+    # The partition moves with the seed: under another seed most of these are training problems.
+    assert sum(split_of(1, *_parts(k)) == "train" for k in val_keys) > 150
 
 
 def _parts(key: str) -> tuple[str, int, int]:
