@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -53,10 +54,26 @@ SETUP = {".venv-engine": "bash scripts/setup.sh", ".venv-sglang": "bash scripts/
 """How each engine venv is made (the line a missing venv's message gives)."""
 
 
+EXTRAS = {"envs": ("openenv.core", "verifiers", "bm25s", "fa_vf_digits")}
+"""The modules each optional extra of pyproject.toml brings (scripts/setup.sh adds fa_vf_digits with envs)."""
+
+
+def missing_modules(extra: str) -> list[str]:
+    """The modules of `extra` (EXTRAS) that do not import here."""
+    return [m for m in EXTRAS[extra] if _absent(m)]
+
+
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:  # a dotted name whose parent package is missing
+        return True
+
+
 def pytest_runtest_setup(item):
-    """`@pytest.mark.needs_venv(".venv-engine")`: the test needs that engine venv. Missing on a developer's machine,
-    it is skipped with the line that makes it; missing in CI, the test FAILS: a skip there would hide an engine that
-    CI never installed behind a green run."""
+    """`@pytest.mark.needs_venv(".venv-engine")`: the test needs that engine venv; `@pytest.mark.needs_extra("envs")`:
+    the packages of that optional extra. Missing on a developer's machine, the test is skipped with the line that
+    installs it; missing in CI, the test FAILS: a skip there would hide what CI never installed behind a green run."""
     for mark in item.iter_markers("needs_venv"):
         venv = mark.args[0]
         if (REPO_ROOT / venv / "bin" / "python").exists():
@@ -64,6 +81,15 @@ def pytest_runtest_setup(item):
         message = f"engine venv {venv} missing: {SETUP.get(venv, 'scripts/setup.sh')}"
         if in_ci():
             pytest.fail(message + " (CI must install it: .ci/run)", pytrace=False)
+        pytest.skip(message)
+    for mark in item.iter_markers("needs_extra"):
+        extra = mark.args[0]
+        if not (missing := missing_modules(extra)):
+            continue
+        message = (f"the {extra} extra is missing ({', '.join(missing)}): "
+                   f"FULLY_ASYNC_EXTRAS={extra} bash scripts/setup.sh")  # fmt: skip
+        if in_ci():
+            pytest.fail(message + " (CI must install it)", pytrace=False)
         pytest.skip(message)
 
 

@@ -7,19 +7,17 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-pytest.importorskip("openenv.core", reason="needs the envs extra (pip install -e .[envs])")
+from fully_async.agents import Sample
+from fully_async.config import EnvConfig, MultiTurnConfig
+from fully_async.data import LOOKUP_PROMPT, PromptRow
+from fully_async.engines import Sampling
+from fully_async.envs.openenv import OpenEnvAgentLoop
+from fully_async.envs.pool import EnvServerPool
+from fully_async.models.tiny import build_tokenizer
+from fully_async.protocol import PromptRef
+from tests import fakes
 
-from fully_async.agents import Sample  # noqa: E402
-from fully_async.config import EnvConfig, MultiTurnConfig  # noqa: E402
-from fully_async.data import LOOKUP_PROMPT, PromptRow  # noqa: E402
-from fully_async.engines import Sampling  # noqa: E402
-from fully_async.envs.openenv import OpenEnvAgentLoop  # noqa: E402
-from fully_async.envs.pool import EnvServerPool  # noqa: E402
-from fully_async.models.tiny import build_tokenizer  # noqa: E402
-from fully_async.protocol import PromptRef  # noqa: E402
-from tests import fakes  # noqa: E402
-
-pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.needs_extra("envs"), pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
 APP = "fully_async.envs.lookup_env:app"
 

@@ -16,23 +16,21 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-pytest.importorskip("openenv.core", reason="needs the envs extra (pip install -e .[envs])")
-
-from fully_async.agents import Sample  # noqa: E402
-from fully_async.config import EnvConfig, MultiTurnConfig  # noqa: E402
-from fully_async.data import PromptRow  # noqa: E402
-from fully_async.engines import Sampling  # noqa: E402
-from fully_async.engines.process import free_port  # noqa: E402
-from fully_async.envs.failures import InfraExhausted  # noqa: E402
-from fully_async.envs.openenv import OpenEnvAgentLoop  # noqa: E402
-from fully_async.envs.pool import EnvServerPool  # noqa: E402
-from fully_async.envs.reward import env_reward  # noqa: E402
-from fully_async.models.tiny import build_tokenizer  # noqa: E402
-from fully_async.protocol import NO_VERSION, PromptRef  # noqa: E402
-from tests import fakes  # noqa: E402
+from fully_async.agents import Sample
+from fully_async.config import EnvConfig, MultiTurnConfig
+from fully_async.data import PromptRow
+from fully_async.engines import Sampling
+from fully_async.engines.process import free_port
+from fully_async.envs.failures import InfraExhausted
+from fully_async.envs.openenv import OpenEnvAgentLoop
+from fully_async.envs.pool import EnvServerPool
+from fully_async.envs.reward import env_reward
+from fully_async.models.tiny import build_tokenizer
+from fully_async.protocol import NO_VERSION, PromptRef
+from tests import fakes
 
 # One pool of two server processes for the module (each start costs seconds of imports): the tests share its loop.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.needs_extra("envs"), pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest.fixture(scope="module")

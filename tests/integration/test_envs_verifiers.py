@@ -10,21 +10,19 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-pytest.importorskip("fa_vf_digits", reason="needs the envs extra (FULLY_ASYNC_EXTRAS=envs bash scripts/setup.sh)")
-
-from fully_async.agents import Sample  # noqa: E402
-from fully_async.config import EnvConfig, MultiTurnConfig  # noqa: E402
-from fully_async.data import load_rows  # noqa: E402
-from fully_async.engines import Sampling  # noqa: E402
-from fully_async.envs import verifiers_env  # noqa: E402
-from fully_async.envs.failures import InfraExhausted  # noqa: E402
-from fully_async.envs.reward import env_reward  # noqa: E402
-from fully_async.models.tiny import build_tokenizer  # noqa: E402
-from fully_async.protocol import NO_VERSION, PromptRef  # noqa: E402
-from tests import fakes  # noqa: E402
+from fully_async.agents import Sample
+from fully_async.config import EnvConfig, MultiTurnConfig
+from fully_async.data import load_rows
+from fully_async.engines import Sampling
+from fully_async.envs import verifiers_env
+from fully_async.envs.failures import InfraExhausted
+from fully_async.envs.reward import env_reward
+from fully_async.models.tiny import build_tokenizer
+from fully_async.protocol import NO_VERSION, PromptRef
+from tests import fakes
 
 NAME = "fa-vf-digits"
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.needs_extra("envs"), pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

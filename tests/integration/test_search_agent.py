@@ -18,21 +18,19 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("bm25s", reason="the retrieval server needs the envs extra (pip install -e .[envs])")
-
-from examples.search_agent.corpus import write  # noqa: E402
-from fully_async.agents import Sample  # noqa: E402
-from fully_async.agents.tool import ToolAgentLoop  # noqa: E402
-from fully_async.agents.toolkit import load_tools  # noqa: E402
-from fully_async.config import MultiTurnConfig  # noqa: E402
-from fully_async.data import load_rows  # noqa: E402
-from fully_async.engines import Sampling  # noqa: E402
-from fully_async.models.tiny import build_tokenizer  # noqa: E402
-from fully_async.protocol import PromptRef  # noqa: E402
-from tests import fakes  # noqa: E402
+from examples.search_agent.corpus import write
+from fully_async.agents import Sample
+from fully_async.agents.tool import ToolAgentLoop
+from fully_async.agents.toolkit import load_tools
+from fully_async.config import MultiTurnConfig
+from fully_async.data import load_rows
+from fully_async.engines import Sampling
+from fully_async.models.tiny import build_tokenizer
+from fully_async.protocol import PromptRef
+from tests import fakes
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.needs_extra("envs"), pytest.mark.timeout(300)]  # the retrieval server: bm25s
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ from examples.search_agent.reward import compute_score
 from fully_async.data import load_rows
 
 
+@pytest.mark.needs_extra("envs")  # bm25s
 def test_corpus_questions_are_answered_by_their_document_and_bm25_finds_it(tmp_path):
-    pytest.importorskip("bm25s", reason="needs the envs extra (pip install -e .[envs])")
     docs, questions = generate(60, seed=3)
     assert len(docs) == 60 and len(questions) == 4 * 60
     index = BM25(docs)
@@ -40,8 +40,8 @@ def test_reward_exact_match_f1_and_format():
     assert two["em"] == 1.0 and two["format"] == 0.0 and two["score"] == 0.9
 
 
+@pytest.mark.needs_extra("envs")  # bm25s
 def test_bm25_scores_match_the_formula():
-    pytest.importorskip("bm25s", reason="needs the envs extra (pip install -e .[envs])")
     import math
 
     docs = [{"id": "0", "contents": "a b"}, {"id": "1", "contents": "a c c"}, {"id": "2", "contents": "d"}]
