@@ -181,6 +181,67 @@ def test_image_prompts_trainer_log_probs_match_the_engines_before_and_after_a_sy
     assert _gap(backend, asyncio.run(_sample(served, servers, version=2))) < 1e-4
 
 
+def test_a_changed_image_changes_the_engines_and_the_trainers_log_probs(trainer, engine):
+    """The negative control of the checks above: they would pass if the engine and the trainer both lost the image.
+    The same prompt tokens with another image (task=colors rows differ by their image alone): the engine, sampling
+    each seed twice on image A and once on image B, answers A alike and B otherwise (its distribution of the first
+    token moved); the trainer's log-probs of A's responses move when B is put in A's place, far off the engine's;
+    and B's responses, scored with B, are the engine's again (docs/vlm.md, the swapped-image figure)."""
+    import copy
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from fully_async.agents.base import Sample
+    from fully_async.agents.single_turn import SingleTurnAgentLoop
+    from fully_async.engines import EngineClient, Sampling
+    from fully_async.protocol import flatten
+
+    model, backend, _ = trainer
+    served, servers = engine
+    rows = list(synthetic_rows(4, 2, task="colors"))
+    image_a = rows[0]
+    image_b = dataclasses.replace(
+        rows[0], images=next(r for r in rows if r.ground_truth != rows[0].ground_truth).images
+    )
+    assert image_b.images != image_a.images and image_b.messages == image_a.messages
+    tok = AutoTokenizer.from_pretrained(served)
+    seeds = range(4)
+
+    async def sample(row, seed):
+        loop = SingleTurnAgentLoop(tok, Sampling(temperature=TEMPERATURE, seed=seed), 6)
+        client = EngineClient(servers)
+        try:  # one request at a time: the engine's numerics do not depend on what it batches with
+            return await loop.run(client, Sample(PromptRef(2, 0), seed, row))
+        finally:
+            await client.close()
+
+    a, again, b = ([asyncio.run(sample(row, s)) for s in seeds] for row in (image_a, image_a, image_b))
+    assert all(len(t.prompt_ids) == len(u.prompt_ids) for t, u in zip(a, b, strict=True))
+
+    def first(t):
+        return (int(t.response_ids[0]), float(t.behaviour_logprobs[0])) if len(t.response_ids) else None
+
+    engine_a, engine_again, engine_b = [first(t) for t in a], [first(t) for t in again], [first(t) for t in b]
+    # One seed, one image: the same first token at the same log-prob (a response may be empty: docs/vlm.md) ...
+    for x, y in zip(engine_a, engine_again, strict=True):
+        assert (x is None) == (y is None) and (x is None or (x[0] == y[0] and abs(x[1] - y[1]) < 1e-4)), (x, y)
+    # ... and another image: another first token, or the same one at another log-prob.
+    compared = [(x, y) for x, y in zip(engine_a, engine_b, strict=True) if x is not None and y is not None]
+    assert len(compared) >= 2, (engine_a, engine_b)
+    assert all(x[0] != y[0] or abs(x[1] - y[1]) > 1e-2 for x, y in compared), compared
+    # The trainer: A's responses with A are the engine's; with B in A's place they are not.
+    groups = [TrajectoryGroup(PromptRef(2, 0), [t for t in a if len(t.response_ids)])]
+    swapped = copy.deepcopy(groups)
+    for t in flatten(swapped):
+        t.images = list(image_b.images)
+    same, moved = _gap(backend, groups), _gap(backend, swapped)
+    print(f"\nimage A -> B: engine first tokens {compared}; trainer gap to the engine {same:.1e} -> {moved:.2f}")
+    assert same < 1e-4 and moved > 0.1, (same, moved)
+    # B's responses, scored with B, are the engine's: both sides saw B.
+    assert _gap(backend, [TrajectoryGroup(PromptRef(2, 0), [t for t in b if len(t.response_ids)])]) < 1e-4
+
+
 def test_a_response_after_a_tools_image_trainer_log_probs_match_the_engines(trainer, engine):
     """A multi-turn tool that returns an image (agents/tool_images.py): the engine's next turn sees the image (sent
     short, expanded by the server), the Trajectory holds it expanded at the tool turn, and the trainer's log-probs
