@@ -223,7 +223,7 @@ def arith_rows(size: int, seed: int, split: str) -> list[PromptRow]:
     try:
         found = problems(size, seed, split)
     except ValueError as e:
-        raise DataError(f"data.synthetic_size: {e}") from e
+        raise DataError(f"{e} (a run holds out a sixteenth of data.synthetic_size)") from e
     return [
         PromptRow(
             data_source=SYNTHETIC_SOURCE,

