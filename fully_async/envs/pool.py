@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fully_async.aio import bounded
 from fully_async.config import EnvConfig
 from fully_async.engines.process import ServerProcess
 from fully_async.envs import MAX_CONCURRENT_ENV
@@ -102,9 +103,13 @@ class EnvServerPool:
         self._suspect.set()
 
     async def _watch(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):  # the interval passed with no suspect: check anyway
-                await asyncio.wait_for(self._suspect.wait(), self.cfg.health_interval_s)
+        # bounded, not asyncio.wait_for: on Python 3.11 that swallows stop()'s cancel when it meets a wait that has
+        # just finished (a suspect() right before stop()), and the checks went on for ever (fully_async/aio.py).
+        while not self._stopped:
+            with contextlib.suppress(TimeoutError):  # the interval passed with no suspect: check anyway
+                await bounded(self._suspect.wait(), self.cfg.health_interval_s)
+            if self._stopped:
+                return
             self._suspect.clear()
             for server in self.servers:
                 try:
