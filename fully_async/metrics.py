@@ -83,6 +83,9 @@ def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     envs = [t for t in multi if "env_retries" in t.reward_info]  # environment loops (fully_async/envs/)
     if envs:
         out["env/infra_failures"] = float(sum(t.reward_info.get("env_infra_failures", 0) for t in envs))
+        kinds = {k for t in envs for k in t.reward_info if k.startswith("env_infra/")}
+        for k in sorted(kinds):  # by kind (fully_async/envs/failures.py INFRA_KINDS): env/infra/execution, ...
+            out["env/infra/" + k.split("/", 1)[1]] = float(sum(t.reward_info.get(k, 0) for t in envs))
         out["env/retries"] = float(sum(t.reward_info.get("env_retries", 0) for t in envs))
         out["env/zeroed"] = float(sum(bool(t.reward_info.get("env_zeroed")) for t in envs))
     return out

@@ -55,8 +55,8 @@ fi
 case ",$extras," in
     *,envs,*) ;;
     *) log "WARNING: no envs extra (FULLY_ASYNC_EXTRAS='$optional'): the tests marked needs_extra(\"envs\") (OpenEnv," \
-           "verifiers, the lookup environment, the search agent) will be SKIPPED (FAIL in CI); drop FULLY_ASYNC_EXTRAS" \
-           "or set FULLY_ASYNC_EXTRAS=envs to install it" ;;
+           "verifiers, the lookup environment, the search agent) will be SKIPPED (FAIL in CI); to install it:" \
+           "FULLY_ASYNC_EXTRAS=envs${optional:+,$optional} bash scripts/setup.sh" ;;
 esac
 
 if [ -x "$root/scripts/apply_verl_patches.sh" ]; then

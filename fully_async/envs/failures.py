@@ -3,8 +3,16 @@
 An environment call fails for one of two reasons. A *task error* is the model's fault (an action the environment
 rejects, a wrong answer): the environment is alive and says so, and the episode's reward stands, low as it may be.
 An *infrastructure failure* is nobody's answer: the connection was refused or reset, the call timed out, the server
-answered 5xx, the server died. Scoring such an episode 0 would train a fake reward (open-instruct measured 5-15 % of
-episodes turned into zeros by preemptions, biasing every group's baseline).
+answered 5xx, the server died, or the environment's own code raised (a sandbox, database or tool backend that fails
+inside `step`). Scoring such an episode 0 would train a fake reward (open-instruct measured 5-15 % of episodes turned
+into zeros by preemptions, biasing every group's baseline).
+
+An OpenEnv server answers every failure with the same `{"type": "error"}` reply; `openenv_error` reads its code
+(docs/environments.md has the table): only a step whose action the environment rejected through validation
+(VALIDATION_ERROR, e.g. `raise rejected("...")`) is the model's; an exception inside the environment
+(EXECUTION_ERROR) and a session it could not open (CAPACITY_REACHED, FACTORY_ERROR, SESSION_ERROR) are
+infrastructure; a reply that says the loop and the environment disagree (the action field, the reset's fields, the
+protocol) is neither, and fails the group loudly (EnvProtocolError).
 
 So an episode hit by an infrastructure failure restarts from its prompt on a fresh environment (another server of
 the pool, a new session), up to `rollout.multi_turn.env.infra_retries` times. Past the budget the episode raises
@@ -22,7 +30,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -30,8 +38,22 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-INFRA_KINDS = ("refused", "reset", "timeout", "http_5xx", "closed")
-"""Kinds of infrastructure failure, as counted in reward info (`env_infra/<kind>`)."""
+INFRA_CODES = {"EXECUTION_ERROR": "execution", "CAPACITY_REACHED": "capacity", "FACTORY_ERROR": "factory",
+               "SESSION_ERROR": "session"}  # fmt: skip
+"""OpenEnv error codes that are infrastructure, and their kind: an exception inside the environment's reset or step,
+a server at its session limit, an environment that could not be built, a session that broke."""
+
+INFRA_KINDS = ("refused", "reset", "timeout", "http_5xx", "closed", *INFRA_CODES.values(), "unknown")
+"""Kinds of infrastructure failure, as counted in reward info (`env_infra/<kind>`) and per batch (`env/infra/<kind>`);
+`unknown`: an error reply with a code this loop does not know (never taken for the model's)."""
+
+REJECTED = "action_rejected"
+"""The pydantic error type of `rejected()`."""
+
+UNSERIALIZABLE = "Unable to serialize unknown type"
+"""openenv-core 0.3.0 fails to send a VALIDATION_ERROR whose details hold an exception (a validator of the Action that
+raised ValueError or AssertionError) and answers SESSION_ERROR with this pydantic message, then closes the session:
+during a step, that is still an action the environment's validation rejected."""
 
 
 class InfraError(Exception):
@@ -44,6 +66,55 @@ class InfraError(Exception):
 
 class InfraExhausted(InfraError):
     """Every attempt of one episode failed for infrastructure reasons: the group is re-issued, never scored."""
+
+
+class TaskError(Exception):
+    """A live environment rejected the model's action (its validation): the model's fault, the reward so far stands."""
+
+
+class EnvProtocolError(RuntimeError):
+    """The environment and this loop disagree (an action field it does not take, reset fields it rejects, a message it
+    cannot parse): no one's reward and no transient failure. Not retried: the group is re-issued and, when every group
+    fails so, the run stops with this message (`advanced.failed_groups_in_a_row`)."""
+
+
+def rejected(reason: str, action: Any = None) -> Exception:
+    """What an OpenEnv environment raises, in `step` or in a validator of its Action class, to say the model's action
+    is at fault (`raise rejected("no such column", action.message)`): a pydantic ValidationError of type
+    `action_rejected`, which openenv-core answers as VALIDATION_ERROR and the loop reads as the model's (the episode
+    ends with the reward so far). Any other exception in `step` reads as the environment's own failure (retried on a
+    fresh session, never a reward). Needs pydantic only, which every OpenEnv server has."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+    error = PydanticCustomError(REJECTED, str(reason))  # no context: the reason is never formatted as a template
+    return ValidationError.from_exception_data("action", [InitErrorDetails(type=error, loc=(), input=action)])
+
+
+def openenv_error(call: str, data: dict[str, Any], url: str = "", action_key: str = "message") -> Exception:
+    """The exception an OpenEnv `{"type": "error"}` reply (its `data`) to a `call` ('reset' or 'step') stands for:
+    TaskError (the model's: a step the environment's validation rejected), InfraError (an exception inside the
+    environment, a session it could not open, a code not known here) or EnvProtocolError (the loop and the environment
+    disagree). `action_key` is the action field the loop sends the model's text in."""
+    code, message = str(data.get("code", "")), str(data.get("message", ""))
+    errors = [e for e in data.get("errors") or [] if isinstance(e, dict)]
+    detail = "; ".join(str(e.get("msg", "")) for e in errors) or message
+    if code == "SESSION_ERROR" and message.startswith(UNSERIALIZABLE):
+        detail = f"the action failed a validator of the environment (openenv-core could not send why: {message})"
+    if code == "VALIDATION_ERROR" or (code == "SESSION_ERROR" and message.startswith(UNSERIALIZABLE)):
+        if call != "step":
+            return EnvProtocolError(f"the environment rejected the {call} at {url} (its fields come from the row: "
+                                    f"ground_truth, extra_info.env_reset): {detail}")  # fmt: skip
+        mismatch = [e for e in errors if e.get("type") == "missing" or
+                    (e.get("type") == "extra_forbidden" and list(e.get("loc") or [])[:1] == [action_key])]  # fmt: skip
+        if mismatch:
+            return EnvProtocolError(f"the environment at {url} does not take its action as "
+                                    f"{{{action_key!r}: text}} (rollout.multi_turn.env.action_key): {detail}")  # fmt: skip
+        return TaskError(detail)
+    if code in INFRA_CODES:
+        return InfraError(INFRA_CODES[code], f"{code} during {call}: {message}", url)
+    if code in ("INVALID_JSON", "UNKNOWN_TYPE"):
+        return EnvProtocolError(f"the environment at {url} did not understand the {call} message ({code}): {message}")
+    return InfraError("unknown", f"error reply {code or 'without a code'} during {call}: {message or data}", url)
 
 
 def classify(exc: BaseException, url: str = "") -> InfraError | None:

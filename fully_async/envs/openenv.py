@@ -9,9 +9,11 @@ observation as a user turn; then up to `rollout.multi_turn.max_turns` model turn
 from the exact token list. The episode's reward is the last reward the environment returned; it reaches the trainer
 through the RewardAgent (reward.py), so limits, timing metrics and group functions apply.
 
-Failures (failures.py): an infrastructure failure restarts the episode from its prompt on a fresh environment, up to
-`env.infra_retries` times, then the group is re-issued (`on_exhausted=reissue`); an error message from a live
-environment (an action it rejects) is the model's fault: the episode ends there with the reward so far
+Failures (failures.py): an infrastructure failure (broken plumbing, or an error reply whose code says the
+environment's own code failed: EXECUTION_ERROR, CAPACITY_REACHED, FACTORY_ERROR, SESSION_ERROR) restarts the episode
+from its prompt on a fresh environment, up to `env.infra_retries` times, then the group is re-issued
+(`on_exhausted=reissue`); only a step the environment's validation rejected (VALIDATION_ERROR, e.g. its
+`raise failures.rejected(...)`) is the model's fault: the episode ends there with the reward so far
 (`env_task_error` in reward info). Partial rollout and the staleness ledger work as for ToolAgentLoop: a sync
 during an environment call only delays the next model call, which continues under the new weights; with partial
 rollout off an episode whose tokens would span two versions restarts from its prompt (reward info `restarts`).
@@ -31,9 +33,10 @@ import aiohttp
 
 from fully_async.agents.base import AgentLoop, Sample
 from fully_async.agents.tokens import ChatDelta, Transcript
+from fully_async.aio import bounded
 from fully_async.config import EnvConfig, MultiTurnConfig
 from fully_async.data import PromptRow
-from fully_async.envs.failures import InfraError, InfraExhausted, classify, with_retries
+from fully_async.envs.failures import InfraError, InfraExhausted, TaskError, classify, openenv_error, with_retries
 from fully_async.envs.pool import EnvServerPool
 from fully_async.envs.reward import ENV_REWARD
 from fully_async.protocol import Trajectory
@@ -56,23 +59,20 @@ class _Restart(Exception):
     """The weights changed mid-episode with partial rollout off: the episode starts again on a new session."""
 
 
-class TaskError(Exception):
-    """A live environment answered with an error (e.g. an action it cannot parse): the model's fault."""
-
-
 class OpenEnvSession:
     """One OpenEnv WebSocket session (one environment instance) on `url`. Calls raise InfraError for broken
-    plumbing (failures.classify) and TaskError for an error the environment itself answered."""
+    plumbing (failures.classify) and, for an error reply, what its code stands for (failures.openenv_error: TaskError
+    only for a step the environment rejected); `action_key` is the action field steps carry the model's text in."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        self.url, self.timeout_s = url, timeout_s
+    def __init__(self, url: str, timeout_s: float, action_key: str = "message") -> None:
+        self.url, self.timeout_s, self.action_key = url, timeout_s, action_key
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
 
     async def __aenter__(self) -> OpenEnvSession:
         self._http = aiohttp.ClientSession()
         try:
-            self._ws = await asyncio.wait_for(self._http.ws_connect(self.url + "/ws"), self.timeout_s)
+            self._ws = await bounded(self._http.ws_connect(self.url + "/ws"), self.timeout_s)
         except BaseException:
             await self._http.close()
             raise
@@ -81,7 +81,7 @@ class OpenEnvSession:
     async def __aexit__(self, *exc: Any) -> None:
         try:
             if self._ws is not None and not self._ws.closed:
-                await asyncio.wait_for(self._ws.send_str(json.dumps({"type": "close", "data": {}})), 1.0)
+                await bounded(self._ws.send_str(json.dumps({"type": "close", "data": {}})), 1.0)
                 await self._ws.close()
         except Exception as e:  # closing a session on a dead server: nothing left to release
             log.debug("closing the environment session at %s failed: %s", self.url, e)
@@ -92,7 +92,7 @@ class OpenEnvSession:
         """Send one message; the observation's data ({observation, reward, done})."""
         try:
             await self._ws.send_str(json.dumps({"type": kind, "data": data}))
-            msg = await asyncio.wait_for(self._ws.receive(), self.timeout_s)
+            msg = await bounded(self._ws.receive(), self.timeout_s)
         except Exception as e:
             err = classify(e, self.url)
             if err is None:
@@ -104,7 +104,7 @@ class OpenEnvSession:
             raise InfraError("reset", f"{self._ws.exception()}", self.url)
         reply = json.loads(msg.data)
         if reply.get("type") == "error":
-            raise TaskError(str((reply.get("data") or {}).get("message", reply)))
+            raise openenv_error(kind, reply.get("data") or {}, self.url, self.action_key)
         return reply.get("data") or {}
 
 
@@ -206,7 +206,7 @@ class OpenEnvAgentLoop(AgentLoop):
         info: dict[str, Any] = {"turns": 0, "env_turns": 0, ENV_REWARD: 0.0}
         timings = {"generate_s": 0.0, "env_s": 0.0}
         start_version, num_aborts, finish = None, 0, "stop"
-        async with OpenEnvSession(url, env.call_timeout_s) as session:
+        async with OpenEnvSession(url, env.call_timeout_s, env.action_key) as session:
             reset = {"episode_id": f"{sample.prompt.uid}#{sample.sample_index}", "ground_truth": row.ground_truth,
                      **(row.extra_info.get("env_reset") or {})}  # fmt: skip
             t0 = time.monotonic()
