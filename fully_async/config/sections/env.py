@@ -27,7 +27,7 @@ class EnvConfig:
     health_interval_s: float = 2.0
     """Seconds between the pool's health checks; a dead launched server is replaced."""
     infra_retries: int = 2
-    """Times an episode whose environment failed for infrastructure reasons (refused or reset connection, timeout, 5xx, server gone) restarts on a fresh environment."""
+    """Times an episode whose environment failed for infrastructure reasons (refused or reset connection, timeout, 5xx, server gone, an exception inside the environment: OpenEnv's EXECUTION_ERROR, CAPACITY_REACHED, FACTORY_ERROR, SESSION_ERROR; docs/environments.md's failure table) restarts on a fresh environment."""
     on_exhausted: str = "reissue"
     """Past infra_retries: 'reissue' (the group is dropped and its prompt re-issued, so no fake reward is trained) or 'zero_reward' (the sample keeps reward 0: the naive rule, for comparison only)."""
     action_key: str = "message"
