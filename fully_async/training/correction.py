@@ -54,7 +54,8 @@ def correct(
     if is_proto is None and rc.rollout_rs is None:
         return None, metrics
     weights = is_proto.batch["rollout_is_weights"].float() if is_proto is not None else torch.ones_like(prox)
-    keep = kept.float() * mask.float()
+    # A token is out when rejection sampling drops it or IcePop zeroes its weight (TIS's weights never reach 0).
+    keep = kept.float() * mask.float() * (weights > 0).float()
     metrics.update(rejection_metrics(mask, keep, group_index))
     return weights * keep, metrics
 

@@ -132,6 +132,21 @@ def test_rejected_tokens_weigh_zero_and_keep_their_place_in_the_mask():
     assert m["offpolicy/groups_all_rejected"] == 0  # group a still has row 1
 
 
+def test_icepops_zeroed_tokens_count_as_rejected():
+    """IcePop (rollout_is_threshold 'lower_upper') zeroes the weight of a token whose ratio leaves the bound: that is
+    a rejection (RolloutCorrectionConfig.rejects()), counted as one; the weights themselves are verl's."""
+    prox, behave, mask = _logps(4)
+    behave[:] = prox
+    behave[0, :2] = prox[0, :2] - 2.0  # two tokens with ratio e^2, outside [0.5, 2]
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_2.0")
+    assert rc.rejects()
+    w, m = correct(prox, behave, mask, rc, group_index=["a", "a", "b", "b"])
+    assert w is not None and torch.all(w[0, :2] == 0) and torch.all(w[mask & (w != 0)] > 0)
+    assert m["offpolicy/rejected_tokens"] == 2
+    assert m["offpolicy/rejected_token_frac"] == pytest.approx(2 / int(mask.sum()))
+    assert m["offpolicy/rejected_seqs"] == 0
+
+
 def test_rejection_keeps_the_loss_denominator():
     """verl's vanilla loss with the weights `correct` gives: the rejected row adds 0, the mean is over all tokens."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
