@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from fully_async.sync.phases import described
 from fully_async.threads import CallThread
 from fully_async.weights.base import ParamSyncError
 
@@ -132,4 +133,4 @@ def _named(version: int, e: BaseException) -> ParamSyncError:
         failed = ParamSyncError(f"background sync of version {version}: {e}")
         failed.__cause__ = e.__cause__
         return failed
-    return ParamSyncError(f"background sync of version {version} failed: {type(e).__name__}: {e}")
+    return ParamSyncError(f"background sync of version {version} failed: {described(e)}")

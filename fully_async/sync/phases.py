@@ -47,7 +47,7 @@ class PhaseRunner:
                 )
             e = future.exception()
             if e is not None:
-                raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
+                raise ParamSyncError(f"weight sync phase '{name}' failed: {described(e)}") from e
             return future.result()
         finally:
             self._timed(name, timings, start, wall)
@@ -59,7 +59,7 @@ class PhaseRunner:
         try:
             return fn()
         except Exception as e:
-            raise ParamSyncError(f"weight sync phase '{name}' failed: {type(e).__name__}: {e}") from e
+            raise ParamSyncError(f"weight sync phase '{name}' failed: {described(e)}") from e
         finally:
             self._timed(name, timings, start, wall)
 
@@ -76,6 +76,16 @@ def _named(name: str, fn: Callable[[], Any]) -> Any:
     """Run `fn` in the current thread renamed `name` (the phase's: a stack dump of a hung sync names its phase)."""
     threading.current_thread().name = name
     return fn()
+
+
+def described(e: BaseException) -> str:
+    """`Type: message` of a phase's failure; for an error raised in a Ray task, the remote exception's own (the
+    RayTaskError's first line only says `ray::task() (pid=...)`; its remote traceback goes to the run's
+    logs/error.log), so the console's one line names what failed."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause} (in a Ray task)"
+    return f"{type(e).__name__}: {e}"
 
 
 def add_timings(m: dict[str, Any], timings: dict[str, float]) -> None:

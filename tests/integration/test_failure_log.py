@@ -19,7 +19,8 @@ def test_a_run_that_fails_in_a_ray_task_prints_one_line_and_logs_the_remote_trac
     failed = [line for line in proc.stderr.splitlines() if "FAILED" in line]
     log = tmp_path / "logs" / "error.log"
     assert len(failed) == 1 and failed[0].endswith(f"(traceback: {log})"), proc.stderr[-3000:]
-    assert "ParamSyncError" in failed[0] and "RayTaskError(IndexError)" in failed[0]
+    # The one line names what failed in the task: the remote error, not the RayTaskError's `ray::task() (pid=...)`.
+    assert "ParamSyncError" in failed[0] and "IndexError: index 1 is out of bounds" in failed[0], failed[0]
     assert "Traceback" not in proc.stderr  # the console keeps its one line
     text = log.read_text()
     assert "weight sync phase 'export' failed" in text and "RayTaskError(IndexError)" in text
