@@ -246,6 +246,22 @@ def _stuck_rollouter(tmp_path, overrides: list[str]):
     return handle, queue, release
 
 
+def _stuck_sync_error(backend, tmp_path, overrides: list[str], timeout_s: float) -> str:
+    """The error of a sync into `_stuck_rollouter` under advanced.sync_timeout_s = `timeout_s`."""
+    handle, queue, release = _stuck_rollouter(tmp_path, overrides)
+    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", timeout_s)
+    try:
+        with pytest.raises(ParamSyncError) as failed:
+            sync.sync(1)
+    finally:
+        release.set()
+        sync.close()
+        handle.shutdown.remote().result(30)
+        handle.close()
+        queue.close()
+    return str(failed.value)
+
+
 @pytest.mark.timeout(120)
 def test_a_sync_stuck_in_reload_fails_with_the_rollouters_tasks_the_lock_holder_and_the_control_calls(
     backend, tmp_path
@@ -253,20 +269,7 @@ def test_a_sync_stuck_in_reload_fails_with_the_rollouters_tasks_the_lock_holder_
     """Issue 46: a stuck sync shows where it is stuck without a debugger. The phase's timeout (4 s) comes before the
     lock's own bound (engine.control_timeout_s + 3 x control_deadline_s): the error carries the Rollouter's pending
     tasks down to the lock they wait on, who holds the lock, and each server's last control calls."""
-    handle, queue, release = _stuck_rollouter(tmp_path, [])
-    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", 4.0)
-    try:
-        with pytest.raises(ParamSyncError) as failed:
-            sync.sync(1)
-    finally:
-        release.set()
-        sync.close()
-        handle.engine.remote("rows").result(10)
-        handle.shutdown.remote().result(30)
-        handle.close()
-        queue.close()
-    text = str(failed.value)
-    first, rest = text.split("\n", 1)
+    first, rest = _stuck_sync_error(backend, tmp_path, [], 4.0).split("\n", 1)
     assert "phase 'reload' did not finish within advanced.sync_timeout_s=4s" in first
     assert "pending asyncio tasks" in rest
     assert "in ControlPlane.load_weights\n" in rest and "in NamedLock.__aenter__" in rest  # the waiter's chain
@@ -278,20 +281,8 @@ def test_a_sync_stuck_in_reload_fails_with_the_rollouters_tasks_the_lock_holder_
 def test_a_membership_lock_held_past_its_bound_fails_the_reload_naming_the_holder(backend, tmp_path):
     """The lock's own bound (here 0.5 + 3 x 0.1 s) comes before the sync's (10 s): the reload fails at once, naming
     the lock, the waiter and the holder."""
-    handle, queue, release = _stuck_rollouter(
-        tmp_path, ["engine.control_timeout_s=0.5", "engine.control_deadline_s=0.1"]
-    )
-    sync = ParamSync(handle, backend, tmp_path / "weights", "float32", 10.0)
     start = time.monotonic()
-    try:
-        with pytest.raises(ParamSyncError) as failed:
-            sync.sync(1)
-    finally:
-        release.set()
-        sync.close()
-        handle.shutdown.remote().result(30)
-        handle.close()
-        queue.close()
-    assert time.monotonic() - start < 5.0
+    text = _stuck_sync_error(backend, tmp_path, ["engine.control_timeout_s=0.5", "engine.control_deadline_s=0.1"], 10.0)
+    assert time.monotonic() - start < 15.0  # the rollouter's start-up included; the sync's own bound is 10 s
     assert re.search(r"phase 'reload' failed: .*LockWaitTimeout: the engine pool's membership lock was not free "
-                     r"within 0.8 s for ControlPlane.load_weights .*: held by .*stuck_holder", str(failed.value))  # fmt: skip
+                     r"within 0.8 s for ControlPlane.load_weights .*: held by .*stuck_holder", text)  # fmt: skip
