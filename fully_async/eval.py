@@ -166,6 +166,12 @@ async def evaluate(
     finally:
         servers.stop()
         reward.close()
+    return _summary(done, cfg, model_dir, start, ready)
+
+
+def _summary(done: list[tuple[float, int, bool]], cfg: FullyAsyncConfig, model_dir: Path, start: float,
+             ready: float) -> dict[str, Any]:  # fmt: skip
+    """`evaluate`'s result from its (acc, response tokens, cut at the length) per graded problem."""
     n = len(done)
     return {
         "accuracy": sum(a for a, _, _ in done) / n,

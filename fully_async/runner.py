@@ -97,22 +97,9 @@ def main(composed: DictConfig) -> None:
 
     import ray  # heavy imports only after the config is known to be good
 
-    from fully_async.engines import EngineError
-    from fully_async.job import Job, TrainerLost, connect_ray, record_failure
-    from fully_async.loggers import LoggerError
-    from fully_async.param_sync import ParamSyncError
-    from fully_async.trainer import TrainerError
+    from fully_async.job import Job, connect_ray, record_failure
 
-    # Expected failures: the message names the cause, so no traceback is printed for them.
-    run_errors = (
-        DataError,
-        EngineError,
-        LoggerError,
-        TrainerError,
-        ParamSyncError,
-        TrainerLost,
-        ray.exceptions.RayError,
-    )
+    run_errors = _run_errors()
     try:
         with startup.part("ray"):
             connect_ray(cfg)
@@ -139,6 +126,21 @@ def main(composed: DictConfig) -> None:
         raise
     finally:
         ray.shutdown()
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """Expected failures of a run: their message names the cause, so no traceback is printed for them (heavy
+    imports: call it once the config is known to be good)."""
+    import ray
+
+    from fully_async.data import DataError
+    from fully_async.engines import EngineError
+    from fully_async.job import TrainerLost
+    from fully_async.loggers import LoggerError
+    from fully_async.param_sync import ParamSyncError
+    from fully_async.trainer import TrainerError
+
+    return (DataError, EngineError, LoggerError, TrainerError, ParamSyncError, TrainerLost, ray.exceptions.RayError)
 
 
 def _cause(e: BaseException) -> str:
