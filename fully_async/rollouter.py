@@ -101,6 +101,8 @@ class Rollouter:
         self._main: asyncio.Task | None = None
         self._validation: asyncio.Task | None = None
         self._val_results: deque[dict[str, Any]] = deque()
+        self._validated: int | None = None
+        """The version of the last validation started."""
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
         self._paused_at: float | None = None
         self._held_at = time.monotonic()
@@ -304,6 +306,7 @@ class Rollouter:
     async def _validate(self, version: int) -> None:
         """One sample per held-out prompt, all under weights `version` (the next pause waits for this)."""
         wall_start = time.time()
+        self._validated = version
         try:
             self._val_results.append(await validate(self.val_agent, self.client, self.reward, self.val_rows, version,
                                                     self.cfg.rollout.val_max_concurrent, self.cfg.rollout.val.n))  # fmt: skip
@@ -312,6 +315,21 @@ class Rollouter:
             self._error = str(e)
         except Exception as e:  # validation must not stop training; its failure is logged
             log.warning("validation at version %d failed: %s", version, e)
+
+    async def final_validation(self) -> list[dict[str, Any]]:
+        """The run's last validation (the trainer's last step, after its sync): at the engines' current version,
+        the one running or run at it, else one started now, so a run always ends on its final accuracy whatever
+        trainer.val_every is. Admission stops first: no step trains what would be generated meanwhile, and the
+        validation gets the engines to itself. Returns every result not yet popped, the final one last."""
+        self._admitting.clear()
+        if self.val_rows and self._validated != self.ledger.version:
+            if self._validation is not None:
+                await self._validation
+            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
+        if self._validation is not None:
+            await self._validation
+            self._validation = None
+        return self.pop_validation()
 
     def pop_validation(self) -> list[dict[str, Any]]:
         out = list(self._val_results)

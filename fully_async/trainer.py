@@ -205,6 +205,7 @@ class Trainer:
                 add_timings(m, self.sync.start(self.version))
         if saves:
             self._checkpoint(m)
+        final_validation = self._final_validation(m) if self.step == self.cfg.trainer.total_steps else []
         with tr.span("trainer", "stats"):
             # On a checkpoint step the counters are read after save(), which wrote the filtered groups the snapshot
             # counts (later ones wait for the next step: a resume from here re-runs them).
@@ -213,10 +214,22 @@ class Trainer:
             self.helpers.write_records(report["filtered"], self.step)
         m.update(metrics_of_batch.result())
         m.update(step_window(self._last_stats, now, queue_stats, wait_s, groups))
-        for v in report["validation"]:
-            m.update({k: x for k, x in v.items() if k != "version"})
+        for v in [*report["validation"], *final_validation]:  # a later validation's numbers win
+            m.update({("val/version" if k == "version" else k): x for k, x in v.items()})
         self._last_stats = now
         return m, prefetched
+
+    def _final_validation(self, m: dict[str, Any]) -> list[dict[str, Any]]:
+        """On the last step (with trainer.val_every set): the validation of the weights the run ends with, which the
+        engines hold by now (the last step's checkpoint waited for its sync), and any earlier result not yet logged;
+        `timing_s/final_validation` is its wait."""
+        if not self.cfg.trainer.val_every:
+            return []
+        start = time.monotonic()
+        with self.tracer.span("trainer", "final_validation"):
+            results = resolve(self.rollouter.final_validation.remote())
+        m["timing_s/final_validation"] = time.monotonic() - start
+        return results
 
     def _started(self, first: float) -> dict[str, float]:
         """The start-up ends with this run's first step (which began at `first`): its metrics, line and spans."""

@@ -309,6 +309,7 @@ class StubRollouter(EnginePortByName):
         self.filtered: list[dict] = []
         """Records of groups dynamic sampling left out, handed over by step_report() or snapshot()."""
         self.filtered_after_snapshot: list[dict] = []
+        self.final_results: list[dict] = []
         """Records that arrive right after the next snapshot (groups filtered while the checkpoint is written)."""
 
     async def _scripted(self, name: str, *args) -> None:
@@ -349,6 +350,11 @@ class StubRollouter(EnginePortByName):
         """stats(), the `filtered` records (when taken) and no validation results."""
         filtered, self.filtered = (self.filtered, []) if take_filtered else ([], self.filtered)
         return {"stats": self.stats(), "filtered": filtered, "validation": []}
+
+    async def final_validation(self) -> list:
+        """`final_results`: what the run's last validation reports."""
+        await self._scripted("final_validation")
+        return list(self.final_results)
 
     async def snapshot(self) -> dict:
         filtered, self.filtered, self.filtered_after_snapshot = self.filtered, self.filtered_after_snapshot, []

@@ -138,6 +138,21 @@ async def test_validation_samples_as_rollout_val_says_and_can_run_before_trainin
     assert [v["version"] for v in validation] == [0] and validation[0]["val/n"] == 3 * 32
 
 
+async def test_final_validation_validates_the_last_version_once_whatever_val_every_says(tmp_path):
+    """The trainer's last step: the engines' current version is validated (val_every=3 never reaches version 2),
+    the result is returned with the earlier one not yet popped, admission stops, and a second call at the same
+    version starts nothing new."""
+    overrides = ["trainer.val_every=3", "trainer.val_before_train=true", "data.synthetic_size=64"]
+    async with running(tmp_path, overrides) as (rollouter, _):
+        await sync(rollouter, tmp_path, 1)
+        await sync(rollouter, tmp_path, 2)  # no validation at 1 or 2: val_every=3
+        results = await rollouter.final_validation()
+        admitting = rollouter._admitting.is_set()
+        again = await rollouter.final_validation()
+    assert [v["version"] for v in results] == [0, 2] and results[-1]["val/n"] == 32
+    assert not admitting and again == []
+
+
 def test_validation_sampling_takes_the_rollouts_values_it_does_not_set():
     from fully_async.engines import Sampling
 

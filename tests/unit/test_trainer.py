@@ -217,6 +217,27 @@ def test_background_a_checkpoint_waits_for_the_sync_so_engines_and_trainer_agree
         assert m["timing_s/param_sync/wait"] > 0.2 and m["timing_s/param_sync"] >= m["timing_s/param_sync/wait"]
 
 
+def test_the_last_step_logs_the_validation_of_the_weights_the_run_ends_with(roles, tmp_path):
+    """With trainer.val_every set, the last step waits for its (background) sync, then for the rollouter's final
+    validation, and logs its result on that step; without it, no final validation is asked for."""
+    q, _, stub, _ = roles
+    stub.delays["load_weights"] = 0.3  # still reloading when the last step asks
+    stub.final_results = [{"version": 2, "val/reward_mean": 0.75, "val/n": 4}]
+    for i in range(4):
+        resolve(q.put.remote([make_group(i)]))
+    cfg = _cfg(total_steps=2)
+    cfg.trainer.val_every = 5  # never reached by 2 steps: the final validation is the only one
+    _trainer(cfg, roles, tmp_path, mode="background").run()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "val/reward_mean" not in lines[0]
+    assert (lines[1]["val/reward_mean"], lines[1]["val/n"], lines[1]["val/version"]) == (0.75, 4, 2)
+    names = [c[0] for c in stub.calls]
+    assert names[-1] == "final_validation" and names[-2] == "resume"  # after the last sync finished
+    stub.calls.clear()
+    _trainer(_cfg(total_steps=2), roles, tmp_path / "again", mode="background").run()  # val_every=0
+    assert "final_validation" not in [c[0] for c in stub.calls]
+
+
 def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the_trainer_waits(
     roles, tmp_path, monkeypatch
 ):

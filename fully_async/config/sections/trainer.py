@@ -48,7 +48,8 @@ class TrainerConfig:
     engine.dtype, config, generation config, tokenizer: loads with transformers, serves as model.path); any other
     checkpoint: python -m fully_async.export RUN_DIR --step N --out DIR."""
     val_every: int = 0
-    """Validate every this many versions; 0 = never."""
+    """Validate every this many versions, and on the weights the run ends with (its last step waits for that one, as
+    verl validates after training); 0 = never."""
     val_before_train: bool = False
     """Also validate once at the start, on the weights training starts from (with val_every > 0)."""
     resume: str = "none"
