@@ -180,6 +180,12 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
     return len(kept)
 
 
+def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(version, held-out reward) of each validation in metrics.jsonl rows, by version: a validation is drawn at the
+    step whose weights it graded (`val/version`), not at the later step that logged it (older runs: that step)."""
+    return sorted((r.get("val/version", r["step"]), r["val/reward_mean"]) for r in rows if "val/reward_mean" in r)
+
+
 def plot_run(metrics_path: Path, out_png: Path) -> Path | None:
     """Reward and staleness per step from metrics.jsonl, as a PNG."""
     if not metrics_path.exists():
@@ -195,8 +201,8 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path | None:
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     a.plot(steps, [r.get("reward/mean", math.nan) for r in rows], label="reward/mean")
-    if any("val/reward_mean" in r for r in rows):
-        a.plot([r["step"] for r in rows if "val/reward_mean" in r], [r["val/reward_mean"] for r in rows if "val/reward_mean" in r], "o-", label="val/reward_mean")  # fmt: skip
+    if val := validation_points(rows):
+        a.plot(*zip(*val, strict=True), "o-", label="val/reward_mean (held-out)")
     a.set_ylabel("reward")
     a.legend()
     a.grid(alpha=0.3)

@@ -61,3 +61,11 @@ def test_trajectory_records_carry_turns_and_tool_calls():
     multi.trajectories[0].reward_info.update(turns=3, tool_calls=2)
     records = trajectory_records([single, multi], step=1, trainer_version=0)
     assert [(r["turns"], r["tool_calls"]) for r in records] == [(1, 0), (1, 0), (3, 2), (1, 0)]
+
+
+def test_a_validation_is_drawn_at_the_version_it_graded_not_the_step_that_logged_it():
+    from fully_async.metrics import validation_points
+
+    rows = [{"step": 1}, {"step": 2, "val/reward_mean": 0.1, "val/version": 0},
+            {"step": 13, "val/reward_mean": 0.5, "val/version": 10}, {"step": 14, "val/reward_mean": 0.6}]  # fmt: skip
+    assert validation_points(rows) == [(0, 0.1), (10, 0.5), (14, 0.6)]  # a row without val/version: its step
