@@ -195,12 +195,13 @@ def build_tiny_model(cfg: TinyModelConfig, cache_dir: str | Path | None = None) 
 
 
 def resolve_model_path(model_cfg: ModelConfig) -> Path:
-    """model.path when set (an existing model directory with a config.json, or a Hugging Face hub id: the local cache
-    first, then a download when online; fully_async.models.hub), else the cached tiny build."""
+    """model.path when set (an existing model directory with a config.json, a Hugging Face hub id: the local cache
+    first, then a download when online; or a GGUF file, converted once under model.cache_dir; fully_async.models.hub),
+    else the cached tiny build."""
     if model_cfg.path:
         from fully_async.models.hub import resolve_pretrained
 
-        return resolve_pretrained(model_cfg.path)
+        return resolve_pretrained(model_cfg.path, model_cfg.cache_dir)
     return build_tiny_model(model_cfg.tiny, model_cfg.cache_dir)
 
 

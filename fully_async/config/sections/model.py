@@ -123,4 +123,4 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA training and adapter-only weight sync (docs/lora.md); model.lora.rank=0 (the default) is off."""
     cache_dir: str | None = field(default=None, metadata=PATH)
-    """Where built tiny models are cached; null = ~/.cache/fully_async/models."""
+    """Where built tiny models and GGUF files' conversions are cached; null = ~/.cache/fully_async/models."""

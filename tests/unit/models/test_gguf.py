@@ -47,6 +47,17 @@ def test_a_converted_directory_is_reused_without_reading_the_file_again(tmp_path
     assert gguf.convert_gguf(source, cache) == out  # a real conversion of these bytes would fail
 
 
+def test_model_cache_dir_holds_the_conversion_the_run_resolves(tmp_path):
+    from fully_async.models import resolve_model_path
+
+    source = _file(tmp_path / "m.gguf", b"not a real GGUF")
+    made = gguf.converted_dir(source, tmp_path / "cache")
+    made.mkdir(parents=True)
+    (made / "config.json").write_text("{}")  # converted already: a real conversion of these bytes would fail
+    cfg = compose([f"model.path={source}", f"model.cache_dir={tmp_path / 'cache'}"]).model
+    assert resolve_model_path(cfg) == made
+
+
 def test_a_failed_conversion_leaves_neither_the_directory_nor_its_temporary(tmp_path):
     cache = tmp_path / "cache"
     source = _file(tmp_path / "broken.gguf", b"GGUF" + b"\0" * 64)
