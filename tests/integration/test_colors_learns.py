@@ -37,7 +37,7 @@ def test_the_colors_task_learns_to_name_the_image_color_at_staleness_one(tmp_pat
     assert len(steps) == config.trainer.total_steps
     first = sum(s["reward/mean"] for s in steps[:20]) / 20
     last = sum(s["reward/mean"] for s in steps[-20:]) / 20
-    # Measured (docs/benchmarks-pending-37f.md), 120-step schedule: 0.184 -> 0.984 in one run, 0.152 -> 0.741 in
+    # Measured (docs/benchmarks.md, the colors section), 120-step schedule: 0.184 -> 0.984 in one run, 0.152 -> 0.741 in
     # another (one color unlearned when the decay ran out); the task's 200 steps: 0.181 -> 0.985, 83% at staleness 1.
     assert last >= 0.8 and first < 0.5, (first, last)
     trajs = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
