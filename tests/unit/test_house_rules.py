@@ -1,7 +1,7 @@
 """The house's size rules and its map, kept by tests rather than by a review: no class over 300 lines and no function
 over 60 in fully_async/, docs/benchmarks.md a summary plus the current passes under 600 lines with the history beside
-it, every top-level module in one import layer, and every relative link in the docs landing on a file and a heading
-that exist."""
+it, every top-level module in one import layer and in the README's Layout, and every relative link in the docs
+landing on a file and a heading that exist."""
 
 from __future__ import annotations
 
@@ -193,3 +193,19 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
         "b.md:2: gone.md (no such file)",
         "b.md:2: a.md#nowhere (no such heading)",
     ]
+
+
+def _readme_layout() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Layout\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_the_readmes_layout_names_every_top_level_module_and_every_doc():
+    layout = _readme_layout()
+    rooms = [p.name for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+    rooms += [f"{p.parent.name}/" for p in PACKAGE.glob("*/__init__.py")]
+    assert [r for r in sorted(rooms) if not re.search(rf"(?<![\w/.]){re.escape(r)}(?!\w)", layout)] == []
+    docs_line = layout[layout.index("\ndocs/") :]
+    assert [d.stem for d in sorted((ROOT / "docs").glob("*.md")) if not re.search(rf"\b{d.stem}\b", docs_line)] == []
