@@ -89,15 +89,15 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
+        return " | ".join(type_name(a) for a in get_args(tp))
     if origin in (list, tuple):
         args = get_args(tp)
-        return f"list[{_type_name(args[0])}]" if args else "list"
+        return f"list[{type_name(args[0])}]" if args else "list"
     if origin is dict:
         return "dict"
     if tp is type(None):
@@ -116,7 +116,7 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str] | None = None) -
         if value is None:
             if type(None) in args:
                 return None
-            raise ConfigError(f"{key} must not be null; expected {_type_name(tp)}")
+            raise ConfigError(f"{key} must not be null; expected {type_name(tp)}")
         errors = []
         for arg in args:
             if arg is type(None):
@@ -125,9 +125,9 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str] | None = None) -
                 return _convert(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{key} must be {type_name(tp)}, got {value!r}")
     if value is None:
-        raise ConfigError(f"{key} must not be null; expected {_type_name(tp)}")
+        raise ConfigError(f"{key} must not be null; expected {type_name(tp)}")
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fully_async.config import CONFIG_DIR, GROUPS, compose, group_options
-from fully_async.config.base import _type_name, field_docs
+from fully_async.config.base import field_docs, type_name
 
 
 def _cell(text: str) -> str:
@@ -55,7 +55,7 @@ def _section(default: Any, prefix: str, out: list[str], nested: list[tuple[Any, 
                 {k: v for k, v in dataclasses.asdict(x).items() if k == first or v != base[k]} for x in value
             ]  # each entry as the keys it sets beyond a new entry's defaults
         out.append(
-            f"| `{prefix}{f.name}` | {_cell(_type_name(hints[f.name]))} | `{_cell(_default(value))}` | "
+            f"| `{prefix}{f.name}` | {_cell(type_name(hints[f.name]))} | `{_cell(_default(value))}` | "
             f"{_cell(docs.get(f.name, ''))} |"
         )
 

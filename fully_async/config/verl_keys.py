@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fully_async.config.verl_table import (
-    _IN_DICT,
-    _ONE_OR_LIST,
     CRITIC_PATH,
+    IN_DICT,
     KL_KEYS,
     MAPPED,
     MINI_BATCH,
     NUMERIC,
+    ONE_OR_LIST,
     REQUIRE_BATCHES,
     REWARD_FILE,
     REWARD_NAME,
@@ -32,8 +32,8 @@ from fully_async.config.verl_table import (
     TEST_FREQ,
     TRAIN_BATCH,
     VERL_CONFIG_FLAGS,
-    _plain,
     is_verl_config_flag,
+    plain_value,
     rule,
 )
 
@@ -79,7 +79,7 @@ class Translation:
 
 def _number(key: str, value: str, problems: list[str], kind: type = int) -> int | float | None:
     try:
-        number = kind(_plain(value))
+        number = kind(plain_value(value))
     except ValueError:
         problems.append(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         return None
@@ -93,7 +93,7 @@ def _value_of(overrides: list[str], key: str) -> str:
 def _kl_on(overrides: list[str]) -> bool:
     values = {o.lstrip("+").partition("=")[0].strip(): o.partition("=")[2] for o in overrides}
     ours = ("algorithm.use_kl_loss",)
-    return any(_plain(values.get(k, "false")) == "true" for k in (*KL_KEYS, *ours))
+    return any(plain_value(values.get(k, "false")) == "true" for k in (*KL_KEYS, *ours))
 
 
 def translate(overrides: list[str]) -> Translation:
@@ -132,15 +132,15 @@ def _read(
     """One verl key of `kind` (rule()): what it sets goes to `out`, a key converted with others to `given`, what it
     says or refuses to `t`."""
     if kind in ("mapped", "pass"):
-        if detail in _ONE_OR_LIST and not value.strip().startswith("["):
+        if detail in ONE_OR_LIST and not value.strip().startswith("["):
             value = f"[{value}]"
-        plus = "++" if detail.startswith(_IN_DICT) else ""  # our schema has the key: verl's `+` would fail
+        plus = "++" if detail.startswith(IN_DICT) else ""  # our schema has the key: verl's `+` would fail
         out.append((detail, f"{plus}{detail}={value}"))
         t.said("renamed", f"{key} -> {detail}" if kind == "mapped" else f"{key} (passed on)")
     elif kind == "choice":
-        ours = detail.get(_plain(value))
-        if ours is None and key in NUMERIC and _plain(value).lstrip("-").isdigit():
-            ours = f"{NUMERIC[key]}={_plain(value)}"
+        ours = detail.get(plain_value(value))
+        if ours is None and key in NUMERIC and plain_value(value).lstrip("-").isdigit():
+            ours = f"{NUMERIC[key]}={plain_value(value)}"
         if ours is None:
             t.problems.append(f"{key}={value} has no counterpart here; read values: {_choices(detail)}")
         elif ours:
@@ -150,13 +150,13 @@ def _read(
             t.said("already so, nothing to set", f"{key}={value}")
     elif kind == "same":
         accepted, why = detail
-        if accepted and _plain(value) not in accepted:
+        if accepted and plain_value(value) not in accepted:
             t.problems.append(f"{key}={value} would change what verl does and has no counterpart here: {why}")
         else:
             t.said("so here anyway", f"{key}={value}")
-    elif key == CRITIC_PATH and _plain(value) != _plain(_value_of(overrides, "actor_rollout_ref.model.path")):
+    elif key == CRITIC_PATH and plain_value(value) != plain_value(_value_of(overrides, "actor_rollout_ref.model.path")):
         t.problems.append(f"{key}={value} differs from actor_rollout_ref.model.path: {detail}")
-    elif kind == "noted" and key == "--config-name" and "megatron" in _plain(value):
+    elif kind == "noted" and key == "--config-name" and "megatron" in plain_value(value):
         out.append(("trainer.strategy", "trainer.strategy=megatron"))  # verl's megatron config: its strategy
         t.said("set", f"{key}={value} -> trainer.strategy=megatron")
     elif kind == "noted":
@@ -208,7 +208,7 @@ def _without_clashes(produced: list[tuple[str, str]], plain: list[str], problems
         if earlier is None:
             seen[key] = value
             kept.append(override)
-        elif _plain(earlier) != _plain(value):
+        elif plain_value(earlier) != plain_value(value):
             problems.append(f"{key} is set twice, to {earlier} and (from a verl key) to {value}; keep one")
     return kept
 

@@ -88,10 +88,10 @@ MAPPED: dict[str, str] = {
 }
 """verl key -> our key with the same meaning and unit."""
 
-_ONE_OR_LIST = {"model.lora.target_modules", "logger.backends"}
+ONE_OR_LIST = {"model.lora.target_modules", "logger.backends"}
 """Our list keys whose verl key also takes one bare string (target_modules=all-linear): read as a list of it."""
 
-_IN_DICT = ("algorithm.policy_loss_args.",)
+IN_DICT = ("algorithm.policy_loss_args.",)
 """Our keys inside a free-form dict: Hydra adds them only with `++` (add or override)."""
 
 _PROX = {"true": "algorithm.recompute_prox=false", "false": "algorithm.recompute_prox=true"}
@@ -274,7 +274,11 @@ VERL_CONFIG_FLAGS = {
 def is_verl_config_flag(arg: str) -> bool:
     """`--config-path=config` / `--config-name=<verl's *_trainer config>` as verl's scripts write them."""
     key, sep, value = arg.partition("=")
-    return bool(sep) and key in VERL_CONFIG_FLAGS and bool(re.fullmatch(r"config|\w*_trainer(\.yaml)?", _plain(value)))
+    return (
+        bool(sep)
+        and key in VERL_CONFIG_FLAGS
+        and bool(re.fullmatch(r"config|\w*_trainer(\.yaml)?", plain_value(value)))
+    )
 
 
 REF = "actor_rollout_ref.ref."
@@ -350,7 +354,7 @@ def rule(key: str, kl_on: bool = False) -> tuple[str, object]:
     return "ours", None
 
 
-def _plain(value: str) -> str:
+def plain_value(value: str) -> str:
     """A command-line value as the user meant it: outer quotes off, case folded (True/true/TRUE)."""
     return value.strip().strip("'\"").lower()
 

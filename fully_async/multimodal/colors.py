@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from fully_async.multimodal.images import IMAGE_PLACEHOLDER, _png
+from fully_async.multimodal.images import IMAGE_PLACEHOLDER, to_png
 
 COLORS = {"r": (220, 30, 30), "g": (30, 200, 40), "b": (30, 40, 220), "y": (230, 220, 30)}
 """Letter -> RGB of the task's colors."""
@@ -30,7 +30,7 @@ def color_image(letter: str, rng: random.Random) -> bytes:
     # Noise per 7x7 block, not per pixel: each patch still differs, and the PNG stays a few hundred bytes.
     noise = np.random.default_rng(rng.getrandbits(64)).integers(-NOISE, NOISE + 1, (BLOCKS, BLOCKS, 3))
     pixels = np.clip(np.array(COLORS[letter]) + noise, 0, 255).astype(np.uint8)
-    return _png(Image.fromarray(pixels, "RGB").resize((SIZE, SIZE), Image.Resampling.NEAREST))
+    return to_png(Image.fromarray(pixels, "RGB").resize((SIZE, SIZE), Image.Resampling.NEAREST))
 
 
 def color_row(rng: random.Random) -> tuple[str, str, list[bytes]]:

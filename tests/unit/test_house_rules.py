@@ -209,3 +209,26 @@ def test_the_readmes_layout_names_every_top_level_module_and_every_doc():
     assert [r for r in sorted(rooms) if not re.search(rf"(?<![\w/.]){re.escape(r)}(?!\w)", layout)] == []
     docs_line = layout[layout.index("\ndocs/") :]
     assert [d.stem for d in sorted((ROOT / "docs").glob("*.md")) if not re.search(rf"\b{d.stem}\b", docs_line)] == []
+
+
+def private_imports(source: str) -> list[str]:
+    """The `_private` names a module imports from another module of the package (a name used across modules is a
+    public one: rename it, or use the public function beside it)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fully_async"):
+            names += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and a.name[1] != "_"]
+    return names
+
+
+def test_no_module_of_the_package_imports_a_private_name_of_another():
+    found = {
+        file.relative_to(ROOT).as_posix(): names
+        for file in sorted(PACKAGE.rglob("*.py"))
+        if (names := private_imports(file.read_text()))
+    }
+    assert found == {}
+    assert private_imports("from fully_async.multimodal.images import IMAGE_PLACEHOLDER, _png\n") == [
+        "fully_async.multimodal.images._png"
+    ]
+    assert private_imports("from fully_async import __version__\nfrom os import _exit\n") == []
