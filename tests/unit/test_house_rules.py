@@ -165,10 +165,12 @@ def dead_links(doc: Path) -> list[str]:
 
 
 def _docs() -> list[Path]:
-    return [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    """docs/*.md, README.md and the READMEs beside the code (examples, patches, the package's folders)."""
+    beside = [p for top in ("examples", "patches", "fully_async", "scripts") for p in (ROOT / top).rglob("*.md")]
+    return [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", *sorted(beside)]
 
 
-@pytest.mark.parametrize("doc", _docs(), ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", _docs(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_relative_link_of_the_docs_lands_on_a_file_and_a_heading(doc):
     assert dead_links(doc) == []
 
