@@ -44,6 +44,7 @@ from fully_async.protocol import Trajectory
 
 if TYPE_CHECKING:
     from fully_async.engines import EngineClient, Sampling
+    from fully_async.engines.base import GenerationResult
 
 MAX_RESTARTS = 100
 """Episode restarts (partial rollout off) before the sample fails: a guard against an endless loop, not a knob."""
@@ -80,7 +81,7 @@ class ChatClient:
         self.rows: list[Transcript] = []
         """Closed rows (split off by a history edit), in order."""
         self.transcript: Transcript | None = None
-        self._held: list[tuple[Any, ...]] = []  # message keys the current row's tokens stand for
+        self._held: list[tuple[Any, ...]] | None = []  # message keys the current row's tokens stand for; None: unknown
         self._tools: list[dict[str, Any]] | None = None
         self.turns = 0
         self.start_version: int | None = None
@@ -89,20 +90,44 @@ class ChatClient:
         self.last_content = ""
         self.info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0, "tool_errors/malformed": 0}
         self.generate_s = 0.0
+        self.last_output: GenerationResult | None = None
+        """The last model turn's tokens, log-probs and versions (the gateway's usage and log-probs)."""
 
     async def chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None
     ) -> dict[str, Any]:
         """One model turn after `messages` (OpenAI chat messages; `tools`: OpenAI function schemas); the assistant
         message (see the module docstring). Raises EpisodeOver when the turn limit or the row's budget is spent."""
-        loop = self._loop
-        cfg = loop.multi_turn
-        if self.turns >= cfg.max_turns:
-            raise EpisodeOver(f"rollout.multi_turn.max_turns={cfg.max_turns} chat calls done")
+        self._check_turns()
         self._extend(list(messages), tools)
-        tr = self.transcript
+        out = await self._generate(max_tokens)
+        tokenizer = self._loop.tokenizer
+        raw = tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
+        message = self._assistant_message(raw, tokenizer.decode(list(out.token_ids), skip_special_tokens=True))
+        self.last_content = message["content"]
+        self._held.append(_message_key(message))
+        return message
+
+    async def complete(self, prompt_ids: list[int], max_tokens: int | None = None) -> GenerationResult:
+        """One model turn after a raw token prompt (an OpenAI completion, fully_async/gateway/): ids that extend the
+        row's sequence are appended as inserted tokens, others close the row and start a new one (a history edit).
+        The next `chat` renders its whole chat (no messages are held). Raises EpisodeOver as `chat` does."""
+        self._check_turns()
+        self._extend_ids(list(prompt_ids))
+        self._held, self._tools = None, None
+        out = await self._generate(max_tokens)
+        self.last_content = self._loop.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+        return out
+
+    def _check_turns(self) -> None:
+        if self.turns >= self._loop.multi_turn.max_turns:
+            raise EpisodeOver(f"rollout.multi_turn.max_turns={self._loop.multi_turn.max_turns} chat calls done")
+
+    async def _generate(self, max_tokens: int | None) -> GenerationResult:
+        """Generate into the current row within its budget; record the tokens, their log-probs and versions."""
+        loop, tr = self._loop, self.transcript
         left = loop.response_length - len(tr)
-        budget = min(left, max_tokens or left, cfg.max_tokens_per_turn or left)
+        budget = min(left, max_tokens or left, loop.multi_turn.max_tokens_per_turn or left)
         if budget < 1:
             self.finish_reason = "length"
             raise EpisodeOver(f"the response budget of {loop.response_length} tokens is spent")
@@ -117,11 +142,8 @@ class ChatClient:
         tr.add_model(out.token_ids, out.logprobs, out.versions)
         self.turns += 1
         self.finish_reason = out.finish_reason
-        raw = loop.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
-        message = self._assistant_message(raw, loop.tokenizer.decode(list(out.token_ids), skip_special_tokens=True))
-        self.last_content = message["content"]
-        self._held.append(_message_key(message))
-        return message
+        self.last_output = out
+        return out
 
     def _assistant_message(self, raw: str, text: str) -> dict[str, Any]:
         calls = parse_tool_calls(raw)
@@ -149,22 +171,25 @@ class ChatClient:
         kwargs = {"tools": tools} if tools else {}
         tr = self.transcript
         keys = [_message_key(m) for m in messages]
-        if tr is None:
-            self.transcript = Transcript(chat.render_ids(messages, add_generation_prompt=True, **kwargs))
-        elif tools == self._tools and len(keys) >= len(self._held) and keys[: len(self._held)] == self._held:
-            inserted = chat.boundary(tr.last_token) + chat.delta(messages[len(self._held) :])
+        held = self._held
+        if tr is not None and held is not None and tools == self._tools and keys[: len(held)] == held:
+            inserted = chat.boundary(tr.last_token) + chat.delta(messages[len(held) :])
             self._insert(inserted)
         else:
-            rendered = chat.render_ids(messages, add_generation_prompt=True, **kwargs)
-            ids = tr.ids
-            if len(rendered) > len(ids) and rendered[: len(ids)] == ids:
-                self._insert(rendered[len(ids) :])
-            else:  # history edited: the recorded row ends here, a new one starts from the rendered prompt
-                if tr.mask and any(tr.mask):
-                    self.rows.append(tr)
-                self.transcript = Transcript(rendered)
+            self._extend_ids(chat.render_ids(messages, add_generation_prompt=True, **kwargs))
         self._tools = tools
         self._held = keys
+
+    def _extend_ids(self, ids: list[int]) -> None:
+        """Make the current row's token list end with `ids`: start it, append the extra ids as inserted tokens, or
+        (the history was edited) close the recorded row and start a new one from `ids`."""
+        tr = self.transcript
+        if tr is not None and len(ids) >= len(tr.ids) and ids[: len(tr.ids)] == tr.ids:
+            self._insert(ids[len(tr.ids) :])
+            return
+        if tr is not None and tr.mask and any(tr.mask):
+            self.rows.append(tr)
+        self.transcript = Transcript(ids)
 
     def _insert(self, ids: list[int]) -> None:
         tr = self.transcript

@@ -25,6 +25,7 @@ from fully_async.config.sections.async_training import AsyncTrainingConfig
 from fully_async.config.sections.data import DataConfig
 from fully_async.config.sections.engine import EngineConfig, PlacementConfig, SimEngineConfig
 from fully_async.config.sections.env import ON_EXHAUSTED, EnvConfig
+from fully_async.config.sections.gateway import GATEWAY_LOOP, GatewayConfig
 from fully_async.config.sections.logger import LOGGER_BACKENDS, LOGGER_PACKAGES, LoggerConfig
 from fully_async.config.sections.model import LoraConfig, ModelConfig, TinyModelConfig
 from fully_async.config.sections.reward import (

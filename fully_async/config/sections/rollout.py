@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fully_async.config.base import ConfigError, check_dotted, require, resolve_unset, settable
 from fully_async.config.sections.env import EnvConfig
+from fully_async.config.sections.gateway import GATEWAY_LOOP, GatewayConfig
 from fully_async.config.sections.reward import RewardLimitsConfig
 
 
@@ -31,6 +32,8 @@ class MultiTurnConfig:
     """Ray namespace of the per-tool limiter actors: processes in one namespace share each tool's limits."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environment servers of fully_async.envs.openenv:OpenEnvAgentLoop (docs/environments.md)."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The agent program of fully_async.gateway.loop:GatewayAgentLoop and its OpenAI-compatible gateway (docs/agents.md)."""
 
     def validate_section(self, p: str) -> None:
         for i, path in enumerate(self.tools):
@@ -118,6 +121,8 @@ class RolloutConfig:
                 f"{p}rollout_fn and {p}agent_loop={self.agent_loop!r} both choose how a sample is produced; "
                 f"set only one (agent_loop to its default {DEFAULT_AGENT_LOOP!r} with rollout_fn)"
             )
+        if self.agent_loop == GATEWAY_LOOP:
+            self.multi_turn.gateway.check_agent(p + "multi_turn.gateway.")
         require(self.val_max_concurrent >= 1, p + "val_max_concurrent", self.val_max_concurrent, ">= 1")
         require(self.n >= 1, p + "n", self.n, ">= 1")
         require(self.max_concurrent >= 1, p + "max_concurrent", self.max_concurrent, ">= 1")
