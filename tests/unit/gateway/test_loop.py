@@ -239,3 +239,64 @@ def test_gateway_config():
         compose(["rollout.multi_turn.gateway.command=a", "rollout.multi_turn.gateway.function=m.n:f"])
     with pytest.raises(ConfigError, match="gateway.host must be an IP address"):
         compose(["rollout.multi_turn.gateway.host=localhost"])
+
+
+def test_the_agent_command_never_sees_the_runs_engine_token(tok, monkeypatch, tmp_path):
+    from fully_async.engines.auth import TOKEN_ENV
+    from fully_async.gateway.server import Session
+
+    monkeypatch.setenv(TOKEN_ENV, "run-secret")
+    loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=GatewayConfig(command="agent --x",
+                                                                                             env={"A": "1"})))  # fmt: skip
+
+    async def build():
+        session = Session("s1", None, "http://127.0.0.1:1")
+        return session, loop._agent(session, {"messages": []}, tmp_path / "answer.json")
+
+    session, agent = asyncio.run(build())
+    assert TOKEN_ENV not in agent.env and "run-secret" not in json.dumps(agent.env) and agent.env["A"] == "1"
+    assert agent.env["OPENAI_API_KEY"] == session.key and agent.env["OPENAI_BASE_URL"] == "http://127.0.0.1:1/s/s1/v1"
+    assert agent.argv == ["agent", "--x"] and "127.0.0.1" in agent.env["NO_PROXY"]
+
+
+ROLLOUTER = """
+import asyncio, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from tests.unit.gateway.test_loop import command, sample
+from fully_async.config import MultiTurnConfig
+from fully_async.config.sections.gateway import GatewayConfig
+from fully_async.engines import Sampling
+from fully_async.gateway.loop import GatewayAgentLoop
+from tests import fakes
+
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=GatewayConfig(command=command("killed_once"))))
+asyncio.run(loop.run(fakes.ScriptedClient(tok, ["a", "b"]), sample()))
+"""
+
+
+def test_an_agent_dies_with_its_rollouter_however_that_dies(tok, tmp_path, monkeypatch):
+    """The rollouter's process is SIGKILLed mid-episode (no finally runs): the watchdog takes its agent down."""
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("AGENT_MARK", str(tmp_path / "mark"))
+    monkeypatch.setenv("AGENT_PID_FILE", str(pid_file))
+    repo = AGENT.parents[1]
+    rollouter = subprocess.Popen([sys.executable, "-c", ROLLOUTER, tok.name_or_path], cwd=repo,
+                                 env={**os.environ, "PYTHONPATH": str(repo)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and rollouter.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        agent = int(pid_file.read_text())
+        rollouter.kill()
+        rollouter.wait()
+        deadline = time.monotonic() + 15
+        while _alive(agent) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(agent)
+    finally:
+        rollouter.kill()
