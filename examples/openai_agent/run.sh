@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# An unmodified openai-SDK agent program trained through the OpenAI-compatible gateway (docs/agents.md).
+#   bash examples/openai_agent/run.sh [key=value ...]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+bash "$root/scripts/setup.sh"
+exec "$root/.venv/bin/python" -m fully_async.runner --config-dir "$root/examples/openai_agent" --config-name config \
+  "rollout.multi_turn.gateway.command=$root/.venv/bin/python $root/examples/openai_agent/agent.py" "$@"
