@@ -253,29 +253,3 @@ class Production:
         self.counters["tokens"] += sum(t.response_length for t in rows)
         self.counters["aborted_samples"] += traj.num_aborts > 0
         return rows
-
-
-async def validate(
-    agent: Any, client: Any, reward: Any, rows: list[PromptRow], version: int, max_concurrent: int, n: int = 1
-) -> dict[str, Any]:
-    """`n` samples per held-out row under weights `version`, scored: {"version", "val/reward_mean", "val/n",
-    "timing_s/validation"}. A sample a reward source drops or whose environment failed past its retries (training
-    would re-issue both) is left out of the mean;
-    RewardFatal (on_failure=raise) propagates."""
-    limit = asyncio.Semaphore(max_concurrent)
-    start = time.monotonic()
-
-    async def one(i: int, row: PromptRow, k: int) -> float | None:
-        sample_id.set(f"val:{version}:{i}" + (f":{k}" if k else ""))
-        async with limit:
-            try:
-                out = await agent.run(client, Sample(PromptRef(-1, i), k, row))
-                last = out[-1] if isinstance(out, list) else out
-                return (await reward.score(agent.reward_text(last), agent.reward_meta(last, row))).score
-            except (RewardDrop, InfraExhausted):
-                return None
-
-    samples = (one(i, r, k) for i, r in enumerate(rows) for k in range(n))
-    scores = [s for s in await asyncio.gather(*samples) if s is not None]
-    return {"version": version, "val/reward_mean": sum(scores) / len(scores) if scores else float("nan"),
-            "val/n": len(scores), "timing_s/validation": time.monotonic() - start}  # fmt: skip

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import time
-from collections import deque
 from typing import Any
 
 from fully_async.admission import Admission
@@ -40,11 +39,12 @@ from fully_async.engines.service import EngineService
 from fully_async.engines.warmup import WarmupPlan
 from fully_async.gc_tuning import tune_for_throughput
 from fully_async.handles import NAMESPACE, resolve_async
-from fully_async.production import COUNTERS, Production, validate
+from fully_async.production import COUNTERS, Production
 from fully_async.production import sample_id as _sample_id
-from fully_async.reward import RewardAgent, RewardFatal
+from fully_async.reward import RewardAgent
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
+from fully_async.validation import Validation
 from fully_async.weights.factory import engine_receiver
 from fully_async.weights.lora import adapter_sync_plan
 
@@ -89,21 +89,16 @@ class Rollouter:
                                    ro.n, ro.max_concurrent, ro.effective_start_concurrent(), at.groups_per_step)  # fmt: skip
         self._admitting, self._wake = self.admission.admitting, self.admission.wake
         self.rows: list[PromptRow] = []
-        self.val_rows: list[PromptRow] = []
         self.reward: RewardAgent | None = None
         """Set by prepare(); the engines, agent loops and production by start()."""
         self.servers: Any = None
         self.client: Any = None
         self.agent: Any = None
-        self.val_agent: Any = None
         self.production: Production | None = None
         self._error: str | None = None
         self._main: asyncio.Task | None = None
-        self._validation: asyncio.Task | None = None
-        self._val_results: deque[dict[str, Any]] = deque()
-        self._validated: int | None = None
-        """The version of the last validation started."""
         self.tracer = Tracer(run_dir, "rollouter", self.cfg.logger.trace)
+        self.validation = Validation(self.cfg, self.tracer, self._fail)
         self._paused_at: float | None = None
         self._held_at = time.monotonic()
         """When the last pause began to hold requests (after letting the trainer's next batch finish)."""
@@ -157,8 +152,8 @@ class Rollouter:
             from transformers import AutoTokenizer  # a heavy import: after the launch began
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            sampling, self.agent, self.val_agent = agent_loops(self.cfg, tokenizer)
-            self.agent.tracer = self.val_agent.tracer = self.tracer
+            sampling, self.agent, val_agent = agent_loops(self.cfg, tokenizer)
+            self.agent.tracer = val_agent.tracer = self.tracer
             self.servers.warmup = warmup_plan(self.cfg, self.rows, tokenizer, sampling)
         finally:
             await launching  # a failure above still leaves launched servers for shutdown() to stop
@@ -177,27 +172,26 @@ class Rollouter:
             tune_for_throughput()  # start-up is done: what is alive now (tokenizer, modules, rows) stays
         self._admitting.set()
         self._main = asyncio.get_running_loop().create_task(self.admission.run(self.production, self._fail))
-        if self.cfg.trainer.val_before_train and self.val_rows:  # the weights training starts from
-            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
-        return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.val_rows),
+        self.validation.bind(val_agent, self.client, self.reward, self.ledger.version)
+        return {"engines": self.servers.addresses, "train_rows": len(self.rows), "val_rows": len(self.validation.rows),
                 "startup": dict(self.servers.started_at)}  # fmt: skip
 
     async def prepare(self) -> dict[str, int]:
         """Load and check the datasets and their reward sources: bad input fails here, before anything heavy starts."""
         self.rows = dataset(self.cfg, "train")
-        self.val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
+        self.validation.rows = val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
         self.reward = RewardAgent(self.cfg.reward, tokenizer_path=self.model_path)
-        await self.reward.check_sources(self.rows + self.val_rows)
+        await self.reward.check_sources(self.rows + val_rows)
         seed = self.cfg.mixed_seed(self.cfg.data.seed)
         self.admission.cursor = EpochCursor(len(self.rows), seed, self.cfg.data.shuffle)
-        return {"train_rows": len(self.rows), "val_rows": len(self.val_rows)}
+        return {"train_rows": len(self.rows), "val_rows": len(val_rows)}
 
     async def shutdown(self) -> None:
         """Stop generating, stop the engines and reward workers. Safe to call twice or after a failed start."""
         self.admission.stop()
-        for t in (self._main, self._validation):
-            if t is not None:
-                t.cancel()
+        self.validation.cancel()
+        if self._main is not None:
+            self._main.cancel()
         if self.production is not None:
             await self.production.stop()
         if self.client is not None:
@@ -228,9 +222,7 @@ class Rollouter:
         new requests until the resume."""
         self._admitting.clear()
         self._paused_at = time.time()
-        if self._validation is not None:
-            await self._validation
-            self._validation = None
+        await self.validation.settle()
         while self.cfg.async_training.drain_on_sync and self.ledger.running and self._error is None:
             await asyncio.sleep(0.005)
         await self._let_next_batch_finish()
@@ -280,7 +272,7 @@ class Rollouter:
         self.ledger.on_sync(version)
         if serving:
             self._wake.set()
-            self._validate_after_sync()
+            self.validation.after_sync(version)
 
     async def resume(self) -> None:
         await self.servers.resume()
@@ -290,51 +282,21 @@ class Rollouter:
             self.tracer.record("rollouter", "paused", self._paused_at, time.time(), version=self.ledger.version)
             self._paused_at = None
         self._wake.set()
-        self._validate_after_sync()
-
-    def _validate_after_sync(self) -> None:
-        if self._validation is not None and not self._validation.done():  # an adapter sync does not wait for it
-            return
-        val_every = self.cfg.trainer.val_every
-        if val_every and self.ledger.version % val_every == 0 and self.val_rows:
-            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
+        self.validation.after_sync(self.ledger.version)
 
     def _pool_stats(self) -> dict[str, Any]:
         return self.engine_service.stats() if self.engine_service is not None else {}
 
-    # -- validation --------------------------------------------------------------------------------------------
-    async def _validate(self, version: int) -> None:
-        """One sample per held-out prompt, all under weights `version` (the next pause waits for this)."""
-        wall_start = time.time()
-        self._validated = version
-        try:
-            self._val_results.append(await validate(self.val_agent, self.client, self.reward, self.val_rows, version,
-                                                    self.cfg.rollout.val_max_concurrent, self.cfg.rollout.val.n))  # fmt: skip
-            self.tracer.record("rollouter", "validation", wall_start, time.time(), version=version)
-        except RewardFatal as e:  # on_failure=raise holds for validation too
-            self._error = str(e)
-        except Exception as e:  # validation must not stop training; its failure is logged
-            log.warning("validation at version %d failed: %s", version, e)
-
+    # -- validation (fully_async/validation.py) ----------------------------------------------------------------
     async def final_validation(self) -> list[dict[str, Any]]:
-        """The run's last validation (the trainer's last step, after its sync): at the engines' current version,
-        the one running or run at it, else one started now, so a run always ends on its final accuracy whatever
-        trainer.val_every is. Admission stops first: no step trains what would be generated meanwhile, and the
-        validation gets the engines to itself. Returns every result not yet popped, the final one last."""
+        """The run's last validation (the trainer's last step, after its sync), at the engines' current version, with
+        every result not yet popped. Admission stops first: no step trains what would be generated meanwhile, and
+        the validation gets the engines to itself."""
         self._admitting.clear()
-        if self.val_rows and self._validated != self.ledger.version:
-            if self._validation is not None:
-                await self._validation
-            self._validation = asyncio.get_running_loop().create_task(self._validate(self.ledger.version))
-        if self._validation is not None:
-            await self._validation
-            self._validation = None
-        return self.pop_validation()
+        return await self.validation.final(self.ledger.version)
 
     def pop_validation(self) -> list[dict[str, Any]]:
-        out = list(self._val_results)
-        self._val_results.clear()
-        return out
+        return self.validation.pop()
 
     def pop_filtered(self) -> list[dict[str, Any]]:
         """trajectories.jsonl records (filtered=true) of the groups dynamic sampling left out since the last call."""

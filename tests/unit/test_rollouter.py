@@ -128,7 +128,7 @@ async def test_validation_samples_as_rollout_val_says_and_can_run_before_trainin
     overrides = ["trainer.val_every=1", "trainer.val_before_train=true", "rollout.val.n=3", "rollout.val.do_sample=false",
                  "rollout.temperature=0.9", "data.synthetic_size=64"]  # fmt: skip
     async with running(tmp_path, overrides) as (rollouter, _):
-        assert (rollouter.val_agent.sampling.temperature, rollouter.agent.sampling.temperature) == (0.0, 0.9)
+        assert (rollouter.validation.agent.sampling.temperature, rollouter.agent.sampling.temperature) == (0.0, 0.9)
         validation = []
         for _ in range(3000):  # no sync ever happens: only val_before_train validates
             validation += rollouter.step_report()["validation"]
