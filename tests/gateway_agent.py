@@ -5,7 +5,8 @@
 Modes: `two_calls` (ask, read a check, ask again; stdout's last line is the answer), `stream` (the same, streamed),
 `tools` (a tool call answered as a tool message), `killed_once` (after its first call it writes its pid to
 $AGENT_PID_FILE and waits to be SIGKILLed, unless $AGENT_MARK exists; it creates that file first), `crash`
-(exits 3 after one call), `file` (answers in
+(exits 3 after one call), `sigkill_first` (the first $AGENT_KILL_COUNT agents SIGKILL themselves after their first
+call; files under $AGENT_KILLS count them), `file` (answers in
 $FULLY_ASYNC_ANSWER_FILE), `post` (answers with a POST to $FULLY_ASYNC_REWARD_URL), `chatty` (calls until refused,
 prints the error's code, exits 1).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -45,6 +47,8 @@ def main(mode: str) -> int:
             f.write(str(os.getpid()))
         os.rename(os.environ["AGENT_PID_FILE"] + ".tmp", os.environ["AGENT_PID_FILE"])
         time.sleep(3600)
+    if mode == "sigkill_first" and _claim_a_kill():
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-episode: one call made, the next never comes
     if mode == "crash":
         print("boom", file=sys.stderr)
         return 3
@@ -60,6 +64,17 @@ def main(mode: str) -> int:
     print("log line")
     print(second)
     return 0
+
+
+def _claim_a_kill() -> bool:
+    """True for the first $AGENT_KILL_COUNT agents that ask (files created exclusively under $AGENT_KILLS)."""
+    for k in range(int(os.environ["AGENT_KILL_COUNT"])):
+        try:
+            os.close(os.open(os.path.join(os.environ["AGENT_KILLS"], f"kill-{k}"), os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            continue
+    return False
 
 
 def ask(client: OpenAI, messages: list, stream: bool) -> str:
