@@ -85,6 +85,13 @@ class GatewayAgentLoop(RolloutFnAgentLoop):
             from fully_async.plugins import load
 
             self._function = load(self.gateway.function, "rollout.multi_turn.gateway.function")
+        else:
+            program = shlex.split(self.gateway.command)[0]
+            if os.sep in program and self.gateway.cwd:
+                program = os.path.join(self.gateway.cwd, program)  # (an absolute path stays as it is)
+            if shutil.which(program) is None:
+                raise ConfigError(f"rollout.multi_turn.gateway.command={self.gateway.command!r}: {program!r} is no "
+                                  "executable here (give a path, or a name on PATH)")  # fmt: skip
         self.counts: Counter[str] = Counter()
         """Per process: env_infra failures by kind, exhausted episodes, agents that never called the model."""
 

@@ -246,8 +246,8 @@ def test_the_agent_command_never_sees_the_runs_engine_token(tok, monkeypatch, tm
     from fully_async.gateway.server import Session
 
     monkeypatch.setenv(TOKEN_ENV, "run-secret")
-    loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=GatewayConfig(command="agent --x",
-                                                                                             env={"A": "1"})))  # fmt: skip
+    gateway = GatewayConfig(command=f"{sys.executable} --x", env={"A": "1"})
+    loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=gateway))
 
     async def build():
         session = Session("s1", None, "http://127.0.0.1:1")
@@ -256,7 +256,7 @@ def test_the_agent_command_never_sees_the_runs_engine_token(tok, monkeypatch, tm
     session, agent = asyncio.run(build())
     assert TOKEN_ENV not in agent.env and "run-secret" not in json.dumps(agent.env) and agent.env["A"] == "1"
     assert agent.env["OPENAI_API_KEY"] == session.key and agent.env["OPENAI_BASE_URL"] == "http://127.0.0.1:1/s/s1/v1"
-    assert agent.argv == ["agent", "--x"] and "127.0.0.1" in agent.env["NO_PROXY"]
+    assert agent.argv == [sys.executable, "--x"] and "127.0.0.1" in agent.env["NO_PROXY"]
 
 
 ROLLOUTER = """
@@ -300,3 +300,26 @@ def test_an_agent_dies_with_its_rollouter_however_that_dies(tok, tmp_path, monke
         assert not _alive(agent)
     finally:
         rollouter.kill()
+
+
+def test_an_agent_that_is_no_executable_or_a_gateway_off_loopback_without_the_token_is_refused(tok, monkeypatch):
+    from fully_async.engines.auth import TOKEN_ENV
+
+    with pytest.raises(ConfigError, match="gateway.command='no-such-agent --x': 'no-such-agent' is no executable"):
+        GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=GatewayConfig(command="no-such-agent --x")))
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=GatewayConfig(command="true",
+                                                                                             host="10.0.0.1")))  # fmt: skip
+    with pytest.raises(ConfigError, match="gateway.host='10.0.0.1' leaves loopback: the run needs its token"):
+        asyncio.run(loop.server())
+
+
+def test_an_engine_failure_during_a_call_fails_the_episode_at_once_not_as_the_agents(tok):
+    from fully_async.engines.errors import EngineError
+
+    async def engine_fails(k):
+        raise EngineError("generate failed 3 times")
+
+    loop, _, err = episode(tok, ["a", "b"], before_turn=engine_fails, function=f"{__name__}:async_agent")
+    assert isinstance(err, EngineError) and "generate failed" in str(err)  # the group is re-issued by production
+    assert loop.counts["env_infra_failures"] == 0  # never retried as an agent's crash
