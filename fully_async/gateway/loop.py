@@ -147,7 +147,7 @@ class GatewayAgentLoop(RolloutFnAgentLoop):
             return CallableAgent(self._function, session.base_url, session.key, task)
         g = self.gateway
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the run's engine token stays ours
-        env.update(g.env)
+        env.update({str(k): str(v) for k, v in g.env.items()})  # a YAML or command-line number is a string here
         no_proxy = ",".join(x for x in (env.get("NO_PROXY", ""), "127.0.0.1,localhost") if x)
         env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key, NO_PROXY=no_proxy,
                    no_proxy=no_proxy, FULLY_ASYNC_REWARD_URL=session.reward_url, FULLY_ASYNC_TASK=json.dumps(task),

@@ -20,7 +20,7 @@ class GatewayConfig:
     cwd: str | None = None
     """Working directory of the agent command; null = the rollouter's."""
     env: dict[str, str] = field(default_factory=dict)
-    """More environment variables for the agent command (the run's engine token is never passed on)."""
+    """More environment variables for the agent command, on the command line as +rollout.multi_turn.gateway.env.NAME=value (the run's engine token is never passed on)."""
     host: str = "127.0.0.1"
     """Address the gateway binds; off loopback the run must have its token (engines/auth.py) and every session key is required as on loopback."""
     port: int = 0

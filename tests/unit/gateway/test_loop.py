@@ -246,7 +246,7 @@ def test_the_agent_command_never_sees_the_runs_engine_token(tok, monkeypatch, tm
     from fully_async.gateway.server import Session
 
     monkeypatch.setenv(TOKEN_ENV, "run-secret")
-    gateway = GatewayConfig(command=f"{sys.executable} --x", env={"A": "1"})
+    gateway = GatewayConfig(command=f"{sys.executable} --x", env={"A": 1})  # a number from YAML
     loop = GatewayAgentLoop(tok, Sampling(), 64, True, MultiTurnConfig(gateway=gateway))
 
     async def build():
