@@ -149,10 +149,12 @@ class GatewayAgentLoop(RolloutFnAgentLoop):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the run's engine token stays ours
         env.update({str(k): str(v) for k, v in g.env.items()})  # a YAML or command-line number is a string here
         no_proxy = ",".join(x for x in (env.get("NO_PROXY", ""), "127.0.0.1,localhost") if x)
+        # A row read from parquet may hold numpy values in extra_info: JSON gets their lists (or their text).
+        payload = json.dumps(task, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
         env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key, NO_PROXY=no_proxy,
-                   no_proxy=no_proxy, FULLY_ASYNC_REWARD_URL=session.reward_url, FULLY_ASYNC_TASK=json.dumps(task),
+                   no_proxy=no_proxy, FULLY_ASYNC_REWARD_URL=session.reward_url, FULLY_ASYNC_TASK=payload,
                    FULLY_ASYNC_ANSWER_FILE=str(answer_file), FULLY_ASYNC_MODEL=g.served_model_name)  # fmt: skip
-        return CommandAgent(shlex.split(g.command), env, g.cwd, json.dumps(task).encode() + b"\n")
+        return CommandAgent(shlex.split(g.command), env, g.cwd, payload.encode() + b"\n")
 
     def _account(self, chat: ChatClient, session: Session, seconds: float) -> None:
         """What the episode's last row tells about the gateway (reward info; the rest is the rollout-function

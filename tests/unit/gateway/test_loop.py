@@ -251,12 +251,17 @@ def test_the_agent_command_never_sees_the_runs_engine_token(tok, monkeypatch, tm
 
     async def build():
         session = Session("s1", None, "http://127.0.0.1:1")
-        return session, loop._agent(session, {"messages": []}, tmp_path / "answer.json")
+        import numpy as np
+
+        task = {"messages": [], "extra_info": {"ids": np.array([1, 2])}}  # a parquet row's values
+        return session, loop._agent(session, task, tmp_path / "answer.json")
 
     session, agent = asyncio.run(build())
     assert TOKEN_ENV not in agent.env and "run-secret" not in json.dumps(agent.env) and agent.env["A"] == "1"
     assert agent.env["OPENAI_API_KEY"] == session.key and agent.env["OPENAI_BASE_URL"] == "http://127.0.0.1:1/s/s1/v1"
     assert agent.argv == [sys.executable, "--x"] and "127.0.0.1" in agent.env["NO_PROXY"]
+    assert json.loads(agent.stdin) == json.loads(agent.env["FULLY_ASYNC_TASK"]) == {"messages": [],
+                                                                                    "extra_info": {"ids": [1, 2]}}  # fmt: skip
 
 
 ROLLOUTER = """
