@@ -1,0 +1,84 @@
+"""The real model in CI: SmolLM2-135M-Instruct (its packaged GGUF, converted once and cached; tied embeddings, a BPE
+tokenizer and chat template, none of which the tiny model has) trained by `python -m fully_async.runner` for two steps
+at max_staleness 0 on task=arith, then graded by `python -m fully_async.eval` on the run's export. One run, three
+checks:
+
+- the trainer's and the engine's log-probs agree on every trained token (k3 <= 1e-3 each step: the weight sync, the
+  tied LM head's refresh and the engine's float32 numerics together);
+- the run ends on the validation of its final weights (trainer.val_every=2 on the last step), on the engine;
+- the eval command on the run's `hf/` export, and transformers on that export, grade the same held-out problems as
+  that validation did (within one problem: the export is the engine's weights, the engine answers as transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.needs_venv(".venv-engine"),
+              pytest.mark.needs_extra("models")]  # fmt: skip
+
+REPO = Path(__file__).resolve().parents[2]
+N = 32
+"""Held-out problems: the run's validation split (a sixteenth of data.synthetic_size, at least 32) and the eval's --n."""
+TASK = ["model=smollm2", "task=arith", f"data.synthetic_size={16 * N}"]
+TWO_STEPS = ["trainer.total_steps=2", "async_training.max_staleness=0", "async_training.groups_per_step=2",
+             "rollout.n=4", "trainer.val_every=2", "trainer.val_before_train=false",
+             "algorithm.filter_groups.enable=false"]  # fmt: skip
+"""The run: small batches, validation only on the final weights, every group trained (no wait for groups that vary)."""
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_steps_at_staleness_0_agree_with_the_engine_and_the_export_grades_as_the_run_validated(tmp_path):
+    run_dir = tmp_path / "run"
+    job = _run([sys.executable, "-m", "fully_async.runner", *TASK, *TWO_STEPS, f"hydra.run.dir={run_dir}"], 600)
+    assert job.returncode == 0, job.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["offpolicy/staleness_0/tokens"] == m["offpolicy/tokens"] > 0  # every token at staleness 0
+        assert m["offpolicy/staleness_0/k3"] <= 1e-3, m["offpolicy/staleness_0/k3"]
+    final = metrics[-1]
+    assert final["val/n"] == N and "val/reward_mean" not in metrics[0]
+
+    out = _run([sys.executable, "-m", "fully_async.eval", str(run_dir), *TASK, "--n", str(N)], 600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["n"] == N and result["task"] == "arith" and f"eval: {N}/{N} graded" in out.stderr
+    export = Path(result["model_dir"])
+    assert export.parent.name == "step_2" and export.name == "hf", export
+    assert result["accuracy"] == pytest.approx(final["val/reward_mean"], abs=1.5 / N)
+    assert result["accuracy"] == pytest.approx(_transformers_accuracy(export), abs=1.5 / N)
+
+
+def _transformers_accuracy(model_dir: Path) -> float:
+    """The same held-out problems answered greedily by plain transformers (float32), graded by the same rule."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fully_async.config import compose
+    from fully_async.eval import held_out
+    from fully_async.reward.rule import synthetic_score
+
+    cfg = compose(TASK[1:])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for row in held_out(cfg, N):
+        ids = tok.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=cfg.rollout.response_length, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+        text = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+        correct += synthetic_score(row.data_source, text, row.ground_truth, row.extra_info)["acc"]
+    return correct / N
