@@ -163,18 +163,27 @@ class GatewayServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise shapes.RequestError(f"the body is not JSON: {e}") from e
 
-    def _cid(self, session: Session, kind: str) -> str:
-        return f"{kind}-{session.sid}-{session.calls}"
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _open(self, request: web.Request, parse: Any) -> tuple[Session, Any] | web.Response:
+        """A model call's session (checked) and its request parsed by `parse` (the keys it ignores counted), or the
+        error response to send instead."""
         session = self._session(request)
         if isinstance(session, web.Response):
             return session
         try:
-            req = shapes.chat_request(await self._body(request))
+            req = parse(await self._body(request))
         except shapes.RequestError as e:
             return _error(400, str(e), param=e.param)
         session.ignored.update(req.ignored)
+        return session, req
+
+    def _cid(self, session: Session, kind: str) -> str:
+        return f"{kind}-{session.sid}-{session.calls}"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        opened = await self._open(request, shapes.chat_request)
+        if isinstance(opened, web.Response):
+            return opened
+        session, req = opened
         message = await session.call(session.chat.chat, req.messages, req.tools, req.max_tokens)
         if isinstance(message, web.Response):
             return message
@@ -189,14 +198,10 @@ class GatewayServer:
         return web.json_response(shapes.chat_response(cid, self.model, message, reason, use, lps))
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        session = self._session(request)
-        if isinstance(session, web.Response):
-            return session
-        try:
-            req = shapes.completion_request(await self._body(request))
-        except shapes.RequestError as e:
-            return _error(400, str(e), param=e.param)
-        session.ignored.update(req.ignored)
+        opened = await self._open(request, shapes.completion_request)
+        if isinstance(opened, web.Response):
+            return opened
+        session, req = opened
         ids = req.prompt if isinstance(req.prompt, list) else list(self.tokenizer.encode(req.prompt))
         out = await session.call(session.chat.complete, ids, req.max_tokens)
         if isinstance(out, web.Response):
