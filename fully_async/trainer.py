@@ -222,12 +222,16 @@ class Trainer:
     def _final_validation(self, m: dict[str, Any]) -> list[dict[str, Any]]:
         """On the last step (with trainer.val_every set): the validation of the weights the run ends with, which the
         engines hold by now (the last step's checkpoint waited for its sync), and any earlier result not yet logged;
-        `timing_s/final_validation` is its wait."""
+        `timing_s/final_validation` is its wait, bounded by trainer.call_timeout_s (then a TrainerError names it)."""
         if not self.cfg.trainer.val_every:
             return []
-        start = time.monotonic()
+        start, bound = time.monotonic(), self.cfg.trainer.call_timeout_s
         with self.tracer.span("trainer", "final_validation"):
-            results = resolve(self.rollouter.final_validation.remote())
+            try:
+                results = resolve(self.rollouter.final_validation.remote(), timeout=bound)
+            except TimeoutError:  # ray's GetTimeoutError and a future's timeout are both TimeoutErrors
+                raise TrainerError(f"the final validation did not finish within trainer.call_timeout_s={bound:g} s "
+                                   f"(the rollouter's engines answer no held-out request?)") from None  # fmt: skip
         m["timing_s/final_validation"] = time.monotonic() - start
         return results
 

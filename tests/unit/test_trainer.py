@@ -25,7 +25,7 @@ from fully_async.message_queue import MessageQueue
 from fully_async.param_sync import ParamSync
 from fully_async.trainer import Trainer, TrainerError, step_window
 from fully_async.training.sim_backend import SimBackend
-from tests.fakes import DiskFullBackend, StubRollouter
+from tests.fakes import GATE_S, DiskFullBackend, StubRollouter
 from tests.helpers import make_group
 
 
@@ -236,6 +236,20 @@ def test_the_last_step_logs_the_validation_of_the_weights_the_run_ends_with(role
     stub.calls.clear()
     _trainer(_cfg(total_steps=2), roles, tmp_path / "again", mode="background").run()  # val_every=0
     assert "final_validation" not in [c[0] for c in stub.calls]
+
+
+def test_a_final_validation_that_never_answers_fails_the_run_naming_it(roles, tmp_path):
+    q, _, stub, _ = roles
+    stub.gates["final_validation"] = threading.Event()  # never opened: the held-out requests never come back
+    for i in range(2):
+        resolve(q.put.remote([make_group(i)]))
+    cfg = _cfg(total_steps=2)
+    cfg.trainer.val_every, cfg.trainer.call_timeout_s = 5, 0.3
+    start = time.monotonic()
+    with pytest.raises(TrainerError, match=r"final validation did not finish within trainer.call_timeout_s=0.3 s"):
+        _trainer(cfg, roles, tmp_path).run()
+    assert time.monotonic() - start < GATE_S / 2  # the trainer's bound ended the wait, not the stub's gate
+    stub.gates["final_validation"].set()
 
 
 def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the_trainer_waits(
