@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from fully_async.handles import NAMESPACE
+from fully_async.handles import NAMESPACE, resolve
 from fully_async.handles import ROLLOUTER_PREFIX as PREFIX
+from fully_async.weights.port import EnginePort
 
 
 class CtlError(RuntimeError):
@@ -55,10 +57,12 @@ def connect(address: str | None = None) -> None:
 
 
 class EnginePool:
-    """The engine pool of one running job (see the module docstring)."""
+    """The engine pool of one running job (see the module docstring), asked through its Rollouter's engine port
+    (fully_async/weights/port.py)."""
 
     def __init__(self, rollouter: Any, run_dir: str):
         self.rollouter, self.run_dir = rollouter, run_dir
+        self.engines = EnginePort(rollouter)
 
     @classmethod
     def connect(cls, run_dir: str | None = None, address: str | None = None) -> EnginePool:
@@ -80,11 +84,12 @@ class EnginePool:
             )
         return cls(ray.get_actor(PREFIX + wanted, namespace=NAMESPACE), wanted)
 
-    def _call(self, method: str, *args: Any, timeout: float = 3600) -> Any:
+    def _ask(self, call: Callable[..., Any], *args: Any, timeout: float = 3600) -> Any:
+        """The value of the engine port's `call(*args)`; CtlError saying why the job refused it or is gone."""
         import ray
 
         try:
-            return ray.get(getattr(self.rollouter, method).remote(*args), timeout=timeout)
+            return resolve(call(*args), timeout)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
             raise CtlError(f"{type(cause).__name__}: {cause}") from None
@@ -92,13 +97,13 @@ class EnginePool:
             raise CtlError(f"the job's Rollouter is gone ({type(e).__name__}); the job has ended") from None
 
     def list(self) -> list[dict[str, Any]]:
-        return self._call("engine", "rows", timeout=60)
+        return self._ask(self.engines.rows, timeout=60)
 
     def add(self, count: int = 1) -> dict[str, Any]:
-        return self._call("engine", "add", count)
+        return self._ask(self.engines.add, count)
 
     def remove(self, url: str) -> dict[str, Any]:
-        return self._call("engine", "remove", url)
+        return self._ask(self.engines.remove, url)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

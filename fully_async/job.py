@@ -219,13 +219,13 @@ class Job:
             cfg.trainer, cfg.algorithm, self.model_path, temperature=cfg.rollout.temperature,
             support=SamplingSupport.of_rollout(cfg.rollout, logprobs_truncated(cfg.engine.kind)),
             cpu_set=trainer_side, placement_groups=self.placement.trainer_pgs or None, lora=cfg.model.lora,
-            freeze_vision_tower=cfg.model.freeze_vision_tower,
+            freeze_vision_tower=cfg.model.freeze_vision_tower, distill=cfg.distill,
         )  # fmt: skip
 
     def _param_sync(self, tracer: Any) -> Any:
         """The run's ParamSync over its weights root (a fresh /dev/shm one unless given) and its transport: the
         configured one, or the adapter sync where a LoRA run can sync adapters (said once, with why not otherwise)."""
-        from fully_async.param_sync import ParamSync, default_weights_root
+        from fully_async.sync import ParamSync, default_weights_root
         from fully_async.weights.disk import claim_weights_root
         from fully_async.weights.lora import adapter_sync_plan
 

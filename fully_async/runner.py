@@ -137,7 +137,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from fully_async.engines import EngineError
     from fully_async.job import TrainerLost
     from fully_async.loggers import LoggerError
-    from fully_async.param_sync import ParamSyncError
+    from fully_async.sync import ParamSyncError
     from fully_async.trainer import TrainerError
 
     return (DataError, EngineError, LoggerError, TrainerError, ParamSyncError, TrainerLost, ray.exceptions.RayError)

@@ -1,4 +1,4 @@
-"""The session's 2-node loopback cluster (fully_async/local_cluster.py starts it with scripts/cluster/).
+"""The session's 2-node loopback cluster (tests/local_cluster.py starts it with scripts/cluster/).
 
 `two_node_cluster` is the session fixture (registered for every test by tests/conftest.py): a head with no GPUs and
 one worker declaring 4, started once per session and stopped at its end, failing the session's last user if stop.sh
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fully_async.local_cluster import LocalCluster, start_cluster
+from tests.local_cluster import LocalCluster, start_cluster
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A weight sync that meets a hung engine node, measured: the driver of tests/integration/test_hung_node.py and of
 scripts/bench/hung_node.py (which also runs it on older code, to compare).
 
-Run as a Ray driver on the head of a loopback cluster (fully_async/local_cluster.py) whose one worker node's `ray start --block`
+Run as a Ray driver on the head of a loopback cluster (tests/local_cluster.py) whose one worker node's `ray start --block`
 process has pid HUNG_LEADER: two engine servers (`python -m tests.fakes` processes under EngineHost actors, one on
 the head, one on the worker), a sim backend, the real ParamSync and disk transport. The worker node is "hung" by
 SIGSTOP of that process and every descendant of it (its raylet, its Ray workers, the engine host and its server),
@@ -37,12 +37,18 @@ from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
 from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
-from fully_async.local_cluster import node_tree, signal_all
-from fully_async.param_sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.base import SyncPlan
 from fully_async.weights.disk import ROOT_PREFIX, DiskTransport
 from tests.fakes import EnginePortByName, FakeProcessServers
+
+try:  # scripts/bench/hung_node.py also runs this driver on older code: before ParamSync moved into sync/ and the
+    # loopback cluster out of the package
+    from fully_async.sync import ParamSync
+    from tests.local_cluster import node_tree, signal_all
+except ImportError:
+    from fully_async.local_cluster import node_tree, signal_all
+    from fully_async.param_sync import ParamSync
 
 
 class Node:

@@ -1,7 +1,7 @@
 """An engine node that hangs (or dies) and its server coming back, measured: the driver of
 tests/integration/test_hung_node_recovery.py and of scripts/bench/hung_recovery.py.
 
-Run as a Ray driver on the head of a loopback cluster (fully_async/local_cluster.py) whose one worker node's `ray start --block`
+Run as a Ray driver on the head of a loopback cluster (tests/local_cluster.py) whose one worker node's `ray start --block`
 process has pid HUNG_LEADER: two engine servers (`python -m tests.fakes` processes under EngineHost actors, one on
 the head, one on the worker), the job's HostFactory for replacements (one-bundle placement groups, on whatever node
 has room: here the head), a real EngineClient (its recovery restarts or replaces what a sync sets aside). SCENARIO:
@@ -35,9 +35,9 @@ from fully_async.config import compose
 from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost, HostFactory
 from fully_async.engines.slots import SlotState
-from fully_async.local_cluster import node_tree, signal_all
 from tests.fakes import FakeProcessServers
 from tests.hung_node import Node
+from tests.local_cluster import node_tree, signal_all
 
 
 async def _sync(servers, weights: Path, version: int) -> None:

@@ -7,6 +7,7 @@ environment: a transport written outside fully_async, as a user's would be."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -33,5 +34,4 @@ class HoldingDiskTransport(DiskTransport):
             while marker.exists():
                 time.sleep(0.05)
 
-        return SyncPlan(plan.reads, plan.ahead, (("test_hold", hold), *plan.engines), plan.pause,
-                        plan.reads_only_queue)  # fmt: skip
+        return dataclasses.replace(plan, engines=(("test_hold", hold), *plan.engines))

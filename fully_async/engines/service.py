@@ -1,12 +1,14 @@
-"""The engine port: what the Rollouter actor answers about its engine pool, to the weight transports (nodes, layout,
-rpc, reloads, weight groups, adapters), to `python -m fully_async.ctl engines` (the rows, add, remove) and to its own
-stats (the pool's joins and leaves).
+"""The engine port's answering side: what the Rollouter actor answers about its engine pool, to the weight transports
+(nodes, layout, rpc, reloads, weight groups, adapters), to `python -m fully_async.ctl engines` (the rows, add, remove)
+and to its own stats (the pool's joins and leaves).
 
 The Rollouter owns the pool's lifetime (it builds and starts it with its client) and hands the port out through one
-actor method, `Rollouter.engine(call, *args)`, which runs `EngineService.call`: a call named in `PORT`, nothing else.
-So the engine package holds every rule about its pool (engine.min_servers / max_servers, which servers a weight copy
-or a weight group spans, what a row of the `engines` table says), a new transport call is one method here, and the
-Rollouter learns of a sync only through `synced` (its staleness ledger and admission).
+actor method, `Rollouter.engine(call, *args)`, which runs `EngineService.call`: a call of the port, nothing else. The
+calls are the methods of fully_async/weights/port.py's `EnginePort` (the asking side, typed; `CALLS` lists them),
+each answered here by the method of the same name and parameters. So the engine package holds every rule about its
+pool (engine.min_servers / max_servers, which servers a weight copy or a weight group spans, what a row of the
+`engines` table says), a new transport call is one method here and one in EnginePort, and the Rollouter learns of a
+sync only through `synced` (its staleness ledger and admission).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from fully_async.aio import bounded
 from fully_async.engines.slots import SlotState
+from fully_async.weights.port import CALLS
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +32,6 @@ ROW_STATE = {
     SlotState.RETIRED: "removed",
 }
 """The `state` column of `fully_async.ctl engines`: a stale server is in rotation again at the next sync."""
-
-PORT = frozenset({
-    "nodes", "layout", "rpc", "rpc_all", "unverifiable", "control_deadline_s",  # what a transport reads
-    "load_weights", "weights_received", "load_adapter", "activate_adapter", "unload_adapters",  # a sync's steps
-    "rows", "add", "remove",  # fully_async.ctl engines
-})  # fmt: skip
-"""The calls `Rollouter.engine` hands to the port: its methods of these names."""
 
 
 class EngineService:
@@ -56,9 +52,9 @@ class EngineService:
         """Seconds each `add` took, from the call to every new server holding the current weights."""
 
     async def call(self, name: str, *args: Any) -> Any:
-        """Port call `name` (one of `PORT`) with `args`, awaited when it is a coroutine."""
-        if name not in PORT:
-            raise ValueError(f"the engine port has no call {name!r}; it answers {sorted(PORT)}")
+        """Port call `name` (one of weights/port.py's `CALLS`) with `args`, awaited when it is a coroutine."""
+        if name not in CALLS:
+            raise ValueError(f"the engine port has no call {name!r}; it answers {sorted(CALLS)}")
         result = getattr(self, name)(*args)
         return await result if asyncio.iscoroutine(result) else result
 
@@ -99,7 +95,10 @@ class EngineService:
     ) -> dict[str, Any] | None:
         """Every engine reloads `weights_dir` (servers on a node in `node_dirs`: that node's copy) as `version`,
         between the Rollouter's pause and resume; returns their answers to the reload (the disk transport's proof
-        reads the digests in them)."""
+        reads the digests in them). The port's layer of three `load_weights`: this one answers the transports and
+        tells the Rollouter of the sync (`synced`); EngineServers.load_weights (pool.py) picks an adapter's resume
+        or a reload; ControlPlane.load_weights (control.py) reloads every serving server under the membership
+        lock."""
         answers = await self.servers.load_weights(weights_dir, version, node_dirs)
         self.synced(version, False)
         return answers

@@ -53,7 +53,7 @@ class PhaseRunner:
             self._timed(name, timings, start, wall)
 
     def inline(self, name: str, timings: dict[str, float], fn: Callable[[], Any]) -> Any:
-        """Run a phase that only hands work over (it cannot block: the plan says so with `reads_only_queue`) in the
+        """Run a phase that only hands work over (it cannot block: a plan's `queue`) in the
         caller's thread, timed and named on failure like the others."""
         start, wall = time.monotonic(), time.time()
         try:

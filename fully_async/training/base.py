@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fully_async.weights.base import SyncPlan, whole_export
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -50,17 +52,17 @@ class TrainingBackend(ABC):
         `sync`: a weight sync's export, which leaves out the weights that never change (a frozen vision tower: the
         engines keep the one they loaded from model.path); `stage_weights` and `weight_sender()` always do."""
 
-    stages_exports: bool = False
-    """Whether `stage_weights` leaves the writing to a later call (then the disk transport's background sync has a
-    `write` phase that waits for it)."""
-
-    queues_exports: bool = False
-    """Whether `stage_weights` only queues the copy of the weights ahead of this backend's later calls and returns at
-    once (then a background sync's trainer need not wait for the copy before its next update)."""
+    def sync_export(self, out_dir: Path, dtype: str = "float32") -> SyncPlan:
+        """The phases of a weight sync that take the current weights into `out_dir` (the first part of the disk
+        transport's plan, fully_async/weights/base.py): by default one `export` phase that reads and writes them
+        (`export_weights(sync=True)`). A backend whose `stage_weights` only queues the copy ahead of its later calls
+        returns `queued_export(self.stage_weights, ...)`: then the trainer's next update waits for nothing, and a
+        `write` phase, ahead of the pause, waits for the copy and the files."""
+        return whole_export(self, out_dir, dtype)
 
     def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
         """`export_weights` in two halves: take what it needs of the current weights, or queue the taking ahead of any
-        later call on this backend (`queues_exports`): the weights may change as soon as this returns; and return a
+        later call on this backend (see `sync_export`): the weights may change as soon as this returns; and return a
         call that finishes writing `out_dir` (waiting for the writing where it runs elsewhere). Default: the whole
         export now, nothing left to finish."""
         self.export_weights(out_dir, dtype)

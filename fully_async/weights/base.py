@@ -32,22 +32,27 @@ Phase = tuple[str, Callable[[], Any]]
 
 class ParamSyncError(RuntimeError):
     """A sync phase failed or timed out, or a sync did not land (weights/verify.py); the message names the phase.
-    Defined here, below ParamSync, so that the transports' own checks raise it too (fully_async.param_sync
+    Defined here, below ParamSync, so that the transports' own checks raise it too (fully_async.sync
     re-exports it)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncPlan:
-    """One sync as data: which phases read the trainer's weights, which touch no engine, which need the engines.
+    """One sync as data: which phases take the trainer's weights, which touch no engine, which need the engines.
 
-    ParamSync runs a plan in this order: `reads`, `ahead`, then (between a pause and a resume of the engines when
-    `pause`) `engines`. In background mode (async_training.sync_mode=background) the trainer's next optimizer step
-    waits only for `reads`; the rest runs in ParamSync's thread while that step computes, so nothing after `reads`
-    may read the backend's parameters. Every phase is timed, traced and bounded by advanced.sync_timeout_s.
+    ParamSync runs a plan in this order: `queue`, `reads`, `ahead`, then (between a pause and a resume of the
+    engines when `pause`) `engines`; every phase timed and traced, each but `queue`'s bounded by
+    advanced.sync_timeout_s. Who waits for what (async_training.sync_mode) is ParamSync's rule, stated in
+    fully_async/sync/param_sync.py: in background mode the trainer's next optimizer step waits only until `queue`
+    and `reads` ended, so nothing after them may read the backend's parameters.
     """
 
+    queue: tuple[Phase, ...] = ()
+    """Phases that only queue the reading of the backend's weights ahead of its later calls and return at once (the
+    verl backend's ranks run one actor's calls in the order sent, so the copy runs before the next update's calls;
+    tests/integration/test_background_sync.py checks that order): run in the caller's thread, never waited for."""
     reads: tuple[Phase, ...] = ()
-    """Phases that read the backend's current weights (export, stage): done before the next update may start."""
+    """Phases that read the backend's current weights (export, stage): ended before the next update may start."""
     ahead: tuple[Phase, ...] = ()
     """Phases that need neither the backend's parameters nor a paused engine (write a directory): run before the
     pause, so the engines are held only for `engines`."""
@@ -56,16 +61,35 @@ class SyncPlan:
     pause: bool = True
     """Whether the engines are paused around `engines` (False: the phases never disturb running requests, as the
     adapter transport's loads under new names)."""
-    reads_only_queue: bool = False
-    """The `reads` only queue the reading ahead of the backend's later calls and return at once (the verl backend's
-    ranks run one actor's calls in the order sent, so the copy runs before the next update's calls;
-    tests/integration/test_background_sync.py checks that order): ParamSync then runs them in the caller's thread
-    and the next update waits for nothing."""
 
     def names(self) -> list[str]:
         """The phase names in the order they run, with the pause and the resume."""
         held = [n for n, _ in self.engines]
-        return [n for n, _ in self.reads + self.ahead] + (["pause", *held, "resume"] if self.pause else held)
+        first = [n for n, _ in self.queue + self.reads + self.ahead]
+        return first + (["pause", *held, "resume"] if self.pause else held)
+
+
+def whole_export(backend: Any, out_dir: Path, dtype: str) -> SyncPlan:
+    """The export part of a sync for a backend that reads and writes its weights in one call: one `export` phase
+    (`export_weights(sync=True)`, a reading phase)."""
+    return SyncPlan(reads=(("export", lambda: backend.export_weights(out_dir, dtype=dtype, sync=True)),))
+
+
+def queued_export(stage: Callable[[Path, str], Callable[[], None]], out_dir: Path, dtype: str) -> SyncPlan:
+    """The export part of a sync for a backend whose `stage(out_dir, dtype)` only queues the copy of its weights
+    ahead of its later calls and returns the call that finishes writing `out_dir`: `export` queues (`queue`), and
+    `write` waits for the copy and the files (`ahead`: before the pause, reading nothing of the backend)."""
+    finish: list[Callable[[], None]] = []
+    return SyncPlan(queue=(("export", lambda: finish.append(stage(out_dir, dtype))),),
+                    ahead=(("write", lambda: finish[0]()),))  # fmt: skip
+
+
+def export_plan(backend: Any, out_dir: Path, dtype: str) -> SyncPlan:
+    """The phases that take `backend`'s current weights into `out_dir` for one sync, as the first part of a plan:
+    the backend's own (`TrainingBackend.sync_export`), or `whole_export` for a stand-in that only has
+    `export_weights`."""
+    own = getattr(backend, "sync_export", None)
+    return own(out_dir, dtype) if own is not None else whole_export(backend, out_dir, dtype)
 
 
 class WeightTransport(abc.ABC):

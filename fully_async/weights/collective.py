@@ -27,10 +27,10 @@ A server restarted between syncs comes back on its start-up weights: the engine 
 (its slot is STALE, engines/slots.py) and bumps its epoch; the next sync re-forms the group and sends it the current version like
 every other server (weights already in memory on the trainer; nothing is written to disk).
 
-Background syncs (async_training.sync_mode=background): the trainer's thread runs only `stage`, a copy of the weights
-into one staging buffer per bucket (advanced.staging: `device`, a second copy on the trainer's device, or
-`pinned`, pinned host memory copied through the two send buffers as it goes out; on CPU both are host memory), whose
-broadcast starts at once; ParamSync's thread then runs `send` (the engines receive it) and `set_version`. A server
+Background syncs (async_training.sync_mode=background): the trainer's next update waits only for `stage` (a reading
+phase), a copy of the weights into one staging buffer per bucket (advanced.staging: `device`, a second copy on the
+trainer's device, or `pinned`, pinned host memory copied through the two send buffers as it goes out; on CPU both
+are host memory), whose broadcast starts at once; ParamSync's thread then runs `send` (the engines receive it) and `set_version`. A server
 restarted between `stage` and `send` makes `send` re-form the group and broadcast the staged copy again.
 
 `export` still writes safetensors (checkpoints and resume) through the backend.
@@ -61,6 +61,7 @@ from fully_async.weights.collective_sender import (
     staging_bytes,
     staging_place,
 )
+from fully_async.weights.port import EnginePort
 from fully_async.weights.verify import SyncVerifier
 
 logger = logging.getLogger(__name__)
@@ -86,14 +87,15 @@ class CollectiveTransport(WeightTransport):
         verify: bool = True,
         staging: str = "device",
     ) -> None:
-        """`verify`: async_training.verify_sync (a `verify` phase after `send`, weights/verify.py)."""
+        """`rollouter`: the Rollouter's actor handle, asked through its engine port (weights/port.py). `verify`:
+        async_training.verify_sync (a `verify` phase after `send`, weights/verify.py)."""
         if dtype not in DTYPE_BYTES:
             raise TransportError(f"engine dtype {dtype!r} cannot be sent collectively; one of {sorted(DTYPE_BYTES)}")
         if staging not in STAGINGS:
             from fully_async.config import ConfigError
 
             raise ConfigError(f"advanced.staging must be one of {list(STAGINGS)}, got {staging!r}")
-        self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
+        self.engines, self.backend, self.dtype = EnginePort(rollouter), backend, dtype
         self.device, self.staging = device, staging
         self.root = Path(weights_root)
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
@@ -120,7 +122,7 @@ class CollectiveTransport(WeightTransport):
         refs = []
         self._pending = {}
         for server, s in zip(self._servers, specs):
-            ref = self.rollouter.engine.remote("rpc", server["index"], method, json.dumps(s), timeout_s)
+            ref = self.engines.rpc(server["index"], method, json.dumps(s), timeout_s)
             self._pending[server["url"]] = ref
             refs.append(ref)
         return refs
@@ -158,7 +160,7 @@ class CollectiveTransport(WeightTransport):
 
     def _connect(self) -> None:
         """Check the plan against every engine, then (re-)form the group with the pool as it is now."""
-        info = resolve(self.rollouter.engine.remote("layout"))
+        info = resolve(self.engines.layout())
         self._servers = info["servers"]
         if self._plan is None:
             self._plan = self.sender.plan()
@@ -216,7 +218,7 @@ class CollectiveTransport(WeightTransport):
 
     def _reconnect_if_changed(self) -> bool:
         """Re-form the group when the pool changed (a server restarted) since it was formed; True when it did."""
-        if resolve(self.rollouter.engine.remote("layout"))["epoch"] == self._epoch:
+        if resolve(self.engines.layout())["epoch"] == self._epoch:
             return False
         self._connect()
         return True
@@ -291,7 +293,7 @@ class CollectiveTransport(WeightTransport):
         self.last = {"sender": stats, "engines": answers}
 
     def _set_version(self, version: int) -> None:
-        resolve(self.rollouter.engine.remote("weights_received", version, self._epoch))
+        resolve(self.engines.weights_received(version, self._epoch))
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"

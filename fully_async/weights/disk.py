@@ -27,6 +27,7 @@ removed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.handles import dead_nodes, one_line, resolve
-from fully_async.weights.base import Phase, SyncPlan, WeightTransport
+from fully_async.weights.base import Phase, SyncPlan, WeightTransport, export_plan
+from fully_async.weights.port import EnginePort
 from fully_async.weights.verify import SyncVerifier
 
 log = logging.getLogger(__name__)
@@ -207,8 +209,9 @@ class DiskTransport(WeightTransport):
     # aside there, so the copy then skips it; copied first, a hung node would cost a sync the deadline twice.)
 
     def __init__(self, rollouter: Any, backend: Any, root: str | Path, dtype: str, verify: bool = True) -> None:
-        """`verify`: async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""
-        self.rollouter, self.backend, self.dtype = rollouter, backend, dtype
+        """`rollouter`: the Rollouter's actor handle, asked through its engine port (weights/port.py). `verify`:
+        async_training.verify_sync (a `verify` phase after `reload`, weights/verify.py)."""
+        self.engines, self.backend, self.dtype = EnginePort(rollouter), backend, dtype
         self.verifier = SyncVerifier(rollouter, verify)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -230,22 +233,17 @@ class DiskTransport(WeightTransport):
         """Nothing to set up: which nodes need a copy is decided at every sync (servers may move between syncs)."""
 
     def plan(self, version: int, background: bool) -> SyncPlan:
-        """Export into the version's own directory (new at every version: the engines still serving the previous
-        one never see a half-written file); distribute, reload and verify read only that directory, not the
-        backend. A backend that stages its exports (`stages_exports`: the verl backend copies the weights into host
-        memory and writes them in a thread of its own) reads them in `export` and writes them in `write`, ahead of
-        the pause; one that also `queues_exports` only queues the copy in `export` (its ranks run it before the
-        next update: `reads_only_queue`) and `write` waits for the copy too. The same plan in both modes."""
+        """The backend's export phases into the version's own directory (new at every version: the engines still
+        serving the previous one never see a half-written file; `export_plan`: one `export`, or with the verl backend
+        an `export` that only queues the ranks' copy and a `write` ahead of the pause), then distribute, reload and
+        verify, which read only that directory, not the backend. The same plan in both modes."""
         out = self.root / f"v{version}"
-        staged = getattr(self.backend, "stages_exports", False)
-        finish: list = []
-
         reloaded: dict = {}
 
         def reload() -> None:
             # vLLM's workers answer the reload with their digests of what the loader took: the proof needs no
             # other round trip (an engine that answers none, a fake's older protocol, is asked in `verify`).
-            answers = resolve(self.rollouter.engine.remote("load_weights", str(out), version, self.node_dirs or None))
+            answers = resolve(self.engines.load_weights(str(out), version, self.node_dirs or None))
             if answers and all(isinstance(a, list) and a and "digest" in (a[0] or {}) for a in answers.values()):
                 reloaded["answers"] = answers
             prune(self.root, keep={out.name, f"v{version - 1}"})
@@ -255,12 +253,7 @@ class DiskTransport(WeightTransport):
             engines.append(("verify", lambda: self.verifier(lambda: files_digest(out), "fa_loaded_digest",
                                                              f"weights v{version}",
                                                              answers=reloaded.get("answers"))))  # fmt: skip
-        if staged:
-            queued = bool(getattr(self.backend, "queues_exports", False))
-            return SyncPlan(reads=(("export", lambda: finish.append(self.backend.stage_weights(out, dtype=self.dtype))),),
-                            ahead=(("write", lambda: finish[0]()),), engines=tuple(engines),
-                            reads_only_queue=queued)  # fmt: skip
-        return SyncPlan(reads=(("export", lambda: self.export(version)),), engines=tuple(engines))
+        return dataclasses.replace(export_plan(self.backend, out, self.dtype), engines=tuple(engines))
 
     def export(self, version: int) -> Path:
         out = self.root / f"v{version}"
@@ -272,7 +265,7 @@ class DiskTransport(WeightTransport):
         remembers {node id: node-local directory} for the reload, None for a node that got no copy this time (Ray
         reports it dead, its host died, or it stopped answering: the reload sets its servers aside). A node whose
         copy fails otherwise raises RuntimeError naming it."""
-        servers = resolve(self.rollouter.engine.remote("nodes"))
+        servers = resolve(self.engines.nodes())
         plan = copy_plan(servers, _this_node())
         if not plan:
             self.node_dirs = {}
@@ -280,7 +273,7 @@ class DiskTransport(WeightTransport):
         import ray
 
         if self.deadline_s is None:
-            self.deadline_s = float(resolve(self.rollouter.engine.remote("control_deadline_s")))
+            self.deadline_s = float(resolve(self.engines.control_deadline_s()))
         lost = dead_nodes() & set(plan)
         for node in lost:
             log.warning("weights v%d: node %s is dead in Ray; no copy, its servers are set aside", version,

@@ -37,6 +37,7 @@ from typing import Any
 from fully_async.handles import resolve
 from fully_async.weights.base import Phase, SyncPlan, WeightTransport
 from fully_async.weights.disk import DiskTransport, prune
+from fully_async.weights.port import EnginePort
 from fully_async.weights.verify import SyncVerifier
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -122,7 +123,7 @@ class LoraTransport(WeightTransport):
         """`verify`: async_training.verify_sync (the verify phase; off: adapters are loaded and activated unproven)."""
         from fully_async.device import resolve_dtype
 
-        self.rollouter, self.backend = rollouter, backend
+        self.engines, self.backend = EnginePort(rollouter), backend
         self.dtype = resolve_dtype(dtype, device)
         self.disk = DiskTransport(rollouter, backend, root, self.dtype)
         """Its node-local copies (distribute) and its root's clean-up serve the adapters as they serve weights."""
@@ -146,7 +147,7 @@ class LoraTransport(WeightTransport):
             raise ValueError("version 0 is the base model: there is no adapter to sync")
 
         def load() -> None:
-            resolve(self.rollouter.engine.remote("load_adapter", name, str(out), self.disk.node_dirs or None))
+            resolve(self.engines.load_adapter(name, str(out), self.disk.node_dirs or None))
 
         def verify() -> dict[str, str]:
             if not self.verifier.active():  # engines that report no digest (said once)
@@ -157,7 +158,7 @@ class LoraTransport(WeightTransport):
             ("distribute", lambda: self.disk.distribute(version)),
             ("load", load),
             ("verify", verify),
-            ("activate", lambda: resolve(self.rollouter.engine.remote("activate_adapter", name, version))),
+            ("activate", lambda: resolve(self.engines.activate_adapter(name, version))),
             ("unload", self.unload),
         )
         return SyncPlan(reads=(("export", lambda: self.export(version)),), engines=engines, pause=False)
@@ -178,7 +179,7 @@ class LoraTransport(WeightTransport):
 
     def unload(self) -> dict[str, list[str]]:
         """Unload old names (engines/adapters.py's rule) and remove the directories of names no longer loaded."""
-        result = resolve(self.rollouter.engine.remote("unload_adapters"))
+        result = resolve(self.engines.unload_adapters())
         kept = {f"v{name.rsplit('-v', 1)[1]}" for name in result["loaded"]}
         prune(self.root, keep=kept)
         return result

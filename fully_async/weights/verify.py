@@ -23,6 +23,7 @@ from typing import Any
 
 from fully_async.handles import resolve
 from fully_async.weights.base import ParamSyncError
+from fully_async.weights.port import EnginePort
 
 logger = logging.getLogger(__name__)
 
@@ -31,24 +32,24 @@ VERIFIED_METRIC = "fully_async/param_sync/verified_servers"
 
 
 def verify_engines(rollouter: Any, expected: str, method: str, spec: dict, what: str) -> dict[str, str]:
-    """Ask every serving server of `rollouter` (an actor handle) for `method(spec)` (the worker extension's digest
-    of the payload it loaded last) in one pool-wide fan-out under engine.control_deadline_s; returns {server URL:
-    digest}. Raises ParamSyncError naming every server whose digest is not `expected` (or whose workers disagree)
-    or that did not answer, and `what` (the payload: "weights v3", "adapter policy-v3"); also when the engine kind
-    cannot report a digest at all (never a silent pass)."""
+    """Ask every serving server of `rollouter` (an actor handle, asked through its engine port, weights/port.py) for
+    `method(spec)` (the worker extension's digest of the payload it loaded last) in one pool-wide fan-out under
+    engine.control_deadline_s; returns {server URL: digest}. Raises ParamSyncError naming every server whose digest
+    is not `expected` (or whose workers disagree) or that did not answer, and `what` (the payload: "weights v3",
+    "adapter policy-v3"); also when the engine kind cannot report a digest at all (never a silent pass)."""
     return check_answers(rollouter, ask_engines(rollouter, method, spec), expected, what)
 
 
 def ask_engines(rollouter: Any, method: str, spec: dict) -> dict[str, Any] | None:
     """The pool-wide fan-out of `verify_engines`: {url: the workers' answers, or why none}; None when the engine kind
     has no worker extension to ask."""
-    return resolve(rollouter.engine.remote("rpc_all", method, json.dumps(spec)))
+    return resolve(EnginePort(rollouter).rpc_all(method, json.dumps(spec)))
 
 
 def check_answers(rollouter: Any, answers: dict[str, Any] | None, expected: str, what: str) -> dict[str, str]:
     """`verify_engines`' judgement of the answers `ask_engines` collected (see there)."""
     if answers is None:
-        why = resolve(rollouter.engine.remote("unverifiable"))
+        why = resolve(EnginePort(rollouter).unverifiable())
         raise ParamSyncError(f"{what}: cannot verify the sync: {why}")
     if not answers:
         # Every server was set aside during this sync (its node lost, or it stopped answering): nothing serves, so
@@ -96,7 +97,7 @@ class SyncVerifier:
         """Whether syncs are verified (asks the engines' kind once)."""
         if self.enabled and not self._checked:
             self._checked = True
-            why = resolve(self.rollouter.engine.remote("unverifiable"))
+            why = resolve(EnginePort(self.rollouter).unverifiable())
             if why:
                 self.enabled = False
                 print(f"fully_async: weight syncs are not verified by a digest: {why}", flush=True)

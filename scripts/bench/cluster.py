@@ -33,8 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
+sys.path.insert(0, str(REPO))  # tests/local_cluster.py runs the checkout's scripts/cluster/
 
-from fully_async.local_cluster import start_cluster  # noqa: E402
+from tests.local_cluster import start_cluster  # noqa: E402
 
 SPREAD = ["engine.num_servers=2", "placement.resources=cpu", "placement.engine_cpus=5"]
 

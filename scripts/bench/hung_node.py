@@ -1,6 +1,6 @@
 """What a hung engine node costs the trainer: the blocked time (pause to resume) of the weight sync that meets it.
 
-Per scenario, a fresh 2-node loopback cluster (fully_async/local_cluster.py: a head and one worker) and the driver
+Per scenario, a fresh 2-node loopback cluster (tests/local_cluster.py: a head and one worker) and the driver
 tests/hung_node.py on the head: one engine server per node (fake engine processes under EngineHost actors: the
 control plane, hosts, the disk transport's copy through Ray and ParamSync are the real ones), the sim backend; the
 worker node is stopped with SIGSTOP of its processes (found from the pid its start script recorded):
@@ -32,8 +32,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
+sys.path.insert(0, str(REPO))  # tests/local_cluster.py runs the checkout's scripts/cluster/
 
-from fully_async.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
+from tests.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
 
 
 def measure(code: Path, scenario: str, args: argparse.Namespace) -> dict:

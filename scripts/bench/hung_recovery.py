@@ -1,6 +1,6 @@
 """From an engine node's hang (or death) to its server serving again: seconds, per scenario, side by side in one run.
 
-Per run a fresh 2-node loopback cluster (fully_async/local_cluster.py) and the driver tests/hung_recovery.py on the head: one
+Per run a fresh 2-node loopback cluster (tests/local_cluster.py) and the driver tests/hung_recovery.py on the head: one
 engine server per node (fake engine processes under EngineHost actors: hosts, placement groups, the control plane
 and the client's recovery are the real ones), the worker node stopped (SIGSTOP) or killed (SIGKILL) by pid:
 
@@ -30,8 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
+sys.path.insert(0, str(REPO))  # tests/local_cluster.py runs the checkout's scripts/cluster/
 
-from fully_async.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
+from tests.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
 
 
 def measure(scenario: str, args: argparse.Namespace) -> dict:

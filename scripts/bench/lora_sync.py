@@ -73,7 +73,7 @@ def one_size(name: str, args) -> dict[str, dict[str, float]]:
     from fully_async.engines import build_engine
     from fully_async.handles import LocalActor
     from fully_async.models import build_tiny_model
-    from fully_async.param_sync import ParamSync
+    from fully_async.sync import ParamSync
     from fully_async.weights.lora import LoraServing
 
     model = build_tiny_model(TinyModelConfig(**SIZES[name]))

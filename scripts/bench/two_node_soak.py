@@ -1,6 +1,6 @@
 """The default job on a two-node loopback cluster, run after run, as issue 46's user ran it: does any sync hang?
 
-One cluster started with the launch scripts (fully_async/local_cluster.py): a head declaring 3 CPUs, no GPUs and the
+One cluster started with the launch scripts (tests/local_cluster.py): a head declaring 3 CPUs, no GPUs and the
 custom resource `trainer_node`, a worker declaring 2 CPUs; each run is
 
     RAY_ADDRESS=... python -m fully_async.runner engine.num_servers=2 trainer.total_steps=STEPS \\
@@ -37,8 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local loopback clusters only
+sys.path.insert(0, str(REPO))  # tests/local_cluster.py runs the checkout's scripts/cluster/
 
-from fully_async.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
+from tests.local_cluster import node_tree, script_env, signal_all, start_cluster  # noqa: E402
 
 JOB = ["engine.num_servers=2", "+placement.trainer_resources.trainer_node=1"]
 RELOAD_LINE = re.compile(r"Reloading and processing weights took ([0-9.]+) seconds")

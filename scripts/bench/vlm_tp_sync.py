@@ -30,7 +30,7 @@ def one_tp(tp: int, models: tuple[Path, Path], rounds: int, tmp: Path) -> dict[s
     from fully_async.config import EngineConfig
     from fully_async.engines import build_engine
     from fully_async.handles import LocalActor
-    from fully_async.param_sync import ParamSync
+    from fully_async.sync import ParamSync
     from fully_async.weights.collective import CollectiveTransport
     from fully_async.weights.collective_sender import staging_bytes
     from tests.fakes import ServersRollouter

@@ -252,7 +252,7 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     from fully_async.engines import build_engine
     from fully_async.handles import LocalActor
     from fully_async.models import build_tiny_model
-    from fully_async.param_sync import ParamSync
+    from fully_async.sync import ParamSync
 
     model = build_tiny_model(TinyModelConfig(**SIZES[name]))
     backend = TensorBackend(model, args.dtype)

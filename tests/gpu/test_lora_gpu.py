@@ -19,7 +19,7 @@ from fully_async.config.sections.model import LoraConfig
 from fully_async.engines import EngineClient, build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.weights.lora import LoraServing
 from tests.fakes import AdapterBackend, ServersRollouter
 from tests.gpu.test_sglang_gpu import GREEDY, PROMPTS, TINY, pytestmark  # noqa: F401  (the same marks and model)

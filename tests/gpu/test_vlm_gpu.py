@@ -28,7 +28,7 @@ from fully_async.config import EngineConfig
 from fully_async.config.sections.model import LoraConfig
 from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.training.vision_tower import is_tower
 from fully_async.weights.lora import LoraServing
 from tests.fakes import AdapterBackend, ServersRollouter

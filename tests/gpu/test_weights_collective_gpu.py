@@ -15,7 +15,7 @@ from fully_async.config import EngineConfig
 from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.weights.collective import CollectiveTransport
 from tests.fakes import ServersRollouter, StateDictBackend
 from tests.integration.test_weights_collective import TINY, _outputs

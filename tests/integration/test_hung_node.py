@@ -1,6 +1,6 @@
 """A hung engine node costs one weight sync about engine.control_deadline_s, not minutes (issue 27).
 
-A loopback cluster of its own (fully_async/local_cluster.py: a head and one worker; not the session's, whose worker later tests
+A loopback cluster of its own (tests/local_cluster.py: a head and one worker; not the session's, whose worker later tests
 need alive), the driver tests/hung_node.py on the head with one engine server per node: the worker node is stopped
 by SIGSTOP of its `ray start` process and every descendant (pids found from the one the start script recorded):
 
@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from fully_async.local_cluster import REPO, node_tree, script_env, signal_all, start_cluster
+from tests.local_cluster import REPO, node_tree, script_env, signal_all, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,4 +1,4 @@
-"""A hung engine node's server comes back (issue 38): on a loopback cluster of its own (fully_async/local_cluster.py: a head and
+"""A hung engine node's server comes back (issue 38): on a loopback cluster of its own (tests/local_cluster.py: a head and
 one worker), the driver tests/hung_recovery.py runs one engine server per node, the job's HostFactory and a real
 EngineClient; every process of the worker node is stopped by SIGSTOP (pids found from its `ray start` process):
 
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from fully_async.local_cluster import REPO, node_tree, script_env, signal_all, start_cluster
+from tests.local_cluster import REPO, node_tree, script_env, signal_all, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

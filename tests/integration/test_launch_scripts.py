@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from fully_async.local_cluster import REPO, run_script
+from tests.local_cluster import REPO, run_script
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from fully_async.config.sections.model import LoraConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.weights.lora import ADAPTER_FILE, LoraServing
 from fully_async.weights.verify import verify_engines
 from tests.fakes import AdapterBackend, ServersRollouter

@@ -17,7 +17,7 @@ from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.weights.verify import VERIFIED_METRIC
 from tests.fakes import ServersRollouter, StateDictBackend
 

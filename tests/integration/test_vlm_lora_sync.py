@@ -25,7 +25,7 @@ from fully_async.engines import EngineClient, Sampling, build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
 from fully_async.models.tiny_vlm import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.training.vision_tower import is_tower
 from fully_async.weights.lora import ADAPTER_FILE, LoraServing
 from tests.fakes import AdapterBackend, ServersRollouter

@@ -19,7 +19,7 @@ import pytest
 from fully_async.config import EngineConfig
 from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.training.vision_tower import is_tower
 from fully_async.weights.verify import ask_engines
 from tests.fakes import ServersRollouter

@@ -21,7 +21,7 @@ from fully_async.config import EngineConfig, TinyModelConfig
 from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
 from fully_async.models import build_tiny_model
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.training.vision_tower import is_tower, without_tower
 from fully_async.weights.collective import CollectiveTransport
 from fully_async.weights.collective_sender import CollectiveSender

@@ -69,7 +69,7 @@ def test_the_example_run_sh_prints_its_usage_without_a_command():
 def test_wait_gives_up_on_a_head_that_never_answers():
     # A free port on loopback where nothing listens: wait.sh must end at its timeout with what was missing (ray.init
     # alone would retry forever).
-    from fully_async.local_cluster import free_port, script_env
+    from tests.local_cluster import free_port, script_env
 
     proc = subprocess.Popen(["bash", str(SCRIPTS / "wait.sh"), "--address", f"127.0.0.2:{free_port()}", "--timeout",
                              "2", "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

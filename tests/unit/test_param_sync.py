@@ -12,7 +12,7 @@ import pytest
 
 from fully_async.config import AlgorithmConfig, SimTrainerConfig, TrainerConfig
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.trace import Tracer, load
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights.base import SyncPlan
@@ -191,10 +191,9 @@ class _QueuingTransport(DiskTransport):
             return name, run
 
         return SyncPlan(
-            reads=tuple(noted(n, f) for n, f in plan.reads),
+            queue=tuple(noted(n, f) for n, f in plan.reads),
             ahead=tuple(noted(n, f) for n, f in plan.ahead),
             engines=tuple(noted(n, f) for n, f in plan.engines),
-            reads_only_queue=True,
         )
 
 

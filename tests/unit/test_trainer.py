@@ -22,7 +22,7 @@ from fully_async.config import (
 )
 from fully_async.handles import LocalActor, resolve
 from fully_async.message_queue import MessageQueue
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.trainer import Trainer, TrainerError, step_window
 from fully_async.training.sim_backend import SimBackend
 from tests.fakes import GATE_S, DiskFullBackend, StubRollouter
@@ -255,7 +255,7 @@ def test_a_final_validation_that_never_answers_fails_the_run_naming_it(roles, tm
 def test_background_a_reload_that_fails_fails_the_run_naming_the_phase_while_the_trainer_waits(
     roles, tmp_path, monkeypatch
 ):
-    from fully_async.param_sync import ParamSyncError
+    from fully_async.sync import ParamSyncError
 
     monkeypatch.setattr(trainer_mod, "POLL_S", 0.05)
     q, _, stub, _ = roles

@@ -14,9 +14,10 @@ import ray
 import fully_async
 from fully_async.config import EngineConfig
 from fully_async.engines import EngineClient, build_engine
-from fully_async.engines.service import PORT, EngineService
+from fully_async.engines.service import EngineService
 from fully_async.rollouter import Rollouter
 from fully_async.trainer import step_window
+from fully_async.weights.port import CALLS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,36 +135,36 @@ async def test_the_port_answers_its_calls_tells_the_rollouter_of_syncs_and_refus
         await client.close()
 
 
-def _port_calls_in(path) -> tuple[set[str], set[str]]:
-    """(methods called on a rollouter handle, engine port calls named) in one module of ours."""
-    methods, calls = set(), set()
+def _rollouter_calls_in(path) -> tuple[set[str], set[str], bool]:
+    """(methods called on a rollouter handle, engine port methods used, whether it sends an engine call by name) in
+    one module of ours."""
+    methods, calls, by_name = set(), set(), False
     for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.Call):
-            continue
-        func, args = ast.unparse(node.func), [a.value for a in node.args if isinstance(a, ast.Constant)]
-        if func.endswith(".remote") and func.rsplit(".", 2)[0].endswith("rollouter"):
-            methods.add(func.rsplit(".", 2)[1])  # rollouter.<method>.remote(...)
-        elif func == "self._call" and args:
-            methods.add(args[0])  # fully_async.ctl's calls by name
-        else:
-            continue
-        if func.endswith("rollouter.engine.remote") and args:
-            calls.add(args[0])
-        elif func == "self._call" and args[0] == "engine":
-            calls.add(args[1])
-    return methods, calls
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func.endswith(".remote") and func.rsplit(".", 2)[0].endswith("rollouter"):
+                methods.add(func.rsplit(".", 2)[1])  # rollouter.<method>.remote(...)
+                by_name |= func.rsplit(".", 2)[1] == "engine"
+        elif isinstance(node, ast.Attribute):
+            owner = ast.unparse(node.value)
+            if owner.endswith(".engines") or owner.startswith("EnginePort("):
+                calls.add(node.attr)  # self.engines.<call>, EnginePort(handle).<call>
+    return methods, calls, by_name
 
 
-def test_every_call_a_transport_or_ctl_sends_the_rollouter_is_its_own_or_a_port_call():
+def test_every_call_a_transport_or_ctl_sends_the_rollouter_is_its_own_or_a_typed_port_call():
     root = Path(fully_async.__file__).parent
-    methods, calls = set(), set()
-    for path in [*root.glob("weights/*.py"), *root.glob("sync/*.py"), root / "param_sync.py", root / "ctl.py"]:
-        m, c = _port_calls_in(path)
+    methods, calls, senders = set(), set(), []
+    for path in [*root.glob("weights/*.py"), *root.glob("sync/*.py"), root / "ctl.py"]:
+        m, c, by_name = _rollouter_calls_in(path)
         methods |= m
         calls |= c
-    assert {"engine", "pause", "resume"} <= methods and {"load_weights", "nodes", "rpc", "layout", "add"} <= calls
+        if by_name:
+            senders.append(path.relative_to(root).as_posix())
+    assert {"engine", "pause", "resume", "diagnose"} <= methods
+    assert {"load_weights", "nodes", "rpc", "layout", "rows", "add", "remove"} <= calls
     public = {n for n in vars(Rollouter) if not n.startswith("_")}
     assert methods <= public, f"calls to no Rollouter method: {sorted(methods - public)}"
-    assert calls <= PORT, f"engine port calls that do not exist: {sorted(calls - PORT)}"
-    assert all(callable(getattr(EngineService, name, None)) for name in PORT)
-    assert not public & ({f"engine_{n}" for n in PORT} | PORT)  # the port's calls are no Rollouter pass-throughs
+    assert calls <= CALLS, f"engine port calls that do not exist: {sorted(calls - CALLS)}"
+    assert senders == ["weights/port.py"], "an engine call sent by name, not through weights/port.py's EnginePort"
+    assert not public & ({f"engine_{n}" for n in CALLS} | CALLS)  # the port's calls are no Rollouter pass-throughs

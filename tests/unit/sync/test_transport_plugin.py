@@ -9,7 +9,7 @@ import pytest
 
 from fully_async.config import ConfigError, FullyAsyncConfig
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.weights.base import SyncPlan, WeightTransport
 from fully_async.weights.factory import build_transport, engine_receiver
 from tests.fakes import StubRollouter

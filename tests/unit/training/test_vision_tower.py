@@ -100,7 +100,7 @@ def test_the_collective_sender_given_the_whole_vlm_sends_no_tower_tensor_when_th
     from safetensors.torch import save_file
 
     from fully_async.handles import LocalActor
-    from fully_async.param_sync import ParamSync
+    from fully_async.sync import ParamSync
     from fully_async.vllm_ext.fa_digest import digest
     from fully_async.weights.collective import CollectiveTransport
     from fully_async.weights.collective_sender import CollectiveSender

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from fully_async.engines.vllm import EXTENSION_DIR
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.vllm_ext.fa_digest import digest
 from fully_async.weights.collective import CollectiveTransport
 from fully_async.weights.collective_sender import (

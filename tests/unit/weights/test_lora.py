@@ -16,7 +16,7 @@ import torch
 from fully_async.config import ConfigError, EngineConfig, FullyAsyncConfig
 from fully_async.engines import EngineClient, EngineError, Sampling, build_engine
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.vllm_ext.fa_digest import digest
 from fully_async.vllm_ext.fa_lora import folded, scaling
 from fully_async.weights.base import SyncPlan, WeightTransport

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from fully_async.config import EngineConfig
 from fully_async.engines import build_engine
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync, ParamSyncError
+from fully_async.sync import ParamSync, ParamSyncError
 from fully_async.weights.disk import files_digest
 from fully_async.weights.verify import VERIFIED_METRIC, check_answers, verify_engines
 from tests.fakes import FakeEngine, ServersRollouter, StateDictBackend

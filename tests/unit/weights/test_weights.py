@@ -14,9 +14,10 @@ from fully_async.config import AlgorithmConfig, ConfigError, EngineConfig, SimTr
 from fully_async.engines import build_engine
 from fully_async.engines.elastic import bring_current
 from fully_async.handles import LocalActor
-from fully_async.param_sync import ParamSync
+from fully_async.sync import ParamSync
 from fully_async.training.sim_backend import SimBackend
 from fully_async.weights import build_transport
+from fully_async.weights.base import queued_export
 from fully_async.weights.disk import (
     ROOT_PREFIX,
     DiskTransport,
@@ -64,6 +65,43 @@ def test_disk_phases_export_then_reload_that_directory_as_the_version(backend, t
     assert names == ["export", "distribute", "reload"]
     assert (tmp_path / "w" / "v4" / "sim_weights.json").is_file()
     assert stub.calls == [("load_weights", str(tmp_path / "w" / "v4"), 4)] and stub.version == 4
+
+
+class _QueuingBackend(SimBackend):
+    """The sim backend handing the export phases of a backend whose copy is only queued (as the verl backend's):
+    `stage_weights` (here the whole export) in `queue`, its finishing call in a `write` phase."""
+
+    def sync_export(self, out_dir, dtype="float32"):
+        return queued_export(self.stage_weights, out_dir, dtype)
+
+
+class _ExportsOnly:
+    """A stand-in backend with `export_weights` alone (as tests' state-dict backends)."""
+
+    def __init__(self, backend) -> None:
+        self.export_weights = backend.export_weights
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_the_disk_plan_opens_with_the_export_phases_the_backend_hands_it(backend, tmp_path, mode):
+    stub = StubRollouter()
+    handle = LocalActor(stub)
+    queuing = _QueuingBackend(backend.cfg, AlgorithmConfig())
+    try:
+        plans = {
+            kind: DiskTransport(handle, b, tmp_path / kind, "float32").plan(2, mode == "background")
+            for kind, b in (("queued", queuing), ("whole", backend), ("stand-in", _ExportsOnly(backend)))
+        }
+        for fn in (f for _, f in plans["queued"].queue + plans["queued"].ahead):
+            fn()
+    finally:
+        handle.close()
+    assert [n for n, _ in plans["queued"].queue] == ["export"] and not plans["queued"].reads
+    assert plans["queued"].names() == ["export", "write", "pause", "distribute", "reload", "resume"]
+    assert (tmp_path / "queued" / "v2" / "sim_weights.json").is_file()
+    for kind in ("whole", "stand-in"):
+        assert [n for n, _ in plans[kind].reads] == ["export"] and not plans[kind].queue, kind
+        assert plans[kind].names() == ["export", "pause", "distribute", "reload", "resume"], kind
 
 
 def test_param_sync_takes_the_transport_by_name_or_instance_and_close_removes_only_its_own_root(backend, tmp_path):

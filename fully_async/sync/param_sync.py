@@ -3,23 +3,30 @@
     pause (admission off, engines abort in-flight requests) -> transfer the weights into every engine and set the
     new version (the transport's plan) -> resume (aborted requests continue under the new weights)
 
-A transport (fully_async/weights/) says what one sync does as data, a SyncPlan: the phases that read the trainer's
-weights (`reads`), those that need no engine (`ahead`, run before the pause) and those on the engines (`engines`,
+A transport (fully_async/weights/) says what one sync does as data, a SyncPlan: the phases that only queue the
+reading of the trainer's weights (`queue`), those that read them (`reads`; the disk transport takes both from the
+backend, `TrainingBackend.sync_export`), those that need no engine (`ahead`, run before the pause) and those on the engines (`engines`,
 between pause and resume unless the plan needs no pause). ParamSync runs it: each phase timed
 (timing_s/param_sync/<phase>, and a span on the event trace's `sync` lane) and bounded by
 advanced.sync_timeout_s (fully_async/sync/phases.py); a phase that passes it fails the run with a
 ParamSyncError naming the phase, instead of hanging. The first sync starts with `connect` (the transport's prepare).
 
-Two modes (async_training.sync_mode):
-- blocking: `sync` runs the whole plan in the caller's (the trainer's) thread.
-- background: ParamSync's kept thread (fully_async/sync/background.py) runs the plan while the trainer computes its
-  next step. The trainer calls `start` after its update and `weights_read` just before the next one (the only point
-  where it must not go on: the next optimizer step would change the weights being read), so the reading overlaps
-  the rest of its step; `sync` is the two at once. At most one sync is in flight: `start` (and `wait`, which the
-  trainer calls before a checkpoint) first collects the last one, a phase of its own (`wait`). A failure is raised,
-  naming the phase, by the trainer's next call (`start`, `weights_read`, `wait` or `check`). The engines take a
-  version only when its reload finished (the rollouter's ledger moves then), so admission never counts on weights
-  that are not being served.
+Who runs what, and who waits for it: the one rule of both modes (async_training.sync_mode), stated in one test
+(tests/unit/sync/test_rule.py). The mode picks only the runner that drives `reads` and the rest: BlockingSync
+(sync/blocking.py: the caller's thread, which is held to the end) or BackgroundSync (sync/background.py: a kept
+thread, `param-sync`). Every phase but `queue`'s runs in PhaseRunner's thread (`param-sync-<phase>`), bounded.
+
+| a plan's phases | blocking | background (the default) |
+|---|---|---|
+| `queue` (they only queue the read ahead of the backend's next call) | the caller's thread, inside `start` | the caller's thread, inside `start` |
+| `reads` (export, stage) | inside `start` | after `start` returned; the caller's `weights_read`, just before its next update (the only point where it must not go on: that optimizer step would change the weights being read), waits until they ended |
+| `ahead`, pause, `engines`, resume | inside `start` | after the reads, while the caller computes; collected (timings, failure) by the next `start`, or by `wait` (before a checkpoint) |
+
+`sync` is `start` and `weights_read` at once. In background mode at most one sync is in flight: `start` (and
+`wait`) first collects the last one, a phase of its own (`wait`), so a version's directory or staging buffer is never
+rewritten while engines read it. A failure in the background is raised, naming the phase, by the trainer's next call
+(`start`, `weights_read`, `wait` or `check`). The engines take a version only when its reload finished (the
+rollouter's ledger moves then), so admission never counts on weights that are not being served.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from typing import Any
 
 from fully_async.config.sections.async_training import SYNC_MODES
 from fully_async.handles import one_line, resolve
-from fully_async.sync import BackgroundSync, PhaseRunner, add_timings
+from fully_async.sync.background import BackgroundSync
+from fully_async.sync.blocking import BlockingSync
+from fully_async.sync.phases import PhaseRunner, add_timings
 from fully_async.trace import Tracer
 from fully_async.weights import WeightTransport, build_transport
 from fully_async.weights.base import ParamSyncError, SyncPlan
@@ -76,19 +85,19 @@ class ParamSync:
                                         sync_timeout_s=timeout_s, device=device, staging=staging)  # fmt: skip
         self.transport = transport
         self.phases = PhaseRunner(timeout_s, tracer, transport.pending, self._diagnose)
-        self.background = BackgroundSync()
+        self.runner: BlockingSync | BackgroundSync = BackgroundSync() if mode == "background" else BlockingSync()
+        """Where `reads` and the rest of a plan run: the only thing the mode decides (the module docstring)."""
         self._prepared = False
-        self._blocking_syncs = 0
 
     @property
     def syncs(self) -> int:
         """Syncs whose every phase finished."""
-        return self._blocking_syncs + self.background.completed
+        return self.runner.completed
 
     @property
     def reading(self) -> bool:
         """Whether a background sync started by `start` may still read the weights (`weights_read` not called)."""
-        return self.background.reading
+        return self.runner.reading
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the backend's current weights to every engine as `version`; returns per-phase timings and
@@ -99,30 +108,20 @@ class ParamSync:
         return t
 
     def start(self, version: int) -> dict[str, float]:
-        """Begin the sync of `version`; returns the timings of what held the caller (`timing_s/param_sync`).
-        Blocking mode: the whole sync. Background mode: collects the previous sync (`wait`), then returns once the
-        plan is handed to ParamSync's thread. The caller must not change the backend's weights before
-        `weights_read` returned."""
+        """Begin the sync of `version`; returns the timings of what held the caller (`timing_s/param_sync`): the
+        last sync's collection (`wait`), `connect` (the first sync), the `queue` phases, and in blocking mode every
+        other phase. The caller must not change the backend's weights before `weights_read` returned."""
         t: dict[str, float] = {}
         start = time.monotonic()
-        background = self.mode == "background"
-        if background:
-            t.update(self.wait())
+        t.update(self.wait())  # the last sync, when one is in flight (background mode)
         if not self._prepared:
             self.phases.run("connect", t, lambda: self.transport.prepare(self.rollouter))
             self._prepared = True
-        plan = self.transport.plan(version, background)
-        if not background:
-            self._run_phases(t, plan.reads)
-            self._run_held(t, plan)
-            self._blocking_syncs += 1
-        elif plan.reads_only_queue:  # the reads only queue the copy ahead of the backend's next call: run them here
-            for name, fn in plan.reads:
-                self.phases.inline(name, t, fn)
-            self.background.submit(version, None, lambda timings: self._run_held(timings, plan))
-        else:
-            reads = (lambda timings: self._run_phases(timings, plan.reads)) if plan.reads else None
-            self.background.submit(version, reads, lambda timings: self._run_held(timings, plan))
+        plan = self.transport.plan(version, self.mode == "background")
+        for name, fn in plan.queue:  # they only queue the copy ahead of the backend's next call: nothing to wait for
+            self.phases.inline(name, t, fn)
+        reads = (lambda timings: self._run_phases(timings, plan.reads)) if plan.reads else None
+        t.update(self.runner.submit(version, reads, lambda timings: self._run_held(timings, plan)))
         t["timing_s/param_sync"] = time.monotonic() - start
         return t
 
@@ -130,25 +129,25 @@ class ParamSync:
         """Wait until the sync in flight has read the backend's weights (at once in blocking mode, or when they
         were read already); returns the reading phases' timings (reported once) and `timing_s/param_sync`, the
         seconds waited. Raises ParamSyncError when a reading phase failed. Bounded: every phase is."""
-        return self.background.weights_read()
+        return self.runner.weights_read()
 
     def wait(self) -> dict[str, float]:
         """Wait for the background sync in flight (nothing to do in blocking mode or with none in flight); returns
         its phase timings and `timing_s/param_sync/wait`, the seconds waited. Raises ParamSyncError naming the phase
         when it (or any earlier one) failed."""
-        return self.background.collect()
+        return self.runner.collect()
 
     def check(self) -> None:
         """Raise the failure of a background sync, if one failed (the trainer calls it while it waits for a
         batch: a sync that failed leaves the engines paused, and no batch may ever come)."""
-        self.background.check()
+        self.runner.check()
 
     def export(self, version: int) -> Path:
         """Write the current weights for `version` without touching the engines (resume: engines start on them)."""
         return self.phases.run("export", {}, lambda: self.transport.export(version))
 
     def close(self, remove: bool = True) -> None:
-        self.background.close(min(self.timeout_s, 30.0))  # a sync still reading the files gets its phases' time
+        self.runner.close(min(self.timeout_s, 30.0))  # a sync still reading the files gets its phases' time
         self.transport.close(remove)
         self.phases.close()
 

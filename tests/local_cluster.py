@@ -1,7 +1,8 @@
 """A multi-node Ray cluster on this machine, started, used and stopped only through scripts/cluster/ (the CPU twin of
 a GPU cluster: nodes DECLARE GPUs with --num-gpus; Ray hands them out as CUDA_VISIBLE_DEVICES; nothing uses them).
-Tests (tests/cluster.py's session fixture) and the benchmarks (scripts/bench/) start theirs here; a user can too, to
-try a multi-node run on one box from a checkout (docs/cluster.md).
+Tests (tests/cluster.py's session fixture) and the benchmarks (scripts/bench/, which put the repository root on
+sys.path first) start theirs here; a user can too, to try a multi-node run on one box from a checkout
+(docs/cluster.md). It is no part of the package: it runs the repository's scripts, which an installed package lacks.
 
 `start_cluster()` starts a head and workers with start_head.sh / start_worker.sh in a private temp dir and waits with
 wait.sh; `LocalCluster.submit()` runs submit.sh; `LocalCluster.stop()` runs stop.sh and returns what it left running.
