@@ -72,6 +72,13 @@ def _agent_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     if not multi:
         return out
     out.update(_stats("num_turns", [t.reward_info["turns"] for t in multi]))
+    functions = [t for t in multi if "split_rows" in t.reward_info]  # rollout functions, the gateway's agents included
+    if functions:  # an agent that never called the model: its own error, trained as the prompt alone
+        out["agent/no_calls"] = float(sum(t.reward_info["turns"] == 0 for t in functions))
+    gateway = [t.reward_info for t in multi if "gateway_calls" in t.reward_info]
+    if gateway:  # request keys the gateway ignored (the run's sampling governs; docs/agents.md)
+        ignored = [n for i in gateway for k, n in i.items() if k.startswith("gateway_ignored/")]
+        out["gateway/ignored_keys"] = float(sum(ignored))
     out["agent/tool_calls/mean"] = float(np.mean([t.reward_info.get("tool_calls", 0) for t in multi]))
     out["agent/tool_call_ratio"] = float(np.mean([t.reward_info.get("tool_calls", 0) > 0 for t in multi]))
     out["agent/tool_error_ratio"] = float(np.mean([bool(t.reward_info.get("tool_error")) for t in multi]))
@@ -113,6 +120,29 @@ def reward_source_metrics(now: dict[str, dict[str, float]], last: dict[str, dict
             out[f"{p}/limiter_wait_s"] = delta("limiter_wait_s") / acquired if acquired else 0.0
             out[f"{p}/realized_rpm"] = float(s.get("realized_rpm", 0.0))
             out[f"{p}/realized_tpm"] = float(s.get("realized_tpm", 0.0))
+        if "tokens_scored" in s and "clock_s" in before:  # the distillation teacher (fully_async/distill/scorer.py)
+            seconds = delta("clock_s")
+            out[f"{p}/tokens_scored_per_s"] = delta("tokens_scored") / seconds if seconds > 0 else 0.0
+    return out
+
+
+def prefix_cache_metrics(now: dict[str, list[int]], last: dict[str, list[int]]) -> dict[str, float]:
+    """The step's prefix-cache hit rates from two readings of the engine client's counts (engines/prefix_cache.py:
+    cumulative prompt and cached prompt tokens per server index): cached / prompt tokens of the requests answered
+    during the step, over all servers and per server. No entry where no prompt tokens were reported in the step
+    (an engine that reports no cached tokens yields no metric, not 0)."""
+    if not now:
+        return {}
+
+    def step(key: str) -> list[int]:
+        before = last.get(key, [])
+        return [v - (before[i] if i < len(before) else 0) for i, v in enumerate(now[key])]
+
+    prompt, cached = step("prompt_tokens"), step("cached_tokens")
+    p = "fully_async/engines/prefix_cache_hit_rate"
+    out = {f"{p}/server_{i}": c / n for i, (n, c) in enumerate(zip(prompt, cached)) if n > 0}
+    if sum(prompt) > 0:
+        out[p] = sum(cached) / sum(prompt)
     return out
 
 

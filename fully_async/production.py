@@ -14,7 +14,6 @@ the queue refuses go to `fail` and stop the run.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from fully_async.admission import Admission
 from fully_async.agents import Sample
 from fully_async.config import FullyAsyncConfig
 from fully_async.data import DataError, PromptRow
+from fully_async.distill import score_sample
+from fully_async.engines.affinity import session
 from fully_async.envs.failures import InfraExhausted
 from fully_async.handles import resolve_async
 from fully_async.metrics import trajectory_records
@@ -54,8 +55,9 @@ COUNTERS = ("groups_pushed", "groups_failed", "groups_dropped_by_reward", "sampl
 """Production's cumulative counters (Rollouter.stats())."""
 
 # The sample a coroutine works for: asyncio tasks inherit it, so the engine client's per-request callback (the
-# Rollouter's trace segment) can name the sample in its trace span without the client knowing about samples.
-sample_id: contextvars.ContextVar[str] = contextvars.ContextVar("sample_id", default="")
+# Rollouter's trace segment) can name the sample in its trace span without the client knowing about samples, and
+# the client keeps the sample's requests on one engine server (sticky routing: it is engines/affinity.py's `session`).
+sample_id = session
 
 
 class Production:
@@ -235,8 +237,9 @@ class Production:
                     f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
         traj = rows[-1]
-        with self.tracer.span("reward", "score", sample=sample_id.get()):
-            result = await self.reward.score(self.agent.reward_text(traj), self.agent.reward_meta(traj, sample.row))
+        with self.tracer.span("reward", "score", sample=sample_id.get()):  # and the distillation teacher's, if any
+            result = await score_sample(self.reward, rows, self.agent.reward_text(traj),
+                                        self.agent.reward_meta(traj, sample.row))  # fmt: skip
         reward_s = result.info.pop("reward_s", 0.0)
         # The agent's own info (turns, tool errors) stays beside the reward's.
         traj.reward, traj.reward_info = result.score, {**traj.reward_info, **result.info}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import json
 import time
 import weakref
@@ -40,12 +41,15 @@ from fully_async.agents.base import AgentLoop, Sample
 from fully_async.agents.tokens import ChatDelta, Transcript
 from fully_async.agents.toolkit import TOOL_CALL, parse_tool_calls
 from fully_async.config import MultiTurnConfig
+from fully_async.engines.affinity import keyed, session
 from fully_async.protocol import Trajectory
 
 if TYPE_CHECKING:
     from fully_async.engines import EngineClient, Sampling
     from fully_async.engines.base import GenerationResult
 
+_EPISODES = itertools.count()
+"""Numbers chat clients made outside a sample (no `sample_id`) a routing key of their own."""
 MAX_RESTARTS = 100
 """Episode restarts (partial rollout off) before the sample fails: a guard against an endless loop, not a knob."""
 
@@ -92,6 +96,9 @@ class ChatClient:
         self.generate_s = 0.0
         self.last_output: GenerationResult | None = None
         """The last model turn's tokens, log-probs and versions (the gateway's usage and log-probs)."""
+        self.session = session.get() or f"chat-{next(_EPISODES)}"
+        """The episode's key for sticky routing (engines/affinity.py): its sample's, taken where the episode starts,
+        so that calls arriving on other tasks (the gateway's HTTP handlers) carry it too."""
 
     async def chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None
@@ -132,14 +139,15 @@ class ChatClient:
             self.finish_reason = "length"
             raise EpisodeOver(f"the response budget of {loop.response_length} tokens is spent")
         t0 = time.monotonic()
-        out = await self._engine.generate(tr.ids, budget, loop.sampling, continue_on_abort=loop.continue_on_abort)
+        with keyed(self.session):
+            out = await self._engine.generate(tr.ids, budget, loop.sampling, continue_on_abort=loop.continue_on_abort)
         self.generate_s += time.monotonic() - t0
         if self.start_version is None:
             self.start_version = out.start_version
         if not loop.continue_on_abort and any(v != self.start_version for v in out.versions):
             raise _Restart
         self.num_aborts += out.num_aborts
-        tr.add_model(out.token_ids, out.logprobs, out.versions)
+        tr.add_model(out.token_ids, out.logprobs, out.versions, out.cache_versions)
         self.turns += 1
         self.finish_reason = out.finish_reason
         self.last_output = out

@@ -106,7 +106,8 @@ class ControlPlane:
     # ---- pool-wide operations ----------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort", idle: Callable[[], bool] | None = None) -> bool:
         """abort: in-flight requests return their tokens so far (the client continues them after resume);
-        keep: they freeze and finish after resume. The clients in this process hold new requests from the first
+        recompute: they freeze, their KV dropped, and are prefilled again at the resume; keep: they freeze with their
+        KV and go on after the resume (engines/inflight.py). The clients in this process hold new requests from the first
         line on. `idle`: asked right then; when it says no request is in flight on any server, the servers are not
         called: nothing runs that could be aborted or frozen, and nothing reaches them before the resume (a
         server's own pause costs a round trip and, on vLLM, a fixed 20 ms wait; it is the sync's largest part on a
@@ -116,13 +117,14 @@ class ControlPlane:
         state.clients_only = idle is not None and idle()
         if not state.clients_only:
             await self.call_all("pause", self.pool.kind.pause_call(mode))
+        state.cache_kept = mode == "keep" and not state.clients_only
         return not state.clients_only
 
     async def resume(self) -> None:
         """Resume the servers (unless the pause held only the clients), then the clients."""
         if not self.pool.state.clients_only:
             await self.call_all("resume", self.pool.kind.resume_call())
-        self.pool.state.clients_only = False
+        self.pool.state.clients_only = self.pool.state.cache_kept = False
         self.pool.state.set_paused(False)
 
     async def set_version(self, version: int) -> None:
@@ -132,6 +134,17 @@ class ControlPlane:
 
     async def reset_prefix_cache(self) -> None:
         await self.call_all("reset prefix cache", self.pool.kind.reset_prefix_cache_call())
+
+    async def _reset_after_sync(self, what: str) -> None:
+        """After new weights: KV blocks cached under the old ones must not serve new prompts. Under a keep pause the
+        frozen requests hold their blocks and the reset cannot run; their cache salts keep the versions apart
+        (engines/inflight.py), so it is skipped, not tried and failed."""
+        if self.pool.state.cache_kept:
+            return
+        try:
+            await self.reset_prefix_cache()
+        except EngineError as e:  # a request the pause did not freeze (another process's) may still hold blocks
+            logger.warning("prefix cache not reset after %s: %s", what, e)
 
     async def reset_encoder_cache(self) -> None:
         """A vision-language server's cached image encoder outputs, after new weights (the kind's call says why)."""
@@ -176,8 +189,10 @@ class ControlPlane:
     async def load_weights(
         self, weights_dir: str | Path, version: int, node_dirs: dict[str, str | None] | None = None
     ) -> dict[str, Any]:
-        """`EngineServers.load_weights`: every serving server reloads (stale ones included, so they serve again), the
-        prefix caches are reset and the version set, all under the pool's membership lock. A node mapped to None in
+        """The reload of `EngineServers.load_weights`, the innermost of three `load_weights` (the engine port's in
+        service.py, the pool's in pool.py, this one, which sends the control calls): every serving server reloads
+        (stale ones included, so they serve again), the prefix caches are reset and the version set, all under the
+        pool's membership lock. A node mapped to None in
         `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside.
         Returns {url: its workers' answers to the reload} of the servers that reloaded (vLLM: each worker's digest
         of what its loader took, the proof of the sync without another round trip, weights/verify.py)."""
@@ -189,11 +204,7 @@ class ControlPlane:
             pool.weights_dir, pool.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
             pool.slots.sync_reached()  # every server in the pool, stale ones included, holds this version now
-            try:
-                # KV blocks cached under the old weights must not serve continued prompts.
-                await self.reset_prefix_cache()
-            except EngineError as e:  # with pause(keep) frozen requests hold blocks; the cache then drains alone
-                logger.warning("prefix cache not reset after a weight reload: %s", e)
+            await self._reset_after_sync("a weight reload")
             await self.reset_encoder_cache()
             await self.set_version(version)
             if rejoin:
@@ -219,10 +230,7 @@ class ControlPlane:
         weight group that reached every server was formed at the pool's current epoch."""
         pool = self.pool
         pool.weights_dir = None  # the latest weights are in no directory: a restart must wait for the next sync
-        try:
-            await self.reset_prefix_cache()
-        except EngineError as e:
-            logger.warning("prefix cache not reset after a weight sync: %s", e)
+        await self._reset_after_sync("a weight sync")
         await self.reset_encoder_cache()  # a trained vision tower's outputs change too
         async with pool.membership:
             await self.set_version(version)

@@ -54,6 +54,21 @@ def test_multi_turn_metrics_only_for_multi_turn_batches():
     assert m["agent/env_turns/mean"] == 1.0 and m["timing_s/agent_loop/env_turns/max"] == 1.0
 
 
+def test_agents_that_never_called_the_model_and_the_keys_the_gateway_ignored_are_counted():
+    groups = [make_group(0), make_group(1)]
+    trajs = [t for g in groups for t in g.trajectories]
+    for t, turns in zip(trajs, [0, 2, 2, 0]):
+        t.reward_info.update(turns=turns, split_rows=1, split_part=0)
+    m = batch_metrics(groups, trainer_version=0)
+    assert m["agent/no_calls"] == 2 and "gateway/ignored_keys" not in m  # rollout functions: no gateway
+    for t, ignored in zip(trajs, [{}, {"gateway_ignored/temperature": 2}, {"gateway_ignored/stop": 1}, {}]):
+        t.reward_info.update(gateway_calls=t.reward_info["turns"], **ignored)
+    assert batch_metrics(groups, trainer_version=0)["gateway/ignored_keys"] == 3
+    for t in trajs:
+        del t.reward_info["split_rows"], t.reward_info["gateway_calls"]
+    assert not any(k in batch_metrics(groups, 0) for k in ("agent/no_calls", "gateway/ignored_keys"))  # ToolAgentLoop
+
+
 def test_trajectory_records_carry_turns_and_tool_calls():
     from fully_async.metrics import trajectory_records
 
