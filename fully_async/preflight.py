@@ -6,7 +6,8 @@ local cache; fully_async/models/hub.py, which downloads only when the hub is onl
 every row of data.train_files (and data.val_files when validation runs), read by data.py's own loader so the rules
 are the ones the run applies; that the trainer writes weights the engine can load (not trainer=sim with a real
 engine); that every metric sink can start (wandb online with no API key: fully_async/loggers.py startup_problems);
-trainer.total_epochs becomes the step count here, from the rows counted. Imports neither torch nor ray at
+trainer.total_epochs becomes the step count here, from the rows counted; with distill on, the teacher (its
+tokenizer against the student's, its prompt log-probs: fully_async/distill/checks.py). Imports neither torch nor ray at
 module level (the tiny model's build imports torch).
 """
 
@@ -129,4 +130,7 @@ def preflight(cfg: FullyAsyncConfig, plan_only: bool = False) -> Path | None:
 
     model_dir = resolve_run_model(cfg)
     check_engine_takes_images(cfg, model_dir)
+    from fully_async.distill.checks import check_teacher
+
+    check_teacher(cfg, model_dir)  # distill: the teacher's tokenizer is the student's, it returns prompt log-probs
     return model_dir

@@ -40,6 +40,7 @@ from fully_async.config.sections import (
     AlgorithmConfig,
     AsyncTrainingConfig,
     DataConfig,
+    DistillConfig,
     EngineConfig,
     EnvConfig,
     FilterGroupsConfig,
@@ -59,9 +60,11 @@ from fully_async.config.sections import (
     SimTrainerConfig,
     TinyModelConfig,
     TrainerConfig,
+    distill_problems,
     read_moved_keys,
     uncorrected_problem,
 )
+from fully_async.config.sections.async_training import on_sync_problems
 from fully_async.config.sections.model import lora_on_sim
 from fully_async.config.tasks import TASK_GROUP, task_problems, with_task_option
 from fully_async.config.verl_keys import translate as translate_verl_keys
@@ -81,6 +84,7 @@ __all__ = [
     "CONFIG_DIR",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
     "EngineConfig",
     "EnvConfig",
     "FilterGroupsConfig",
@@ -147,6 +151,8 @@ class FullyAsyncConfig:
     """Advantages and the decoupled PPO loss."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward functions and their failure policy."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher scores every sampled token (off by default; docs/distillation.md)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -216,7 +222,9 @@ class FullyAsyncConfig:
         uncorrected = uncorrected_problem(self.algorithm.rollout_correction, self.async_training.max_staleness)
         if uncorrected:
             out.append(uncorrected)
+        out += on_sync_problems(self.async_training, self.engine.kind)
         out += task_problems(self)
+        out += distill_problems(self)
         return out
 
     def limits(self) -> dict[str, int]:

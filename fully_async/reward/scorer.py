@@ -25,7 +25,7 @@ from typing import Any
 import tenacity
 
 from fully_async.config import RewardConfig, RewardSourceConfig
-from fully_async.config.sections import GROUP_FN_NAME
+from fully_async.config.sections import GROUP_FN_NAME, TEACHER_SOURCE
 from fully_async.data import DataError
 from fully_async.plugins import load
 from fully_async.reward.errors import RewardDrop, RewardFatal
@@ -93,6 +93,11 @@ class RewardAgent:
         self.sources: list[_Guarded] = []
         self.group: GroupScorer | None = None
         """reward.group_fn, when set: `await agent.group.apply(trajs, responses, meta, uid)` once per group."""
+        self.teacher: Any = None
+        """The distillation teacher (fully_async/distill/; None with distill off), once `teacher_ready` returned:
+        production scores each sample by it beside the reward; its stats are a source's (`teacher`); closed with
+        this agent."""
+        self._teacher_start: asyncio.Task | None = None
         try:
             for i, src in enumerate(cfg.sources):
                 source = self._build(src, f"reward.sources[{i}]")
@@ -300,6 +305,8 @@ class RewardAgent:
             out[g.source.name] = s
         if self.group is not None:
             out[GROUP_FN_NAME] = self.group.stats()
+        if self.teacher is not None:
+            out[TEACHER_SOURCE] = self.teacher.stats()
         return out
 
     def close(self) -> None:
@@ -315,8 +322,28 @@ class RewardAgent:
         if self.pool is not None:
             self.pool.close()
 
+    def start_teacher(self, starting: Any) -> None:
+        """Begin the distillation teacher's start (the coroutine `starting`: fully_async/distill/ `start_teacher`) in
+        the background, so its servers start beside the rollout's; `teacher_ready` waits for it."""
+        self._teacher_start = asyncio.get_running_loop().create_task(starting)
+
+    async def teacher_ready(self) -> None:
+        """Wait for the teacher's start (a no-op without one) and hold the teacher; its failure raises here."""
+        if self._teacher_start is not None:
+            self.teacher = await self._teacher_start
+
     async def aclose(self) -> None:
-        """close() from inside an event loop, waiting for the sources' HTTP clients to close."""
+        """close() from inside an event loop, waiting for the sources' HTTP clients to close (and the teacher's
+        servers to stop, a start still under way cancelled first)."""
+        if self._teacher_start is not None:
+            if not self._teacher_start.done():
+                self._teacher_start.cancel()
+            started = (await asyncio.gather(self._teacher_start, return_exceptions=True))[0]
+            self.teacher = None if isinstance(started, BaseException) else started  # started but never awaited
+            self._teacher_start = None
+        if self.teacher is not None:
+            teacher, self.teacher = self.teacher, None
+            await teacher.aclose()
         for g in self.sources:
             if g.limiter is not None:
                 g.limiter.shutdown()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
+from fully_async.config.sections.distill import DistillConfig
 from fully_async.config.sections.model import LoraConfig, lora_on_sim
 from fully_async.training.base import TrainingBackend
 from fully_async.training.sampling_support import SamplingSupport
@@ -27,6 +28,7 @@ def build_backend(
     placement_groups: list | None = None,
     lora: LoraConfig | None = None,
     freeze_vision_tower: bool = True,
+    distill: DistillConfig | None = None,
 ) -> TrainingBackend:
     """Build the backend named by `trainer.backend` for the Hugging Face model at `model_path`.
 
@@ -36,6 +38,7 @@ def build_backend(
     the cores the ranks are pinned to (the ones the engines do not use), None for all. `placement_groups`: the
     job's trainer groups (fully_async/placement.py); None = the backend reserves its own. `lora`: model.lora
     (rank 0 or None = full fine-tuning). `freeze_vision_tower`: model.freeze_vision_tower (vision-language models).
+    `distill`: the distill section (enabled: the teacher's advantage is mixed in; verl backend only).
     Ray must already be initialised by the caller.
     """
     if trainer.backend == "verl":
@@ -53,6 +56,7 @@ def build_backend(
             placement_groups=placement_groups,
             lora=lora,
             freeze_vision_tower=freeze_vision_tower,
+            distill=distill,
         )
     if trainer.backend == "sim":
         if lora is not None and lora.enabled:

@@ -28,16 +28,19 @@ import torch
 
 from fully_async.config import AlgorithmConfig, ConfigError, TrainerConfig
 from fully_async.config.sections import NEEDS_CRITIC, NEEDS_PROX
+from fully_async.config.sections.distill import DistillConfig
 from fully_async.config.sections.model import LoraConfig
 from fully_async.multimodal.processor import VisionProcessor, is_vision_model
 from fully_async.protocol import TrajectoryGroup
 from fully_async.training import batch as B
 from fully_async.training import correction, hf_files, hf_names
 from fully_async.training.base import TrainingBackend
+from fully_async.training.distill_loss import distill_advantages
 from fully_async.training.sampling_support import SamplingSupport
 from fully_async.training.verl_config import critic_config, engine_configs, reference_config, value_loss_config
 from fully_async.training.verl_forward import RankForward
 from fully_async.training.verl_ranks import RankGroups, TrainerTimeout, WeightSender
+from fully_async.weights.base import SyncPlan, queued_export
 
 __all__ = ["TrainerTimeout", "VerlBackend"]
 
@@ -64,12 +67,14 @@ class VerlBackend(TrainingBackend):
         placement_groups: list | None = None,
         lora: LoraConfig | None = None,
         freeze_vision_tower: bool = True,
+        distill: DistillConfig | None = None,
     ):
         """`placement_groups`: the job's trainer groups (fully_async/placement.py), one per node, each with
         trainer.n_gpus_per_node bundles shared by the policy and the reference ranks; None = create them here.
         `lora` (model.lora) enabled: the policy trains a LoRA adapter over the frozen model (docs/lora.md).
         `freeze_vision_tower` (model.freeze_vision_tower): a vision-language policy's tower does not train and no sync
-        sends it (training/vision_tower.py). `support`: the log-probs' top-k / nucleus (training/sampling_support.py)."""
+        sends it (training/vision_tower.py). `support`: the log-probs' top-k / nucleus (training/sampling_support.py).
+        `distill` enabled: the advantages mix in the teacher's (`_estimated`)."""
         from fully_async.device import device as run_device
 
         if not ray.is_initialized():
@@ -84,6 +89,7 @@ class VerlBackend(TrainingBackend):
         self.vision = VisionProcessor(self.model_path) if is_vision_model(self.model_path) else None
         """The vision processor of a vision-language model (the batches' pixel inputs), else None."""
         self.lora = lora if lora is not None and lora.enabled else None
+        self.distill = distill if distill is not None and distill.enable else None
         self.step = 0
         if self.cpu:
             from fully_async.training import cpu_platform
@@ -173,7 +179,7 @@ class VerlBackend(TrainingBackend):
         laid = full.select(rows)
         t1 = time.perf_counter()
         extra, by_prox = self._proximal(laid, full.size, version, metrics)
-        critic_td = self._advantages(groups, full, laid, rows, extra, by_prox, metrics)
+        critic_td = self._advantages(groups, full, laid, rows, extra, by_prox, metrics, version)
         if "reference" in self.ranks and self.algorithm.use_kl_loss:
             extra["ref_log_prob"] = self.forward.log_probs("reference", laid)
         t2 = time.perf_counter()
@@ -207,7 +213,8 @@ class VerlBackend(TrainingBackend):
             prox, laid.behaviour_logprobs, mask, algo.rollout_correction, laid.group_index
         )
         metrics.update(corr)
-        metrics.update(correction.diagnostics(prox, laid.behaviour_logprobs, mask, laid.token_versions, version))
+        metrics.update(correction.diagnostics(prox, laid.behaviour_logprobs, mask, laid.token_versions, version,
+                                              laid.cache_versions))  # fmt: skip
         if weights is not None:
             extra["rollout_is_weights"] = weights * laid.response_mask
             by_prox["rollout_is_weights"] = _unlay(extra["rollout_is_weights"], laid.source, size)
@@ -215,7 +222,7 @@ class VerlBackend(TrainingBackend):
         extra["old_log_probs"] = prox
         return extra, by_prox
 
-    def _advantages(self, groups, full, laid, rows, extra, by_prox, metrics):
+    def _advantages(self, groups, full, laid, rows, extra, by_prox, metrics, version=None):
         """Advantages over the real rows in `flatten` order (batch-level estimators must not see the padding rows),
         laid out into `extra`; returns the critic's engine batch (values and returns) when there is a critic."""
         algo = self.algorithm
@@ -230,9 +237,7 @@ class VerlBackend(TrainingBackend):
             laid_returns = returns[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask
             critic_td = self.forward.engine_td(laid, values=laid_values, returns=laid_returns)
         else:
-            components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
-            owners = B.sample_owners(groups)  # rows split off one sample share its advantage
-            advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
+            advantages = _estimated(groups, full, algo, by_prox, self.distill, version, metrics)
         extra["advantages"] = (advantages[torch.from_numpy(np.where(rows < 0, 0, rows))] * laid.response_mask).float()
         return critic_td
 
@@ -277,8 +282,8 @@ class VerlBackend(TrainingBackend):
         hf_files.copy_model_files([self.model_path], out)
         return [out / f for f in files]
 
-    stages_exports = True
-    queues_exports = True
+    def sync_export(self, out_dir: Path, dtype: str = "float32") -> SyncPlan:  # the ranks' copy queued, then written
+        return queued_export(self.stage_weights, out_dir, dtype)
 
     def stage_weights(self, out_dir: str | Path, dtype: str = "float32") -> Callable[[], None]:
         """Sends the policy's ranks the copy of the weights into host memory and returns at once: each rank runs it
@@ -367,6 +372,23 @@ def _require_patch(name: str, module: str, marker: str) -> None:
             f"verl patch patches/{name}.patch is not applied to the installed verl (needed here); "
             "run scripts/apply_verl_patches.sh"
         )
+
+
+def _estimated(groups, full: B.PaddedBatch, algo: AlgorithmConfig, by_prox: dict, distill: DistillConfig | None,
+               version: int | None, metrics: dict) -> torch.Tensor:  # fmt: skip
+    """The estimator's advantages of the task reward over `full` (rows split off one sample share their sample's),
+    with the teacher's per-token signal mixed in by distill.coef when distillation is on (training/distill_loss.py;
+    its metrics into `metrics`)."""
+    components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
+    owners = B.sample_owners(groups)
+    advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
+    if distill is None:
+        return advantages
+    advantages, distilled = distill_advantages(advantages, full.teacher_logprobs, full.behaviour_logprobs,
+                                               full.response_mask, full.token_versions, distill.coef,
+                                               distill.discount, version)  # fmt: skip
+    metrics.update(distilled)
+    return advantages
 
 
 def _unlay(laid: torch.Tensor, source: np.ndarray, size: int) -> torch.Tensor:

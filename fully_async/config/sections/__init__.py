@@ -23,6 +23,7 @@ from fully_async.config.sections.algorithm import (
 )
 from fully_async.config.sections.async_training import AsyncTrainingConfig
 from fully_async.config.sections.data import DataConfig
+from fully_async.config.sections.distill import TEACHER_SOURCE, DistillConfig, TeacherConfig, distill_problems
 from fully_async.config.sections.engine import EngineConfig, PlacementConfig, SimEngineConfig
 from fully_async.config.sections.env import ON_EXHAUSTED, EnvConfig
 from fully_async.config.sections.gateway import GATEWAY_LOOP, GatewayConfig

@@ -1,0 +1,99 @@
+"""On-policy distillation's per-token advantage, mixed into the estimator's (docs/distillation.md).
+
+Contract:
+- The teacher's signal at response token t of a sample is r_t = log pi_teacher(y_t | prefix) - log pi_behave(y_t |
+  prefix): the negative of the per-token reverse-KL estimate log pi_student - log pi_teacher, taken at the token the
+  student sampled. pi_behave is the engine's log-prob the token was sampled with (the Trajectory's behaviour
+  log-probs): the same distribution the rollout correction's importance weights start from, so a stale sample's
+  signal is corrected exactly as its task advantage is (the loss weighs both by min(pi_prox / pi_behave, cap)).
+- With `discount` g the advantage is the discounted sum over the sample's later loss tokens,
+  A_t = sum_{k >= t, mask_k = 1} g^(number of loss tokens between t and k) r_k; g = 0 is r_t alone. Tokens off the
+  loss mask (tool and environment output, padding) carry no signal and get advantage 0; the sum bridges them.
+- The advantage trained on is coef x A_teacher + (1 - coef) x A_task, where A_task is the estimator's advantage of
+  the task reward (GRPO's group baseline, ...). Both are 0 off the mask.
+- A batch in which any trajectory lacks its teacher log-probs is refused (ValueError): a missing score is never
+  replaced by a made-up one (the rollouter re-issues a group whose teacher call failed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fully_async.protocol import NO_VERSION
+from fully_async.training.correction import BUCKETS
+
+
+def teacher_signal(teacher: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) r_t = teacher - behaviour log-prob on loss tokens, 0 elsewhere (float32)."""
+    keep = mask > 0
+    return torch.where(keep, teacher.float() - behave.float(), torch.zeros_like(behave, dtype=torch.float32))
+
+
+def teacher_advantages(
+    teacher: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
+) -> torch.Tensor:
+    """(B, R) the teacher's per-token advantage (module docstring), 0 off the mask."""
+    signal = teacher_signal(teacher, behave, mask)
+    if discount == 0.0:
+        return signal
+    keep = mask > 0
+    out = torch.zeros_like(signal)
+    running = torch.zeros(signal.shape[0], dtype=torch.float32)
+    for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
+        running = torch.where(keep[:, t], signal[:, t] + discount * running, running)
+        out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+    return out
+
+
+def mix(task: torch.Tensor, teacher: torch.Tensor, coef: float) -> torch.Tensor:
+    """coef x the teacher's advantage + (1 - coef) x the task's (coef = 1: the task's is not used at all)."""
+    if coef == 1.0:
+        return teacher.float()
+    return (coef * teacher + (1.0 - coef) * task).float()
+
+
+def teacher_metrics(
+    teacher: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor, trainer_version: int | None
+) -> dict[str, float]:
+    """The student's reverse KL to the teacher per loss token, estimated on the sampled tokens (mean of
+    behave - teacher), overall and per staleness bucket (trainer version minus the token's version, the buckets of
+    training/correction.py), and the mean teacher log-prob."""
+    keep = mask > 0
+    if not keep.any():
+        return {}
+    gap = behave.double() - teacher.double()
+    out = {
+        "distill/teacher_kl": float(gap[keep].mean()),
+        "distill/teacher_logprob": float(teacher.double()[keep].mean()),
+        "distill/tokens": float(keep.sum()),
+    }
+    if trainer_version is None:
+        return out
+    known = keep & (versions != NO_VERSION)
+    lag = trainer_version - versions
+    for lo, hi, name in BUCKETS:
+        sel = known & (lag >= lo) & (lag <= hi)
+        if sel.any():
+            out[f"distill/staleness_{name}/teacher_kl"] = float(gap[sel].mean())
+    return out
+
+
+def distill_advantages(
+    task: torch.Tensor,
+    teacher: torch.Tensor | None,
+    behave: torch.Tensor,
+    mask: torch.Tensor,
+    versions: torch.Tensor,
+    coef: float,
+    discount: float,
+    trainer_version: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(the advantages trained on, distill metrics) for a batch's (B, R) tensors; `teacher` None is refused."""
+    if teacher is None:
+        raise ValueError("distill.enable=true but the batch holds no teacher log-probs (a sample was never scored)")
+    adv = teacher_advantages(teacher, behave, mask, discount)
+    metrics = teacher_metrics(teacher, behave, mask, versions, trainer_version)
+    keep = mask > 0
+    if keep.any():
+        metrics["distill/advantage_mean"] = float(adv[keep].mean())
+    return mix(task, adv, coef) * mask.float(), metrics

@@ -1,0 +1,100 @@
+"""On-policy distillation's per-token advantage (training/distill_loss.py) against hand computations, its mix with
+GRPO's group advantage, and the teacher log-probs' way through batch assembly and the group encoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fully_async.config import AlgorithmConfig
+from fully_async.protocol import NO_VERSION, PromptRef, Trajectory, TrajectoryGroup, decode_groups, encode_groups
+from fully_async.training import batch as B
+from fully_async.training import distill_loss as D
+
+
+def _traj(sample: int, behave, teacher, reward=0.0, loss_mask=None, versions=None, index: int = 0):
+    n = len(behave)
+    return Trajectory(
+        prompt=PromptRef(0, index),
+        sample_index=sample,
+        prompt_ids=np.array([5, 6]),
+        response_ids=np.arange(10, 10 + n),
+        behaviour_logprobs=np.array(behave, dtype=np.float32),
+        token_versions=np.zeros(n) if versions is None else np.array(versions),
+        loss_mask=loss_mask,
+        reward=reward,
+        teacher_logprobs=None if teacher is None else np.array(teacher, dtype=np.float32),
+    )
+
+
+def test_per_token_advantage_is_teacher_minus_behaviour_by_hand():
+    # A multi-turn sample: token 2 is tool output (mask 0), so it carries no teacher signal.
+    t = _traj(0, behave=[-1.0, -2.0, -0.5, -3.0], teacher=[-0.5, -2.5, -9.0, -1.0], loss_mask=[1, 1, 0, 1])
+    b = B.assemble([TrajectoryGroup(t.prompt, [t])])
+    adv = D.teacher_advantages(b.teacher_logprobs, b.behaviour_logprobs, b.response_mask)
+    assert adv[0].tolist() == pytest.approx([0.5, -0.5, 0.0, 2.0])
+
+
+def test_discount_sums_later_loss_tokens_and_bridges_tool_tokens_by_hand():
+    t = _traj(0, behave=[-1.0, -2.0, -0.5, -3.0], teacher=[-0.5, -2.5, -9.0, -1.0], loss_mask=[1, 1, 0, 1])
+    b = B.assemble([TrajectoryGroup(t.prompt, [t])])
+    adv = D.teacher_advantages(b.teacher_logprobs, b.behaviour_logprobs, b.response_mask, discount=0.5)
+    # r = [0.5, -0.5, (tool), 2.0]: A3 = 2.0; A1 = -0.5 + 0.5 * 2.0 = 0.5; A0 = 0.5 + 0.5 * 0.5 = 0.75
+    assert adv[0].tolist() == pytest.approx([0.75, 0.5, 0.0, 2.0])
+
+
+def test_coef_mixes_with_grpo_group_advantage_by_hand():
+    # One group of two one-token samples, rewards 1 and 0: GRPO gives (r - mean) / std(ddof=1) = +-0.5 / 0.7071.
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-1.0], [-0.2], reward=1.0), _traj(1, [-0.3], [-1.3], reward=0.0)])
+    b = B.assemble([g])
+    task = B.compute_advantages(b, AlgorithmConfig(adv_estimator="grpo"))
+    grpo = 0.5 / np.std([1.0, 0.0], ddof=1)
+    assert task[:, 0].tolist() == pytest.approx([grpo, -grpo], abs=1e-4)
+    adv, metrics = D.distill_advantages(task, b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                        b.token_versions, coef=0.25, discount=0.0, trainer_version=0)  # fmt: skip
+    # teacher signal: 0.8 and -1.0
+    assert adv[:, 0].tolist() == pytest.approx([0.25 * 0.8 + 0.75 * grpo, 0.25 * -1.0 - 0.75 * grpo], abs=1e-4)
+    pure, _ = D.distill_advantages(task, b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                   b.token_versions, coef=1.0, discount=0.0)  # fmt: skip
+    assert pure[:, 0].tolist() == pytest.approx([0.8, -1.0])
+    # reverse KL per token (behave - teacher), mean over the 2 loss tokens: (-0.8 + 1.0) / 2
+    assert metrics["distill/teacher_kl"] == pytest.approx(0.1)
+    assert metrics["distill/staleness_0/teacher_kl"] == pytest.approx(0.1)
+
+
+def test_teacher_kl_by_staleness_bucket():
+    t = _traj(0, behave=[-1.0, -1.0, -1.0], teacher=[-1.0, -2.0, -4.0], versions=[3, 2, NO_VERSION],
+              loss_mask=[1, 1, 1])  # fmt: skip
+    b = B.assemble([TrajectoryGroup(t.prompt, [t])])
+    m = D.teacher_metrics(b.teacher_logprobs, b.behaviour_logprobs, b.response_mask, b.token_versions, 3)
+    assert m["distill/staleness_0/teacher_kl"] == pytest.approx(0.0)
+    assert m["distill/staleness_1/teacher_kl"] == pytest.approx(1.0)
+    assert m["distill/teacher_kl"] == pytest.approx(4.0 / 3)  # the unversioned token counts overall only
+
+
+def test_a_batch_without_teacher_log_probs_is_refused():
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-1.0], [-0.2]), _traj(1, [-1.0], None)])
+    with pytest.raises(ValueError, match="no teacher log-probs"):
+        B.assemble([g])
+    plain = B.assemble([TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-1.0], None)])])
+    assert plain.teacher_logprobs is None
+    with pytest.raises(ValueError, match="never scored"):
+        D.distill_advantages(torch.zeros(1, 1), None, plain.behaviour_logprobs, plain.response_mask,
+                             plain.token_versions, 1.0, 0.0)  # fmt: skip
+
+
+def test_padding_rows_carry_no_teacher_signal():
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-1.0, -2.0], [-0.5, -0.5])])
+    laid = B.assemble([g]).select(np.array([0, -1]))
+    assert laid.teacher_logprobs.tolist() == [[-0.5, -0.5], [0.0, 0.0]]
+    adv = D.teacher_advantages(laid.teacher_logprobs, laid.behaviour_logprobs, laid.response_mask)
+    assert adv[1].abs().sum() == 0
+
+
+def test_teacher_log_probs_survive_the_group_encoding():
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-1.0, -2.0], [-0.25, -3.5]), _traj(1, [-1.0], None)])
+    back = decode_groups(encode_groups([g]))[0]
+    assert back.trajectories[0].teacher_logprobs.tolist() == [-0.25, -3.5]
+    assert back.trajectories[1].teacher_logprobs is None
+    assert back.same_as(g)
