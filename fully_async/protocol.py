@@ -81,6 +81,12 @@ class Trajectory:
     """The images as PNG bytes (fully_async/multimodal), in the order of the image tokens in prompt_ids, then in
     response_ids (a tool turn that showed one, agents/tool_images.py); empty for a text prompt. A prompt's bytes
     object is the row's own, shared by the group's samples: not a pixel tensor."""
+    cache_versions: np.ndarray | None = None
+    """The oldest weight version in each response token's context (its KV cache), int32, where it differs from
+    token_versions: only under async_training.on_sync=keep (fully_async/engines/inflight.py); None = token_versions."""
+    teacher_logprobs: np.ndarray | None = None
+    """On-policy distillation (fully_async/distill/): the teacher's log-prob of every response token, float32, len
+    response_length (tokens off the loss mask included, unused); None when no teacher scored the sample."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, _ARRAYS[0][1])
@@ -89,8 +95,14 @@ class Trajectory:
         n = len(self.response_ids)
         self.loss_mask = _array(np.ones(n) if self.loss_mask is None else self.loss_mask, _ARRAYS[3][1])
         self.token_versions = _array(self.token_versions, _ARRAYS[4][1])
-        for name in ("behaviour_logprobs", "loss_mask", "token_versions"):
-            if len(getattr(self, name)) != n:
+        if self.cache_versions is not None:
+            self.cache_versions = _array(self.cache_versions, _ARRAYS[4][1])
+            if np.array_equal(self.cache_versions, self.token_versions):
+                self.cache_versions = None  # no token's cache older than itself: nothing to carry
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = _array(self.teacher_logprobs, _ARRAYS[2][1])
+        for name in ("behaviour_logprobs", "loss_mask", "token_versions", "cache_versions", "teacher_logprobs"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ProtocolError(
                     f"trajectory {self.prompt.uid}#{self.sample_index}: {name} has {len(getattr(self, name))} "
                     f"entries for {n} response tokens"
@@ -111,9 +123,16 @@ class Trajectory:
         return len(self.response_ids)
 
     @property
+    def context_versions(self) -> np.ndarray:
+        """Per response token, the oldest weights in its context: cache_versions where recorded, else its own."""
+        return self.token_versions if self.cache_versions is None else self.cache_versions
+
+    @property
     def min_version(self) -> int:
-        """Oldest policy version among response tokens (start_version when no token carries one)."""
-        versioned = self.token_versions[self.token_versions != NO_VERSION]
+        """Oldest policy version among response tokens and their KV caches (start_version when no token carries
+        one): what the staleness bound holds."""
+        versions = self.context_versions
+        versioned = versions[versions != NO_VERSION]
         return int(versioned.min()) if len(versioned) else self.start_version
 
     @property
@@ -125,7 +144,7 @@ class Trajectory:
         """Field-by-field equality (arrays compared exactly)."""
         return _scalars(self) == _scalars(other) and all(
             np.array_equal(getattr(self, a), getattr(other, a)) for a, _ in _ARRAYS
-        )
+        )  # teacher_logprobs: in _scalars (encoded bytes compared)
 
 
 @dataclass(eq=False)
@@ -169,6 +188,10 @@ class TrajectoryGroup:
 def _scalars(t: Trajectory) -> dict[str, Any]:
     # Images only when there are some: a text trajectory's encoding stays byte for byte what it was.
     images = {"images": [base64.b64encode(png).decode() for png in t.images]} if t.images else {}
+    if t.cache_versions is not None:  # likewise only under on_sync=keep
+        images["cache_versions"] = base64.b64encode(t.cache_versions.astype("<i4").tobytes()).decode()
+    if t.teacher_logprobs is not None:  # likewise only when a teacher scored it
+        images["teacher_logprobs"] = base64.b64encode(t.teacher_logprobs.astype("<f4").tobytes()).decode()
     return {
         **images,
         "sample_index": t.sample_index,
@@ -238,6 +261,8 @@ def decode_groups(data: bytes) -> list[TrajectoryGroup]:
                         finish_reason=str(s["finish_reason"]),
                         num_aborts=int(s["num_aborts"]),
                         images=[base64.b64decode(x, validate=True) for x in s.get("images", [])],
+                        cache_versions=_per_token(s.get("cache_versions"), rlen, "<i4", "cache_versions"),
+                        teacher_logprobs=_per_token(s.get("teacher_logprobs"), rlen, "<f4", "teacher_logprobs"),
                         **arrays,
                     )
                 )
@@ -247,6 +272,16 @@ def decode_groups(data: bytes) -> list[TrajectoryGroup]:
     if pos != len(mv):
         raise ProtocolError(f"{len(mv) - pos} trailing bytes after the last trajectory")
     return groups
+
+
+def _per_token(encoded: str | None, rlen: int, dtype: str, name: str) -> np.ndarray | None:
+    """An optional per-response-token array carried in the header (base64 of `dtype`), checked against `rlen`."""
+    if encoded is None:
+        return None
+    raw = base64.b64decode(encoded, validate=True)
+    if len(raw) != np.dtype(dtype).itemsize * rlen:
+        raise ProtocolError(f"{name} hold {len(raw)} bytes for {rlen} response tokens")
+    return np.frombuffer(raw, dtype=dtype).copy()
 
 
 def flatten(groups: Sequence[TrajectoryGroup]) -> list[Trajectory]:

@@ -8,8 +8,9 @@ constant-group filter onto the queue), and the engine pool with its weight syncs
 Contracts:
 - A prompt is admitted only through the ledger; a group that fails (engine error after retries) or that the queue
   drops as stale is re-issued, never lost.
-- `pause()` stops admission and pauses the engines (in-flight requests abort and continue after `resume()`; with
-  partial_rollout=false they restart from their prompt). A transport's reload (`engine("load_weights", ...)`, the
+- `pause()` stops admission and pauses the engines; async_training.on_sync says what happens to the requests in
+  flight (fully_async/engines/inflight.py): abort (they continue after `resume()` from their tokens so far, or with
+  partial_rollout=false restart from their prompt), recompute or keep (frozen in the engines, they go on after it). A transport's reload (`engine("load_weights", ...)`, the
   engine port) sits between them.
 - Every generate request, reward call, sync pause and validation run is recorded as a span in
   RUN_DIR/trace/rollouter.jsonl (fully_async/trace.py); `stats()` gives the engine occupancy behind the rollouter
@@ -34,6 +35,7 @@ from fully_async.config import FullyAsyncConfig, from_dict
 from fully_async.data import EpochCursor, PromptRow, dataset
 from fully_async.device import device as run_device
 from fully_async.device import pin_all_threads
+from fully_async.distill import start_teacher
 from fully_async.engines.auth import TOKEN_ENV
 from fully_async.engines.service import EngineService
 from fully_async.engines.warmup import WarmupPlan
@@ -145,6 +147,7 @@ class Rollouter:
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
                                     weight_receiver=collective, lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
+        self.servers.state.on_sync = self.cfg.async_training.on_sync  # what a sync does to requests in flight
         # The servers' launch is the start-up's critical path: it begins before the tokenizer's import and load and
         # the agent loops, which the servers do not need (only the warm-up below does).
         launching = asyncio.create_task(asyncio.to_thread(self.servers.launch))
@@ -157,7 +160,7 @@ class Rollouter:
             self.servers.warmup = warmup_plan(self.cfg, self.rows, tokenizer, sampling)
         finally:
             await launching  # a failure above still leaves launched servers for shutdown() to stop
-        await asyncio.to_thread(self.servers.start)
+        await asyncio.gather(asyncio.to_thread(self.servers.start), self.reward.teacher_ready())  # distill's teacher
         if weights is not None:
             await self.servers.load_weights(weights[0], weights[1])
         else:
@@ -182,6 +185,8 @@ class Rollouter:
         self.validation.rows = val_rows = dataset(self.cfg, "val") if self.cfg.trainer.val_every else []
         self.reward = RewardAgent(self.cfg.reward, tokenizer_path=self.model_path)
         await self.reward.check_sources(self.rows + val_rows)
+        self.reward.start_teacher(start_teacher(self.cfg, self.run_dir, run_device(self.cfg.trainer.device),
+                                                self.cfg.reward.limiter_namespace))  # fmt: skip
         seed = self.cfg.mixed_seed(self.cfg.data.seed)
         self.admission.cursor = EpochCursor(len(self.rows), seed, self.cfg.data.shuffle)
         return {"train_rows": len(self.rows), "val_rows": len(val_rows)}
@@ -227,7 +232,7 @@ class Rollouter:
             await asyncio.sleep(0.005)
         await self._let_next_batch_finish()
         self._held_at = time.monotonic()
-        await self.servers.pause("abort", idle=self.client.idle)
+        await self.servers.pause(self.cfg.async_training.on_sync, idle=self.client.idle)
 
     async def _let_next_batch_finish(self) -> None:
         """A request aborted by a sync waits for the whole hold (from the pause to the resume) and then prefills its
@@ -245,11 +250,10 @@ class Rollouter:
 
     # -- the engine port (engines/service.py) ----------------------------------------------------------------------
     async def engine(self, call: str, *args: Any) -> Any:
-        """The engine port: `call` (one of engines/service.py `PORT`: nodes, layout, rpc, rpc_all, unverifiable,
-        control_deadline_s, load_weights, weights_received, load_adapter, activate_adapter, unload_adapters, rows,
-        add, remove) on the pool's `EngineService`, for the weight transports and `fully_async.ctl engines`. Calls
-        run in the order they are sent (one actor): a transport's `load_weights` between this actor's `pause` and
-        `resume`. Before `start`: no rows, any other call fails."""
+        """The engine port: `call` (a method of fully_async/weights/port.py's `EnginePort`, the asking side that
+        sends it, and the port's one list of calls) on the pool's `EngineService`, for the weight transports and
+        `fully_async.ctl engines`. Calls run in the order they are sent (one actor): a transport's `load_weights`
+        between this actor's `pause` and `resume`. Before `start`: no rows, any other call fails."""
         if self.engine_service is None:
             if call == "rows":
                 return []
@@ -325,6 +329,7 @@ class Rollouter:
             "engine_busy_s": client.busy_seconds() if client is not None else [],
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "client": vars(client.stats) if client is not None else {},
+            "prefix_cache": client.prefix_cache.counts() if client is not None else {},
             "reward_timeouts": reward.timeouts if reward is not None else 0,
             "reward_failures": reward.failures if reward is not None else 0,
             "reward": reward.stats() if reward is not None else {},

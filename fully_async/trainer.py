@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
+from fully_async.engines.inflight import metrics as in_flight_metrics
 from fully_async.handles import resolve
 from fully_async.loggers import build_loggers
 from fully_async.message_queue import QueueTimeout
-from fully_async.metrics import JsonlWriter, plot_run, reward_source_metrics, truncate_jsonl
-from fully_async.param_sync import ParamSync, add_timings
+from fully_async.metrics import JsonlWriter, plot_run, prefix_cache_metrics, reward_source_metrics, truncate_jsonl
 from fully_async.startup import Timeline, write_record
 from fully_async.step_helpers import StepHelpers
+from fully_async.sync import ParamSync, add_timings
 from fully_async.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -364,6 +365,8 @@ def step_window(
         "perf/generated_tokens_per_s": (now["tokens"] - last["tokens"]) / step_s,
     }
     m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
+    m.update(prefix_cache_metrics(now.get("prefix_cache") or {}, last.get("prefix_cache") or {}))
+    m.update(in_flight_metrics(now.get("client") or {}, last.get("client") or {}))
     if pool:  # the elastic engine pool (fully_async/ctl.py): its size, and who joined or left since the start
         m["fully_async/engines/pool_size"] = pool["size"]
         m["fully_async/engines/pool_down"] = pool["down"]

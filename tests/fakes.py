@@ -30,9 +30,11 @@ class FakeEngine:
 
     Generation is deterministic: token i of a request is (sum(prompt) + i + weights_step) % 250 (weights_step: from
     the last reloaded directory, see _rpc), with log-prob -(token % 7) - 0.5,
-    produced one per `token_delay_s`; tokens are labelled with the version set by /update_weight_version. A pause in
-    abort mode makes in-flight requests return their tokens so far with finish_reason "abort"; requests arriving
-    while paused wait for /resume, as vLLM's do.
+    produced one per `token_delay_s`; each token is labelled with the version set by /update_weight_version when it
+    was produced (vLLM's spans). A pause in abort mode makes in-flight requests return their tokens so far with
+    finish_reason "abort"; in keep mode (recompute: keep with clear_cache=true) they freeze and go on after /resume;
+    requests arriving while paused wait for /resume, as vLLM's do. `salts`: the cache_salt of every generate body
+    (None where it had none); /reset_prefix_cache fails while a kept request holds its cache, as vLLM's does.
 
     `mode`: "ok"; "5xx" (every generate answers 500); "malformed" (200 with a body that is not JSON);
     "bad_shape" (JSON without choices); "never_healthy" (/health answers 503); "fail_first" (the first
@@ -58,6 +60,10 @@ class FakeEngine:
         self.stop_token = stop_token
         self.version = "default"
         self.paused = False
+        self.pause_params: dict[str, str] = {}
+        self.frozen = 0
+        """Requests frozen by the pause in effect (keep mode)."""
+        self.salts: list[str | None] = []
         self.generate_calls = 0
         self.prompts: list[list[int]] = []
         self.reloads: list[str] = []
@@ -122,20 +128,23 @@ class FakeEngine:
             return web.json_response({"object": "error"})
         prompt, params = body["token_ids"], body["sampling_params"]
         self.prompts.append(list(prompt))
+        self.salts.append(body.get("cache_salt"))
         await self._resume_event.wait()
         tokens: list[int] = []
+        labels: list[str] = []
         finish = "length"
         for i in range(params["max_tokens"]):
-            if self.paused:
+            if self.paused and not await self._frozen():
                 finish = "abort"
                 break
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            if self.paused:
+            if self.paused and not await self._frozen():
                 finish = "abort"
                 break
             tok = (sum(prompt) + i + self.weights_step) % 250
             tokens.append(tok)
+            labels.append(self.version)
             if tok == self.stop_token and not params.get("ignore_eos"):
                 finish = "stop"
                 break
@@ -144,11 +153,23 @@ class FakeEngine:
             "finish_reason": finish,
             "token_ids": tokens,
             "logprobs": {"content": [{"token_id": t, "logprob": -(t % 7) - 0.5} for t in tokens]},
-            "weight_versions": [{"version": self.version, "start": 0, "end": len(tokens)}],
+            "weight_versions": _spans(labels) if tokens else [{"version": self.version, "start": 0, "end": 0}],
         }
         return web.json_response({"choices": [choice]})
 
+    async def _frozen(self) -> bool:
+        """Under a keep pause: wait frozen for the resume and say so (the request goes on); else False (abort)."""
+        if self.pause_params.get("mode") != "keep":
+            return False
+        self.frozen += 1
+        try:
+            await self._resume_event.wait()
+        finally:
+            self.frozen -= 1
+        return True
+
     async def _pause(self, request: web.Request) -> web.Response:
+        self.pause_params = dict(request.query)
         self.paused = True
         self._resume_event.clear()
         return web.json_response({"status": "paused"})
@@ -189,11 +210,23 @@ class FakeEngine:
         return web.json_response({"results": [{"digest": self.lie_digest or self.loaded_digest, "source": str(path)}]})
 
     async def _reset(self, request: web.Request) -> web.Response:
-        return web.json_response({"success": True})
+        kept = self.frozen and self.pause_params.get("clear_cache") == "false"
+        return web.json_response({"success": not kept})
 
     async def _state(self, request: web.Request) -> web.Response:
         """What a test asks a fake in another process: its version label, reloads and prompts so far."""
         return web.json_response({"version": self.version, "reloads": self.reloads, "prompts": len(self.prompts)})
+
+
+def _spans(labels: list[str]) -> list[dict[str, Any]]:
+    """vLLM's weight_versions: one {version, start, end} per run of equal labels."""
+    spans: list[dict[str, Any]] = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": label, "start": i, "end": i + 1})
+    return spans
 
 
 def _files_digest(path: Path) -> str:
@@ -270,13 +303,13 @@ def _main() -> None:
 
 
 class EnginePortByName:
-    """A test rollouter answers the Rollouter's engine port (`engine(call, *args)`, engines/service.py `PORT`) with
-    its own method of the call's name."""
+    """A test rollouter answers the Rollouter's engine port (`engine(call, *args)`, a call of weights/port.py's
+    `CALLS`) with its own method of the call's name."""
 
     async def engine(self, call: str, *args):
-        from fully_async.engines.service import PORT
+        from fully_async.weights.port import CALLS
 
-        if call not in PORT:
+        if call not in CALLS:
             raise ValueError(f"the engine port has no call {call!r}")
         result = getattr(self, call)(*args)
         return await result if asyncio.iscoroutine(result) else result

@@ -104,3 +104,53 @@ def in_ci() -> bool:
     """Whether this run is CI's (.ci/run sets CI=true; so do the usual CI services): where a missing engine venv or
     tool fails a test instead of skipping it."""
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+async def frozen_across_a_reload(servers, base, new, on_sync: str, prompts: list, budget: int, settle_s: float):
+    """The on_sync contract on a real engine (CPU: tests/integration/test_engine_servers.py; GPU:
+    tests/gpu/test_inflight_gpu.py): `prompts` generate greedily at version 10 on `base`; the same requests, frozen
+    by a pause in `on_sync`'s mode `settle_s` after they all run, meet a reload to `new` as version 11. Each must
+    finish with its whole budget, never sent again, the tokens before the sync the old weights' greedy path labelled
+    10 token by token and the rest 11; under recompute the rest is exactly the new weights' greedy continuation of
+    prompt + those tokens (the KV recomputed), under keep it is not (it attends to the KV the old weights wrote) and
+    every token records that cache's version."""
+    from fully_async.engines import EngineClient, Sampling
+
+    greedy = Sampling(temperature=0.0, ignore_eos=True)
+    await servers.pause("abort")
+    await servers.load_weights(base, 10)
+    await servers.resume()
+    servers.state.on_sync = on_sync
+    client = EngineClient(servers)
+    try:
+        old = await asyncio.gather(*(client.generate(p, budget, greedy) for p in prompts))
+        tasks = [asyncio.create_task(client.generate(p, budget, greedy)) for p in prompts]
+        while sum(client.outstanding) < len(prompts):
+            assert not any(t.done() for t in tasks), "a request ended before the pause"
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(settle_s)
+        assert await servers.pause(on_sync)
+        await servers.load_weights(new, 11)
+        await servers.resume()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        splits = [list(out.versions).count(10) for out in outs]
+        conts = await asyncio.gather(*(client.generate(p + o.token_ids[:k], budget - k, greedy)
+                                       for p, o, k in zip(prompts, outs, splits)))  # fmt: skip
+    finally:
+        servers.state.on_sync = "abort"
+        await client.close()
+    same = []
+    for ref, out, k, cont in zip(old, outs, splits, conts):
+        assert 0 < k < budget, "the pause must land mid-generation for this test to mean anything"
+        assert len(out.token_ids) == budget and out.num_aborts == 0 and len(out.servers) == 1
+        assert list(out.versions) == [10] * k + [11] * (budget - k)
+        assert out.token_ids[:k] == ref.token_ids[:k]
+        same.append(out.token_ids[k:] == cont.token_ids)
+        assert out.cache_versions == (None if on_sync == "recompute" else [10] * budget)
+    stats = client.stats
+    assert stats.frozen_requests == len(prompts) and stats.client_reprefill_tokens == 0
+    if on_sync == "recompute":
+        assert all(same)
+        assert stats.engine_reprefill_tokens == sum(len(p) + k for p, k in zip(prompts, splits))
+    else:
+        assert not all(same) and stats.engine_reprefill_tokens == 0

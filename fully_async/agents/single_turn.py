@@ -49,6 +49,7 @@ class SingleTurnAgentLoop(AgentLoop):
             response_ids=tokens,
             behaviour_logprobs=logprobs,
             token_versions=versions,
+            cache_versions=None if out.cache_versions is None else out.cache_versions[: len(tokens)],
             start_version=out.start_version,
             finish_reason=finish,
             images=list(images),

@@ -146,6 +146,8 @@ class Transcript:
         self.response_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.cache_versions: list[int] = []
+        """Per response token, the oldest weights in its KV cache (async_training.on_sync=keep; else = versions)."""
         self.mask: list[int] = []
         self.images: list[bytes] = list(images)
         """Every image of the episode so far, in the order of their image tokens."""
@@ -163,14 +165,24 @@ class Transcript:
     def last_token(self) -> int | None:
         return self.response_ids[-1] if self.response_ids else None
 
-    def add_model(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
-        """Tokens the policy sampled: trained on (mask 1), with their behaviour log-probs and weight versions."""
-        if not len(token_ids) == len(logprobs) == len(versions):
-            raise ValueError(f"{len(token_ids)} tokens, {len(logprobs)} log-probs, {len(versions)} versions")
+    def add_model(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        cache_versions: Sequence[int] | None = None,
+    ) -> None:
+        """Tokens the policy sampled: trained on (mask 1), with their behaviour log-probs and weight versions (and
+        their KV cache's, `GenerationResult.cache_versions`, where the engine kept one across a sync)."""
+        cache = versions if cache_versions is None else cache_versions
+        if not len(token_ids) == len(logprobs) == len(versions) == len(cache):
+            raise ValueError(f"{len(token_ids)} tokens, {len(logprobs)} log-probs, {len(versions)} versions, "
+                             f"{len(cache)} cache versions")  # fmt: skip
         self.engine_ids.extend(int(t) for t in token_ids)
         self.response_ids.extend(int(t) for t in token_ids)
         self.logprobs.extend(float(x) for x in logprobs)
         self.versions.extend(int(v) for v in versions)
+        self.cache_versions.extend(int(v) for v in cache)
         self.mask.extend([1] * len(token_ids))
 
     def add_inserted(
@@ -184,6 +196,7 @@ class Transcript:
         self.response_ids.extend(int(t) for t in kept)
         self.logprobs.extend([0.0] * len(kept))
         self.versions.extend([NO_VERSION] * len(kept))
+        self.cache_versions.extend([NO_VERSION] * len(kept))
         self.mask.extend([0] * len(kept))
         self.images.extend(images)
 
@@ -194,6 +207,7 @@ class Transcript:
             response_ids=self.response_ids,
             behaviour_logprobs=self.logprobs,
             token_versions=self.versions,
+            cache_versions=self.cache_versions if self.cache_versions != self.versions else None,
             loss_mask=self.mask,
             images=list(self.images),
             **fields,

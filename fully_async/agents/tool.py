@@ -135,7 +135,7 @@ class ToolAgentLoop(AgentLoop):
                 if not self.continue_on_abort and any(v != start_version for v in out.versions):
                     raise _Restart  # this turn's tokens come from newer weights than the episode's first turn
                 num_aborts += out.num_aborts
-                tr.add_model(out.token_ids, out.logprobs, out.versions)
+                tr.add_model(out.token_ids, out.logprobs, out.versions, out.cache_versions)
                 info["turns"] += 1
                 if out.finish_reason == "length" and len(tr) >= self.response_length:
                     finish = "length"
@@ -194,7 +194,9 @@ class ToolAgentLoop(AgentLoop):
         timings["generate_s"] += time.monotonic() - t0
         if self.serves_vision:
             cut = self.vision.cut_response(out.token_ids, out.logprobs, out.versions, out.finish_reason)
-            out = dataclasses.replace(out, token_ids=cut[0], logprobs=cut[1], versions=cut[2], finish_reason=cut[3])
+            cache = None if out.cache_versions is None else out.cache_versions[: len(cut[0])]
+            out = dataclasses.replace(out, token_ids=cut[0], logprobs=cut[1], versions=cut[2], finish_reason=cut[3],
+                                      cache_versions=cache)  # fmt: skip
         return out
 
     async def _run_tools(

@@ -142,6 +142,13 @@ class EngineKind(abc.ABC):
 
         raise EngineError(f"engine.kind={self.name} cannot take images yet; use engine.kind=vllm (docs/vlm.md)")
 
+    def cache_salt_fields(self, salt: str) -> dict[str, Any]:
+        """Fields that keep a generate request off prefixes cached under another salt (async_training.on_sync=keep
+        salts by weight version: engines/inflight.py). A kind without a salt refuses keep."""
+        from fully_async.engines.errors import EngineError
+
+        raise EngineError(f"engine.kind={self.name} has no prefix-cache salt; async_training.on_sync=keep needs one")
+
     @abc.abstractmethod
     def parse_generate(self, body: Any) -> Segment:
         """Parse a generate response; raise ValueError when it is malformed."""
@@ -156,7 +163,8 @@ class EngineKind(abc.ABC):
 
     # ---- control-call shapes (run on every server by control.py) -----------------------------------------------------
     @abc.abstractmethod
-    def pause_call(self, mode: PauseMode) -> HttpCall: ...
+    def pause_call(self, mode: PauseMode) -> HttpCall:
+        """Pause generation; `mode` is what happens to the requests in flight (engines/inflight.py)."""
 
     @abc.abstractmethod
     def resume_call(self) -> HttpCall: ...

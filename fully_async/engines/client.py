@@ -3,10 +3,12 @@
 Contract of `generate(prompt_ids, max_tokens)`: the result never holds more than max_tokens tokens, whatever happens
 in between. A pause that aborts the request returns its tokens so far; the client waits for the resume and sends
 prompt + tokens so far with the remaining budget, so each token keeps the version of the weights that produced it
-(the engine's own label where it reports one, else the control plane's version when the segment was sent; a segment
-that outlived a version change without being aborted, as under pause(keep), is labelled with the older version). A server
-failure (connection lost, 5xx, malformed response, timeout) re-sends the same continuation to another server, up to
-engine.max_retries times; then EngineError names the server and its log. A 4xx is the request's fault: not retried.
+(the engine's own label where it reports one, else the control plane's version when the segment was sent). Under
+async_training.on_sync recompute or keep a sync freezes requests instead of aborting them: they are not re-sent, and
+their tokens keep the engine's per-token labels (fully_async/engines/inflight.py: cache versions, re-prefill counts,
+the cache salt). A server failure (connection lost, 5xx, malformed response, timeout) re-sends the same continuation
+to another server, up to engine.max_retries times; then EngineError names the server and its log. A 4xx is the
+request's fault: not retried.
 
 Behind a router (engine.router) every request goes to the router, which picks the server; the client still picks a
 slot per request, but only to account for it (outstanding, busy seconds, trace spans): the response does not say which
@@ -27,9 +29,12 @@ import aiohttp
 import numpy as np
 
 from fully_async.aio import bounded
+from fully_async.engines.affinity import Affinity
 from fully_async.engines.auth import auth_headers
 from fully_async.engines.errors import EngineError
+from fully_async.engines.inflight import record_continuation, record_segment, salt_fields, wait_resumed
 from fully_async.engines.pool import EngineServers
+from fully_async.engines.prefix_cache import PrefixCacheCounts
 from fully_async.engines.recovery import Recovery
 from fully_async.engines.slots import SlotState
 from fully_async.engines.types import GenerationResult, Sampling, Segment
@@ -51,6 +56,12 @@ class ClientStats:
     aborts: int = 0
     carried_tokens: int = 0
     """Tokens of aborted segments kept and continued under newer weights (partial rollout)."""
+    frozen_requests: int = 0
+    """Requests that outlived a sync without being aborted (on_sync recompute or keep; engines/inflight.py)."""
+    client_reprefill_tokens: int = 0
+    """Prompt + kept tokens of requests a sync aborted, sent again: prefilled again by the engine."""
+    engine_reprefill_tokens: int = 0
+    """Tokens the engines prefilled again inside themselves for frozen requests (on_sync=recompute)."""
     retries: int = 0
     restarts: int = 0
     moved: int = 0
@@ -81,6 +92,8 @@ class EngineClient:
         servers.on_dead = self.recovery.schedule_restart
         self._session: aiohttp.ClientSession | None = None
         self._next = 0
+        # Sticky routing per episode (engines/affinity.py); cached prompt tokens per server (engines/prefix_cache.py).
+        self.affinity, self.prefix_cache = Affinity(), PrefixCacheCounts()
         # Engine occupancy for the idle ratio: wall seconds each server had >= 1 request in flight.
         self._busy_s = [0.0] * len(servers.addresses)
         self._busy_since: list[float | None] = [None] * len(servers.addresses)
@@ -209,14 +222,14 @@ class EngineClient:
         failed: int | None = None
         while len(result.token_ids) < max_tokens:
             if state.paused:
-                await self._wait_resumed(None)
-            idx = self.pick(exclude=failed)
+                await wait_resumed(self.servers, None, self.resume_timeout_s)
+            idx = self.affinity.pick(self, exclude=failed)
             url = self.servers.generate_url(idx)
-            sent_version = state.version
+            sent_version, sent = state.version, list(prompt_ids) + result.token_ids
             try:
                 seg = await self._send(
                     idx,
-                    list(prompt_ids) + result.token_ids,
+                    sent,
                     max_tokens - len(result.token_ids),
                     sampling,
                     sent_version,
@@ -229,12 +242,13 @@ class EngineClient:
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
             adapters = self.servers.adapters is not None
-            _append(result, seg, take, _labels(seg, sent_version, state.version, adapters), sent_version)
+            _append(result, seg, take, _labels(seg, sent_version, adapters), sent_version)
+            record_segment(self.stats, state.on_sync, result, seg, take, sent_version, len(sent))
             result.servers.append(url)
             if seg.finish_reason != "abort":
                 result.finish_reason = "length" if seg.finish_reason == "length" else "stop"
                 break
-            await self._resume_after_abort(idx, url, result, take, continue_on_abort)
+            await self._resume_after_abort(idx, url, result, len(prompt_ids), take, continue_on_abort)
         return result
 
     async def _retry_after(self, idx: int, url: str, e: Exception, result: GenerationResult) -> None:
@@ -256,7 +270,7 @@ class EngineClient:
         await self.recovery.wait_for_a_server()
 
     async def _resume_after_abort(
-        self, idx: int, url: str, result: GenerationResult, take: int, continue_on_abort: bool
+        self, idx: int, url: str, result: GenerationResult, prompt: int, take: int, continue_on_abort: bool
     ) -> None:
         """A segment aborted by a pause (or its server leaving): wait for the resume, then keep its `take` tokens
         (partial rollout) or drop every token so far."""
@@ -270,14 +284,16 @@ class EngineClient:
         ):  # its server left the pool: go on elsewhere now, not after a resume
             self.stats.moved += 1
             if state.paused:
-                await self._wait_resumed(None)
+                await wait_resumed(self.servers, None, self.resume_timeout_s)
         else:
-            await self._wait_resumed(idx)
+            await wait_resumed(self.servers, idx, self.resume_timeout_s)
         if not continue_on_abort:
             del result.token_ids[:], result.logprobs[:], result.versions[:]
+            result.cache_versions = None
             result.start_version = state.version
         else:
             self.stats.carried_tokens += take
+        record_continuation(self.stats, prompt, len(result.token_ids))
 
     async def _send(
         self, idx: int, prompt: list[int], max_tokens: int, sampling: Sampling, version: int, images=None
@@ -304,13 +320,15 @@ class EngineClient:
                     body.update(self.servers.kind.adapter_fields(adapter))
                 if images:
                     body.update(self.servers.kind.image_fields(images))
+                body.update(salt_fields(self.servers, version))
                 async with self.session.post(url + path, json=body) as resp:
                     text = await resp.text()
                 if resp.status >= 500:
                     raise _ServerFailure(f"HTTP {resp.status}: {text[:300]}")
                 if resp.status >= 400:
                     raise EngineError(f"{url} rejected the request: HTTP {resp.status}: {text[:500]}")
-                seg = self.servers.kind.parse_generate(json.loads(text))
+                seg = self.servers.kind.parse_generate(body := json.loads(text))
+                self.prefix_cache.record(idx, body)
             tokens, finish = len(seg.token_ids), seg.finish_reason
             return seg
         except ValueError as e:  # malformed JSON or an unexpected shape
@@ -330,41 +348,17 @@ class EngineClient:
             if self.on_segment is not None:
                 self.on_segment(idx, start, end, tokens, finish)
 
-    async def _wait_resumed(self, idx: int | None) -> None:
-        """Wait until the control plane has resumed (in-process event) and, for an aborted request, until its server
-        says it is not paused (covers a control plane in another process)."""
-        state = self.servers.state
-        deadline = time.monotonic() + self.resume_timeout_s
-        while time.monotonic() < deadline:
-            if state.paused:
-                try:
-                    await bounded(state.resumed.wait(), max(0.01, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    break
-                continue
-            if idx is None:
-                return
-            try:
-                if not await self.servers.is_paused(self.servers.addresses[idx]):
-                    return
-            except EngineError as e:  # the next send will meet the failure and retry elsewhere
-                logger.warning("could not ask %s whether it is paused: %s", self.servers.addresses[idx], e)
-                return
-            await asyncio.sleep(0.05)
-        raise EngineError(f"engines stayed paused longer than {self.resume_timeout_s:g} s (engine.resume_timeout_s)")
 
-
-def _labels(seg: Segment, sent_version: int, version_now: int, adapters: bool) -> Any:
-    """The weight version of each token of `seg` (sent at `sent_version`; the pool is at `version_now`)."""
+def _labels(seg: Segment, sent_version: int, adapters: bool) -> Any:
+    """The weight version of each token of `seg` (sent at `sent_version`): the engine's own labels; `sent_version`
+    where it gave none (unlabelled tokens are filled in by `_append`)."""
     if adapters:
         # The adapter this segment named produced every token of it, whatever the pool activated meanwhile
         # (an adapter sync does not pause: the servers' version spans would say the newest).
         return [sent_version] * len(seg.token_ids)
-    if version_now != sent_version and seg.finish_reason != "abort":
-        # The weights changed while this segment was in flight without aborting it (pause(keep), or a request
-        # held by a paused server). vLLM 0.32 mislabels such spans, so the split is unknown: label every token
-        # with the older version, which can only overstate staleness, never hide it.
-        return [sent_version] * len(seg.token_ids)
+    # A segment frozen across a sync (on_sync recompute or keep) carries the engine's spans: measured exact on vLLM
+    # 0.32 (tokens before the change are the old weights' greedy path, the rest the new weights' continuation of
+    # them; tests/integration/test_engine_servers.py).
     return seg.versions if seg.versions is not None else [None] * len(seg.token_ids)
 
 

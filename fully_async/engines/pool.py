@@ -276,7 +276,9 @@ class EngineServers:
         None for a node whose copy was abandoned (its servers are set aside, control.py). Call between pause and
         resume. With adapters, a directory that holds one (a resumed run's first weights) is loaded and activated as
         the adapter of `version` beside the base model instead. Returns the servers' answers to the reload
-        (control.py `load_weights`; None for an adapter)."""
+        (control.py `load_weights`; None for an adapter). The middle one of three `load_weights`: the engine port's
+        (service.py: a transport's call, which also tells the Rollouter of the sync) calls this one, which chooses
+        between an adapter and a reload; ControlPlane.load_weights (control.py) runs the reload on the servers."""
         if self.adapters is not None and (Path(weights_dir) / "adapter_config.json").is_file():
             await self.adapters.resume(weights_dir, version, node_dirs)
             return None

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from fully_async.config.sections.async_training import SGLANG_RECOMPUTE as RECOMPUTE_REFUSED
 from fully_async.device import cpu_binding, host_cpus, resolve_dtype
 from fully_async.engines.base import REPO_ROOT, EngineKind, engine_interpreter, parse_versions
 from fully_async.engines.errors import EngineError
@@ -199,7 +200,12 @@ class SGLangKind(EngineKind):
     # ---- control plane ---------------------------------------------------------------------------------------------
     def pause_call(self, mode: PauseMode) -> HttpCall:
         # in_place: the scheduler stops and the requests keep their KV cache; they finish after continue_generation.
+        if mode == "recompute":  # refused before the run too (config/sections/async_training.py on_sync_problems)
+            raise EngineError(RECOMPUTE_REFUSED)
         return HttpCall("POST", "/pause_generation", json={"mode": "abort" if mode == "abort" else "in_place"})
+
+    def cache_salt_fields(self, salt: str) -> dict[str, Any]:
+        return {"extra_key": salt}  # part of the radix cache's key
 
     def resume_call(self) -> HttpCall:
         return HttpCall("POST", "/continue_generation", json={})
@@ -234,8 +240,10 @@ class SGLangKind(EngineKind):
             raise EngineError(f"{url}/ready: {type(e).__name__}: {e}") from e
 
     def reload_weights_call(self, weights_dir: Path) -> HttpCall:
-        # flush_cache: KV cached under the old weights must not serve continued prompts (reset_prefix_cache also runs).
-        body = {"model_path": str(weights_dir), "flush_cache": True}
+        # No flush here: SGLang fails the whole reload when requests are still running (a keep pause's frozen ones).
+        # The control plane's reset after the reload flushes what the old weights cached (/flush_cache), and skips it
+        # under a keep pause, where each request's cache salt (extra_key) keeps the versions apart (inflight.py).
+        body = {"model_path": str(weights_dir), "flush_cache": False}
         return HttpCall(
             "POST",
             "/update_weights_from_disk",

@@ -8,7 +8,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-PauseMode = Literal["abort", "keep"]
+PauseMode = Literal["abort", "recompute", "keep"]
+"""What a pause does to the requests in flight (async_training.on_sync; fully_async/engines/inflight.py says each)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class GenerationResult:
     """Times the request was re-sent after a server failure."""
     servers: list[str] = field(default_factory=list)
     """URL of the server of each segment, in order."""
+    cache_versions: list[int] | None = None
+    """The oldest weight version in each token's context (its KV cache), where it can be older than the token's own:
+    only under async_training.on_sync=keep (fully_async/engines/inflight.py); None = the same as `versions`."""
 
 
 @dataclass
@@ -94,6 +98,12 @@ class EngineState:
         self.version = 0
         self.paused = False
         """Whether the clients in this process hold their requests (a weight sync is under way)."""
+        self.on_sync: PauseMode = "abort"
+        """What the run's syncs do to requests in flight (async_training.on_sync): the clients salt their prefix
+        cache by version under keep, and label each token's cache version (fully_async/engines/inflight.py)."""
+        self.cache_kept = False
+        """Whether the pause in effect froze requests with their KV cache (keep, with a request in flight): the prefix
+        cache cannot be reset until they finish."""
         self.clients_only = False
         """Whether the pause in effect holds only the clients, not the servers: it met no request in flight
         (control.py `pause`)."""

@@ -41,7 +41,15 @@ class VLLMControlCalls:
     the same calls in process."""
 
     def pause_call(self, mode: PauseMode) -> HttpCall:
-        return HttpCall("POST", "/pause", params={"mode": mode})
+        if mode == "abort":
+            return HttpCall("POST", "/pause", params={"mode": "abort"})
+        # keep freezes the requests in the scheduler; clear_cache=true also preempts them (their KV blocks freed,
+        # prompt + tokens so far prefilled again at the resume: recompute), false leaves their KV as it is (keep).
+        clear = "true" if mode == "recompute" else "false"
+        return HttpCall("POST", "/pause", params={"mode": "keep", "clear_cache": clear})
+
+    def cache_salt_fields(self, salt: str) -> dict[str, Any]:
+        return {"cache_salt": salt}
 
     def resume_call(self) -> HttpCall:
         return HttpCall("POST", "/resume")
@@ -115,6 +123,7 @@ class VLLMKind(VLLMControlCalls, EngineKind):
             "--logprobs-mode",
             "processed_logprobs",
             "--disable-uvicorn-access-log",
+            "--enable-prompt-tokens-details",  # cached prompt tokens in each answer (engines/prefix_cache.py)
         ]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")

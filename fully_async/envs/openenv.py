@@ -228,7 +228,7 @@ class OpenEnvAgentLoop(AgentLoop):
                 if not self.continue_on_abort and any(v != start_version for v in out.versions):
                     raise _Restart  # this turn's tokens come from newer weights than the episode's first turn
                 num_aborts += out.num_aborts
-                tr.add_model(out.token_ids, out.logprobs, out.versions)
+                tr.add_model(out.token_ids, out.logprobs, out.versions, out.cache_versions)
                 info["turns"] += 1
                 t0 = time.monotonic()
                 try:

@@ -154,7 +154,7 @@ class _Interaction:
         if not loop.continue_on_abort and any(ver != self.start_version for ver in out.versions):
             raise _Restart
         self.num_aborts += out.num_aborts
-        self.tr.add_model(out.token_ids, out.logprobs, out.versions)
+        self.tr.add_model(out.token_ids, out.logprobs, out.versions, out.cache_versions)
         self.turns += 1
         if out.finish_reason == "length" and len(self.tr) >= loop.response_length:
             self.finish = "length"

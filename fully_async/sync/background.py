@@ -46,8 +46,9 @@ class BackgroundSync:
         with self._lock:
             return self._read is not None
 
-    def submit(self, version: int, reads: Timed | None, rest: Timed) -> None:
-        """Start the sync of `version` in the kept thread: `reads`, then `rest`. Returns at once."""
+    def submit(self, version: int, reads: Timed | None, rest: Timed) -> dict[str, float]:
+        """Start the sync of `version` in the kept thread: `reads`, then `rest`. Returns at once, with no timings
+        (its phases' come with `weights_read` and `collect`)."""
         with self._lock:
             if self._inflight is not None:
                 raise RuntimeError(f"a background sync is in flight: collect it before starting version {version}")
@@ -57,6 +58,7 @@ class BackgroundSync:
             done: dict[str, float] = {}
             self._read, self._read_timings, self._done = read, read_timings, done
             self._inflight = self._worker.submit(self._run, version, reads, rest, read, read_timings, done)
+        return {}
 
     def _run(self, version: int, reads: Timed | None, rest: Timed, read: threading.Event | None,
              read_timings: dict[str, float], done: dict[str, float]) -> None:  # fmt: skip

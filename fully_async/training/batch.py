@@ -54,6 +54,12 @@ class PaddedBatch:
     None for a batch without images (training/vision_batch.py)."""
     mrope_position_ids: torch.Tensor | None = None
     """(B, 4, P + R) int64 position ids of a vision-language model (text row, then mrope's three), None otherwise."""
+    cache_versions: torch.Tensor | None = None
+    """(B, R) int64 the oldest weight version in each token's KV cache (NO_VERSION on padding / tool tokens), None when
+    no row's differs from its token_versions (only async_training.on_sync=keep makes them differ); for metrics."""
+    teacher_logprobs: torch.Tensor | None = None
+    """(B, R) float32 the distillation teacher's log-probs (0 on padding), None when no row has them
+    (training/distill_loss.py)."""
 
     @property
     def size(self) -> int:
@@ -96,6 +102,12 @@ class PaddedBatch:
             # A padding row's two tokens get text positions 0, 1 on all four rows (it carries no image).
             mrope[pad_t] = (out["attention_mask"][pad_t].cumsum(-1) - 1).clamp(min=0).unsqueeze(1)
             out["mrope_position_ids"] = mrope
+        if self.cache_versions is not None:
+            out["cache_versions"] = self.cache_versions[take].clone()
+            out["cache_versions"][pad_t] = NO_VERSION
+        if self.teacher_logprobs is not None:
+            out["teacher_logprobs"] = self.teacher_logprobs[take].clone()
+            out["teacher_logprobs"][pad_t] = 0
         return PaddedBatch(group_index=group_index, source=source, **out)
 
 
@@ -129,6 +141,12 @@ def assemble(
     rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)
     group_index = np.array([t.prompt_uid for t in trajs], dtype=object)
     mm, mrope = vision_inputs(trajs, attention_mask, p, vision)
+    teacher = teacher_logprobs(trajs, r)
+    cache = None
+    if any(t.cache_versions is not None for t in trajs):
+        cache = torch.full((b, r), NO_VERSION, dtype=torch.int64)
+        for i, t in enumerate(trajs):
+            cache[i, : len(t.response_ids)] = torch.from_numpy(t.context_versions.astype(np.int64))
     return PaddedBatch(
         prompts=prompts,
         responses=responses,
@@ -141,7 +159,25 @@ def assemble(
         source=np.arange(b, dtype=np.int64),
         multi_modal_inputs=mm,
         mrope_position_ids=mrope,
+        cache_versions=cache,
+        teacher_logprobs=teacher,
     )
+
+
+def teacher_logprobs(trajs: Sequence, r: int) -> torch.Tensor | None:
+    """(B, R) the trajectories' teacher log-probs, right-padded with 0; None when none has them. Some with and some
+    without is refused: a batch is scored by the teacher whole or not at all."""
+    scored = [t.teacher_logprobs is not None for t in trajs]
+    if not any(scored):
+        return None
+    if not all(scored):
+        missing = [f"{t.prompt_uid}#{t.sample_index}" for t, ok in zip(trajs, scored) if not ok]
+        raise ValueError(f"{len(missing)} trajectories have no teacher log-probs (e.g. {missing[:3]})")
+    out = torch.zeros((len(trajs), r), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        if len(t.teacher_logprobs):
+            out[i, : len(t.teacher_logprobs)] = torch.from_numpy(t.teacher_logprobs.astype(np.float32))
+    return out
 
 
 def dp_layout(num_real: int, dp_size: int, num_mini_batches: int) -> tuple[np.ndarray, int]:

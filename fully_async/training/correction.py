@@ -82,11 +82,17 @@ def rejection_metrics(mask: torch.Tensor, keep: torch.Tensor, group_index: Seque
 
 
 def diagnostics(
-    prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor, trainer_version: int | None
+    prox: torch.Tensor,
+    behave: torch.Tensor,
+    mask: torch.Tensor,
+    versions: torch.Tensor,
+    trainer_version: int | None,
+    cache_versions: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Mismatch between trainer and engine log-probs over loss tokens: |diff|, k1 / k2 / k3, ratio tails, the
     effective sample size of the raw ratios and the non-finite rate; the same per staleness bucket when the tokens'
-    versions are known (`trainer_version` minus each token's version)."""
+    versions are known (`trainer_version` minus each token's version), and per bucket of the KV cache's staleness
+    when `cache_versions` are given (async_training.on_sync=keep: a token's context may be older than itself)."""
     loss = mask > 0
     if not loss.any():
         return {}
@@ -96,12 +102,24 @@ def diagnostics(
     out.update(_stats(prox, behave, ok, "offpolicy/"))
     if trainer_version is None:
         return out
-    gap = trainer_version - versions
+    out.update(_by_staleness(prox, behave, ok, versions, trainer_version, "offpolicy/staleness_"))
+    if cache_versions is not None:
+        older = ok & (cache_versions != NO_VERSION) & (cache_versions < versions)
+        out["offpolicy/cache_older_tokens"] = float(older.sum())
+        out.update(_by_staleness(prox, behave, ok, cache_versions, trainer_version, "offpolicy/cache_staleness_"))
+    return out
+
+
+def _by_staleness(
+    prox: torch.Tensor, behave: torch.Tensor, ok: torch.Tensor, versions: torch.Tensor, trainer: int, prefix: str
+) -> dict[str, float]:
+    gap = trainer - versions
     known = ok & (versions != NO_VERSION)
+    out: dict[str, float] = {}
     for lo, hi, name in BUCKETS:
         sel = known & (gap >= lo) & (gap <= hi)
         if sel.any():
-            out.update(_stats(prox, behave, sel, f"offpolicy/staleness_{name}/"))
+            out.update(_stats(prox, behave, sel, f"{prefix}{name}/"))
     return out
 
 

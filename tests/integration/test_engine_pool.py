@@ -202,6 +202,38 @@ async def test_a_sync_goes_on_without_a_server_that_died_under_it_and_the_server
         servers.stop()
 
 
+@pytest.mark.parametrize("on_sync", ["recompute", "keep"])
+async def test_a_server_killed_while_its_request_is_frozen_loses_it_to_the_retry_and_nothing_else(tmp_path, on_sync):
+    """async_training.on_sync freezes a request on server 0; server 0 is SIGKILLed during the sync. The frozen tokens
+    never reached the client: the request is sent again to server 1 from where the client last had it (the retry
+    path), after the resume, and finishes with its whole budget at the new version; nothing is counted twice."""
+    servers = FakeProcessServers(EngineConfig(num_servers=2, startup_timeout_s=30.0), tmp_path, tmp_path)
+    servers.token_delay_s = 0.01
+    await asyncio.to_thread(servers.start)
+    try:
+        servers.state.on_sync = on_sync
+        client = EngineClient(servers, auto_restart=False)
+        await servers.set_version(2)
+        task = asyncio.create_task(client.generate([7, 1], 40))
+        while client.outstanding[0] + client.outstanding[1] == 0:
+            await asyncio.sleep(0.005)
+        victim = 0 if client.outstanding[0] else 1
+        await asyncio.sleep(0.1)
+        assert await servers.pause(on_sync)
+        await asyncio.sleep(0.2)  # an aborted request's answer would be back by now: a frozen one never comes
+        assert not task.done()
+        os.killpg(servers.procs[victim].popen.pid, 9)
+        await servers.set_version(3)
+        await servers.resume()
+        out = await asyncio.wait_for(task, 30)
+        assert len(out.token_ids) == 40 and out.num_retries == 1 and out.num_aborts == 0
+        assert list(out.versions) == [3] * 40 and out.servers == [servers.address(1 - victim)]
+        assert client.stats.frozen_requests == 0 and client.stats.engine_reprefill_tokens == 0
+        await client.close()
+    finally:
+        servers.stop()
+
+
 def test_launch_does_not_wait_and_start_then_waits_for_the_same_processes(tmp_path):
     # The rollouter launches its servers before it loads the tokenizer (start-up's critical path), then waits in
     # `start`: `launch` returns while no server answers yet, and neither a second `launch` nor `start` launches more.

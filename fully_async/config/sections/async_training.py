@@ -9,6 +9,14 @@ from fully_async.config.base import require
 
 SYNC_MODES = ("blocking", "background")
 """Values of async_training.sync_mode."""
+ON_SYNC = ("abort", "recompute", "keep")
+"""Values of async_training.on_sync (fully_async/engines/inflight.py says what each does)."""
+SGLANG_RECOMPUTE = (
+    "async_training.on_sync=recompute is refused with engine.kind=sglang: SGLang's pause that frees a request's KV "
+    "(mode retract) leaves its prefix in the radix cache, which cannot be flushed while the request waits, so the "
+    "request could go on over KV of the old weights without anyone knowing; use keep (frozen with its KV, cache "
+    "versions recorded) or abort"
+)
 WEIGHT_TRANSPORTS = ("disk", "collective", "auto")
 """The built-in values of weight_transport (fully_async/weights/factory.py builds them)."""
 
@@ -29,6 +37,8 @@ class AsyncTrainingConfig:
     """Alias (older key) of advanced.get_timeout_s; null = unset."""
     sync_timeout_s: float | None = None
     """Alias (older key) of advanced.sync_timeout_s; null = unset."""
+    on_sync: Literal["abort", "recompute", "keep"] = "abort"
+    """What a weight sync does to the requests in flight (fully_async/engines/inflight.py; docs/algorithms.md, "Requests in flight at a sync"): abort = they return their tokens so far and the client sends prompt + tokens again after the resume (the engine prefills them again); recompute = frozen in the engine, their KV dropped and recomputed under the new weights at the resume (exact, no client round trip; vLLM); keep = frozen with their KV as it was, no prefill at all (the tokens after the sync come from new weights over a cache written by old ones; each token's cache version is recorded: offpolicy/cache_staleness_*). Needs partial_rollout=true unless abort."""
     drain_on_sync: bool = False
     """At a weight sync let every in-flight sample finish instead of aborting it (one-step-off and synchronous schedules). Without it a sync still lets requests of the trainer's next batch finish for up to the last sync's hold, and pauses the servers only if a request is still in flight (docs/architecture.md, "The pause")."""
     weight_transport: str = "auto"
@@ -63,9 +73,24 @@ class AsyncTrainingConfig:
             "(a smaller queue would stall producers that the staleness rule already admitted)",
         )
         require(self.sync_mode in SYNC_MODES, p + "sync_mode", self.sync_mode, f"one of {list(SYNC_MODES)}")
+        require(self.on_sync in ON_SYNC, p + "on_sync", self.on_sync, f"one of {list(ON_SYNC)}")
+        require(
+            self.on_sync == "abort" or self.partial_rollout,
+            p + "on_sync",
+            self.on_sync,
+            "abort when partial_rollout=false (a frozen request goes on under the new weights; partial_rollout=false "
+            "asks every sample of one version, which only abort and restart can give)",
+        )
         require(
             self.weight_transport in WEIGHT_TRANSPORTS or ":" in self.weight_transport,
             p + "weight_transport",
             self.weight_transport,
             f"one of {list(WEIGHT_TRANSPORTS)} or a dotted path 'pkg.module:Class'",
         )
+
+
+def on_sync_problems(at: AsyncTrainingConfig, engine_kind: str) -> list[str]:
+    """Cross-section: an on_sync mode the engine kind cannot give (checked before Ray)."""
+    if at.on_sync == "recompute" and engine_kind == "sglang":
+        return [SGLANG_RECOMPUTE]
+    return []

@@ -207,3 +207,19 @@ def test_transcript_arrays():
     assert (t.min_version, t.max_version) == (0, 1)  # inserted tokens do not count for staleness
     with pytest.raises(ValueError, match="2 tokens, 1 log-probs"):
         tr.add_model([1, 2], [-1.0], [0, 0])
+
+
+def test_transcript_carries_kv_cache_versions_older_than_the_tokens():
+    """on_sync=keep: a turn whose request outlived a sync has tokens of version 2 over a cache written at 1; a
+    trajectory carries cache_versions only when some differ from the tokens' own."""
+    tr = Transcript([1, 2])
+    tr.add_model([10, 11, 12], [-0.5] * 3, [1, 2, 2], [1, 1, 1])
+    tr.add_inserted([20])
+    tr.add_model([13], [-1.0], [2], None)  # a later turn sent at 2: its cache is its own version
+    t = tr.to_trajectory(prompt=PromptRef(0, 7), sample_index=0, start_version=1)
+    assert t.cache_versions.tolist() == [1, 1, 1, NO_VERSION, 2] and t.token_versions.tolist() == [1, 2, 2, -1, 2]
+    same = Transcript([1])
+    same.add_model([10], [-0.5], [3], [3])
+    assert same.to_trajectory(prompt=PromptRef(0, 8), sample_index=0).cache_versions is None
+    with pytest.raises(ValueError, match="2 cache versions"):
+        tr.add_model([1], [-1.0], [0], [0, 0])

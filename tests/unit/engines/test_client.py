@@ -188,17 +188,18 @@ async def test_abort_from_a_control_plane_elsewhere_waits_for_the_server_to_resu
     assert client.stats.aborts == 1
 
 
-async def test_segment_outliving_a_version_change_gets_the_older_version(fakes):
+async def test_segment_outliving_a_version_change_keeps_the_engines_per_token_labels(fakes):
     fake = await fakes(token_delay_s=0.01)
     client = make([fake.url])
     await client.servers.set_version(2)
     task = asyncio.create_task(client.generate([9], 20))
     await asyncio.sleep(0.05)
-    await client.servers.set_version(3)  # not paused: the in-flight request is not aborted, the fake relabels nothing
-    fake.version = "3"  # ... but claims the new label for all of it, as vLLM does after pause(keep)
+    await client.servers.set_version(3)  # not paused: the in-flight request is not aborted; the engine labels the rest
     out = await task
     await client.close()
-    assert out.versions == [2] * 20 and out.num_aborts == 0
+    k = out.versions.count(2)
+    assert 0 < k < 20 and out.versions == [2] * k + [3] * (20 - k) and out.num_aborts == 0
+    assert client.stats.frozen_requests == 1  # it outlived a version change
 
 
 async def test_pause_longer_than_resume_timeout_fails_clearly(fakes):

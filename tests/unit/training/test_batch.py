@@ -45,6 +45,16 @@ def test_assemble_pads_prompts_left_and_responses_right():
     assert b.response_lengths.tolist() == [2, 1, 3]
 
 
+def test_assemble_lays_out_kv_cache_versions_only_when_a_trajectory_has_them():
+    plain = TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [5], [8, 9], versions=[3, 4])])
+    assert B.assemble([plain]).cache_versions is None
+    kept = _traj(1, 0, [4], [11, 12, 13], loss_mask=[1, 0, 1], versions=[3, -1, 4])
+    kept.cache_versions = np.array([3, -1, 3], dtype=np.int32)
+    b = B.assemble([plain, TrajectoryGroup(PromptRef(0, 1), [kept])])
+    assert b.cache_versions.tolist() == [[3, 4, NO_VERSION], [3, NO_VERSION, 3]]  # a row without: its own versions
+    assert b.select(np.array([1, -1])).cache_versions.tolist() == [[3, NO_VERSION, 3], [NO_VERSION] * 3]
+
+
 def test_empty_response_keeps_one_masked_slot():
     b = B.assemble([TrajectoryGroup(PromptRef(0, 0), [_traj(0, 0, [1, 2], [])])])
     assert b.responses.shape == (1, 1)

@@ -202,6 +202,21 @@ def test_diagnostics_split_the_mismatch_by_staleness():
     assert d["offpolicy/k3"] > 0 and "offpolicy/staleness_1/k3" not in d
 
 
+def test_diagnostics_split_the_mismatch_by_the_kv_caches_staleness_too():
+    """on_sync=keep: a token made at the trainer's version over a cache written 2 versions earlier is at staleness 0
+    by its own version and 2 by its cache's; both splits are reported, and how many tokens' caches are older."""
+    prox, behave, mask = _logps(6)
+    versions = torch.full(prox.shape, 9)
+    cache = versions.clone()
+    cache[1:] = 7
+    d = diagnostics(prox, behave, mask, versions, 9, cache)
+    assert d["offpolicy/staleness_0/tokens"] == int(mask.sum())
+    assert d["offpolicy/cache_staleness_0/tokens"] == int(mask[0].sum())
+    assert d["offpolicy/cache_staleness_2/tokens"] == int(mask[1:].sum())
+    assert d["offpolicy/cache_older_tokens"] == int(mask[1:].sum())
+    assert "offpolicy/cache_older_tokens" not in diagnostics(prox, behave, mask, versions, 9)
+
+
 def test_verls_rollout_correction_keys_pass_straight_through():
     from fully_async.config.verl_keys import translate
 
