@@ -330,6 +330,7 @@ class Rollouter:
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "client": vars(client.stats) if client is not None else {},
             "prefix_cache": client.prefix_cache.counts() if client is not None else {},
+            "affinity": client.affinity.counts() if client is not None else {},
             "reward_timeouts": reward.timeouts if reward is not None else 0,
             "reward_failures": reward.failures if reward is not None else 0,
             "reward": reward.stats() if reward is not None else {},

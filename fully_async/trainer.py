@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fully_async.config import FullyAsyncConfig, to_dict
+from fully_async.engines.affinity import metrics as routing_metrics
 from fully_async.engines.inflight import metrics as in_flight_metrics
 from fully_async.handles import resolve
 from fully_async.loggers import build_loggers
@@ -367,6 +368,7 @@ def step_window(
     m.update(reward_source_metrics(now.get("reward", {}), last.get("reward", {})))
     m.update(prefix_cache_metrics(now.get("prefix_cache") or {}, last.get("prefix_cache") or {}))
     m.update(in_flight_metrics(now.get("client") or {}, last.get("client") or {}))
+    m.update(routing_metrics(now.get("affinity") or {}, last.get("affinity") or {}))
     if pool:  # the elastic engine pool (fully_async/ctl.py): its size, and who joined or left since the start
         m["fully_async/engines/pool_size"] = pool["size"]
         m["fully_async/engines/pool_down"] = pool["down"]

@@ -98,3 +98,18 @@ class Affinity:
 
     def counts(self) -> dict[str, int]:
         return {"sessions": len(self._home), "homed": self.homed, "stayed": self.stayed, "moved": self.moved}
+
+
+def metrics(now: dict[str, int], last: dict[str, int]) -> dict[str, float]:
+    """One step's routing metrics from two readings of `Affinity.counts()` (the rollouter's `stats()["affinity"]`):
+    the share of the step's keyed requests (those of an episode) that went to their session's home, and the sessions
+    that moved during the step (their home left, was set aside, or failed the request). No entry in a step without a
+    keyed request."""
+    delta = {k: now.get(k, 0) - last.get(k, 0) for k in ("homed", "stayed", "moved")}
+    keyed = sum(delta.values())
+    if keyed <= 0:
+        return {}
+    return {
+        "fully_async/routing/stayed_ratio": delta["stayed"] / keyed,
+        "fully_async/routing/sessions_moved": float(delta["moved"]),
+    }

@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 ONLY_SOME_STEPS = ["timing_s/validation", "val/reward_mean", "val/n", "val/version", "timing_s/final_validation", "trainer/skipped", "timing_s/save_checkpoint",
                    "fully_async/engines/pool_size", "fully_async/engines/pool_down", "timing_s/param_sync/verify",
                    "fully_async/param_sync/verified_servers", "fully_async/engines/prefix_cache_hit_rate",
-                   "agent/no_calls", "gateway/ignored_keys"]  # fmt: skip
+                   "agent/no_calls", "gateway/ignored_keys", "fully_async/routing/stayed_ratio",
+                   "fully_async/routing/sessions_moved"]  # fmt: skip
 """Logged by some steps or runs only (the recorded run predates the engine pool's metrics and the sync's proof)."""
 
 

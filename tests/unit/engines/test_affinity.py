@@ -10,7 +10,7 @@ import pytest
 
 from fully_async.config import EngineConfig, SimEngineConfig
 from fully_async.engines import EngineClient, Sampling, build_engine
-from fully_async.engines.affinity import Affinity, keyed, session
+from fully_async.engines.affinity import Affinity, keyed, metrics, session
 from fully_async.engines.slots import SlotState
 from fully_async.production import sample_id
 
@@ -44,6 +44,24 @@ def test_a_session_stays_home_whatever_the_load_and_moves_only_when_its_server_c
             assert pick(client, "ep") == home
     assert pick(client, "ep", exclude=home) != home  # the request just failed there: retried and re-homed elsewhere
     assert client.affinity.counts()["moved"] == 4 and client.affinity.counts()["homed"] == 1
+
+
+def test_step_metrics_share_the_keyed_requests_that_stayed_home_and_count_the_moves():
+    client = make(2)
+    assert metrics(client.affinity.counts(), {}) == {}  # no keyed request yet: no metric, not a ratio of 0
+    pick(client, "a"), pick(client, "b")  # two first calls
+    before = client.affinity.counts()
+    home = pick(client, "a")
+    for _ in range(2):
+        pick(client, "a"), pick(client, "b")
+    client.servers.slots.mark_down(home)
+    pick(client, "a")  # moves
+    pick(client, "c")  # a first call: a keyed request that had no home to stay at
+    with keyed(""):
+        client.affinity.pick(client)  # a request of no episode is not counted
+    m = metrics(client.affinity.counts(), before)
+    assert m == {"fully_async/routing/stayed_ratio": 5 / 7, "fully_async/routing/sessions_moved": 1.0}
+    assert metrics(before, before) == {}
 
 
 def test_homes_are_bounded_least_recently_used_first():
