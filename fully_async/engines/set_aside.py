@@ -5,9 +5,11 @@ it (engines/control.py's fan-out, module docstring there): set aside, marked dow
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from typing import Any
+
+import aiohttp
 
 from fully_async.aio import bounded
 from fully_async.engines.errors import EngineError
@@ -17,6 +19,10 @@ logger = logging.getLogger(__name__)
 NODE_TABLE_WAIT_S = 2.0
 """How long a pool-wide call waits for Ray's node table (which servers are on dead nodes) before calling every serving
 server anyway: the question must not add a deadline of its own to a sync (it answers in milliseconds)."""
+DEATH_GRACE_S = 2.0
+"""How long a server whose connection broke under a call (reset, refused, closed) may still look alive before its
+failure counts as a live server's: a SIGKILLed process's sockets close before its exit can be seen, and on a loaded
+machine that window is long enough for a fan-out to see the broken connection and then a process that still runs."""
 
 
 class Unanswered(EngineError):
@@ -74,12 +80,27 @@ async def drop_dead(pool: Any, what: str, urls: list[str], results: list[Any], d
     for k, (url, r) in enumerate(zip(urls, results)):
         if not isinstance(r, Exception) or url not in index:
             continue
-        with contextlib.suppress(TimeoutError):
-            if await bounded(asyncio.to_thread(pool.is_alive, index[url]), deadline_s):
-                continue
+        broken = isinstance(r.__cause__, aiohttp.ClientConnectionError)
+        if not await gone(pool, index[url], deadline_s, min(DEATH_GRACE_S, deadline_s) if broken else 0.0):
+            continue
         logger.warning("%s: engine server %s is gone (%s); the pool goes on without it", what, url, r)
         pool.server_died(index[url])
         out[k] = None
     if any(r is None and isinstance(x, Exception) for r, x in zip(out, results)):
         await pool.sync_router_async()
     return out
+
+
+async def gone(pool: Any, index: int, deadline_s: float, grace_s: float) -> bool:
+    """Whether server `index`'s process (or engine host, or node) is gone, looking again for up to `grace_s` while it
+    still seems alive. A liveness not known within `deadline_s` counts as gone."""
+    end = time.monotonic() + grace_s
+    while True:
+        try:
+            if not await bounded(asyncio.to_thread(pool.is_alive, index), deadline_s):
+                return True
+        except TimeoutError:
+            return True
+        if time.monotonic() >= end:
+            return False
+        await asyncio.sleep(0.05)

@@ -128,6 +128,23 @@ async def test_a_server_that_died_under_a_call_is_dropped_and_a_live_failure_sti
         await live.load_weights("/nonexistent-weights", 1)
 
 
+async def test_a_server_whose_connection_broke_is_dropped_when_its_exit_is_seen_only_after_the_failure(fakes):
+    # A SIGKILLed server's sockets close before its exit can be seen (on a loaded machine, long enough for the whole
+    # fan-out): the broken connection waits up to DEATH_GRACE_S for the process to look gone. An HTTP error of a
+    # live server does not wait.
+    dead_url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens: the connection is refused
+    servers, handed = pool([fakes[0].url, dead_url], deadline_s=5.0)
+    died_at = time.monotonic() + 0.3
+    servers.is_alive = lambda i: i == 0 or time.monotonic() < died_at
+    await servers.set_version(5)
+    assert handed == [1] and servers.serving == [0] and fakes[0].version == "5"
+    live, handed = pool([fakes[1].url])
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="no weights directory"):
+        await live.load_weights("/nonexistent-weights", 1)
+    assert time.monotonic() - start < 1.0 and handed == []
+
+
 async def test_engine_sim_sets_a_hung_engine_aside_through_the_same_path():
     cfg = EngineConfig(kind="sim", num_servers=3, control_deadline_s=0.5, control_timeout_s=30.0)
     servers = build_engine(cfg, "/nonexistent", "/tmp")
