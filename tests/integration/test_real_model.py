@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.needs_venv
 REPO = Path(__file__).resolve().parents[2]
 N = 32
 """Held-out problems: the run's validation split (a sixteenth of data.synthetic_size, at least 32) and the eval's --n."""
-TASK = ["model=smollm2", "task=arith", f"data.synthetic_size={16 * N}"]
+TASK = ["model=smollm2", "task=arith", f"data.synthetic_size={16 * N}", "engine.warmup_requests=0"]
+"""No engine warm-up in the run or the eval (the tiny model's tests cover it): on 2 cores shared with the other CI
+worker it cost this test ~40 s per engine start."""
 TWO_STEPS = ["trainer.total_steps=2", "async_training.max_staleness=0", "async_training.groups_per_step=2",
              "rollout.n=4", "trainer.val_every=2", "trainer.val_before_train=false",
              "algorithm.filter_groups.enable=false"]  # fmt: skip
