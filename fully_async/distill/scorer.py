@@ -34,7 +34,7 @@ from fully_async.aio import bounded
 from fully_async.config import DistillConfig
 from fully_async.config.sections import TEACHER_SOURCE
 from fully_async.reward import RewardDrop, RewardFatal
-from fully_async.reward.judge import RemoteError, WaitRetryAfter, parse_retry_after, retryable
+from fully_async.reward.judge import RemoteError, WaitRetryAfter, post_json, retryable
 from fully_async.reward.limiter import RateLimiter, build_limiter
 
 log = logging.getLogger(__name__)
@@ -162,18 +162,8 @@ class TeacherScorer:
         self.outstanding[idx] += 1
         self.counts["requests"] += 1
         try:
-            async with self._session.post(self.urls[idx] + self.endpoint.path, json=self.endpoint.body(ids),
-                                          headers=self.headers) as resp:  # fmt: skip
-                if resp.status != 200:
-                    text = (await resp.text())[:200]
-                    raise RemoteError(f"teacher answered HTTP {resp.status}: {text}", resp.status,
-                                      parse_retry_after(resp.headers))  # fmt: skip
-                body = await resp.json(content_type=None)
-        except aiohttp.ClientError as e:
-            await self._maybe_dead(idx)
-            raise RemoteError(f"teacher unreachable at {self.urls[idx]}: {type(e).__name__}") from None
-        except ValueError as e:
-            raise RemoteError(f"teacher sent a malformed response: {e}") from None
+            body = await post_json(self._session, self.urls[idx] + self.endpoint.path, self.endpoint.body(ids),
+                                   "teacher", self.headers, lambda: self._maybe_dead(idx))  # fmt: skip
         finally:
             self.outstanding[idx] -= 1
         try:

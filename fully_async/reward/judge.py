@@ -19,9 +19,11 @@ import os
 import random
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import tenacity
 
 from fully_async.config import ConfigError, JudgeConfig
@@ -81,6 +83,26 @@ def parse_retry_after(headers: Any) -> float | None:
     except ValueError:
         when = email.utils.parsedate_to_datetime(value) if value else None
         return max(0.0, when.timestamp() - time.time()) if when else None
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: Any, who: str, headers: Any = None,
+                    on_unreachable: Callable[[], Awaitable[None]] | None = None) -> Any:  # fmt: skip
+    """POST `body` as JSON to `url`; the JSON answer. RemoteError naming `who` on an HTTP error (with its status and
+    Retry-After, so `retryable` and WaitRetryAfter read them), an unreachable server (after `on_unreachable`), or an
+    answer that is not JSON."""
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                raise RemoteError(f"{who} answered HTTP {resp.status}: {text}", resp.status,
+                                  parse_retry_after(resp.headers))  # fmt: skip
+            return await resp.json(content_type=None)
+    except aiohttp.ClientError as e:
+        if on_unreachable is not None:
+            await on_unreachable()
+        raise RemoteError(f"{who} unreachable at {url}: {type(e).__name__}") from None
+    except ValueError as e:
+        raise RemoteError(f"{who} sent a malformed response: {e}") from None
 
 
 def redact(text: str, secret: str | None) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 from fully_async.aio import bounded
 from fully_async.config import RewardSourceConfig
-from fully_async.reward.judge import Judge, RemoteError, Reply, parse_retry_after
+from fully_async.reward.judge import Judge, RemoteError, Reply, post_json
 from fully_async.reward.sources import Source
 
 
@@ -168,17 +168,7 @@ class RewardModelService(Source):
         body: dict[str, Any] = {"messages": messages}
         if rm.model:
             body["model"] = rm.model
-        try:
-            async with self._session.post(f"{url}/{rm.endpoint}", json=body) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:200]
-                    raise RemoteError(f"reward model answered HTTP {resp.status}: {text}", resp.status,
-                                      parse_retry_after(resp.headers))  # fmt: skip
-                data = await resp.json(content_type=None)
-        except aiohttp.ClientError as e:
-            raise RemoteError(f"reward model unreachable at {url}: {type(e).__name__}") from None
-        except ValueError as e:
-            raise RemoteError(f"reward model sent a malformed response: {e}") from None
+        data = await post_json(self._session, f"{url}/{rm.endpoint}", body, "reward model")
         try:
             item = data["data"][0]
             if rm.endpoint == "classify":
