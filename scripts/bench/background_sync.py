@@ -2,6 +2,13 @@
 
     .venv/bin/python scripts/bench/background_sync.py --seeds 0 1 2 3 --out /tmp/bgsync
     .venv/bin/python scripts/bench/background_sync.py --out /tmp/bgsync --table-only     # the table of finished runs
+    .venv/bin/python scripts/bench/background_sync.py --seeds 0 1 --steps 200 --baseline /tmp/fa-base --out /tmp/gap
+
+--baseline DIR (issue 51): instead of blocking against background, this checkout's background sync against the same
+job run from another checkout (`git worktree add /tmp/fa-base COMMIT`; the same venvs run both), alternating, so a
+change of the trainer's loop is measured side by side; the third table splits the trainer's time between two
+updates by the trace's trainer spans (the waits for a batch, the sync's start and read, the step's stats call) and
+what no span covers.
 
 For each seed, the default job (`python -m fully_async.runner`, jsonl logger only) runs once with
 async_training.sync_mode=blocking and once with background, one after the other (the order alternates by seed so a
@@ -32,19 +39,24 @@ from fully_async.trace import load
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("blocking", "background")
+GAP_SPANS = ("wait_for_batch", "param_sync", "stats", "save_checkpoint")
+"""The trainer spans that fall between two updates (trainer.py)."""
 LEVEL = 0.8
 
 
-def run(out: Path, mode: str, seed: int, steps: int, extra: list[str]) -> float:
-    """One default job; returns its wall seconds. Its console output goes to out/stdout.log."""
+def run(out: Path, mode: str, seed: int, steps: int, extra: list[str], checkout: Path = REPO) -> float:
+    """One default job from `checkout` (mode "baseline": the background sync there); returns its wall seconds. Its
+    console output goes to out/stdout.log."""
     out.mkdir(parents=True, exist_ok=True)
+    mode = "background" if mode == "baseline" else mode
     cmd = [sys.executable, "-m", "fully_async.runner", f"hydra.run.dir={out}", f"seed={seed}",
            f"async_training.sync_mode={mode}", f"trainer.total_steps={steps}", "logger.backends=[jsonl]",
            *extra]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0",
+           "PYTHONPATH": str(checkout)}  # fmt: skip
     start = time.monotonic()
     with open(out / "stdout.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"{out}: the run failed (exit {proc.returncode}); see {out / 'stdout.log'}")
     return time.monotonic() - start
@@ -67,6 +79,28 @@ def from_trace(run_dir: Path) -> tuple[list[float], float]:
         for start, end in paused
     )
     return [s.dur for s in trainer if s.name == "stats"], overlap
+
+
+def between_updates(run_dir: Path) -> dict[str, float]:
+    """The trainer's seconds between one update's end and the next one's start, per step (mean), split by the trainer
+    spans that fall in that gap (clipped to it) and `untraced`, the rest; {} without a trace."""
+    try:
+        spans, _ = load(run_dir)
+    except (OSError, ValueError):
+        return {}
+    trainer = sorted((s for s in spans if s.lane == "trainer"), key=lambda s: s.start)
+    updates = [s for s in trainer if s.name == "update"]
+    gaps = list(zip((u.end for u in updates), (u.start for u in updates[1:])))
+    if not gaps:
+        return {}
+    tops = [s for s in trainer if s.name in GAP_SPANS]
+    split = dict.fromkeys(GAP_SPANS, 0.0)
+    for start, end in gaps:
+        for s in tops:
+            split[s.name] += max(0.0, min(s.end, end) - max(s.start, start))
+    total = sum(end - start for start, end in gaps)
+    split["untraced"] = total - sum(split.values())
+    return {"gap": total / len(gaps)} | {k: v / len(gaps) for k, v in split.items()}
 
 
 def summarize(run_dir: Path) -> dict:
@@ -92,6 +126,7 @@ def summarize(run_dir: Path) -> dict:
         "stats_s": statistics.mean(stats) if stats else float("nan"),
         "last20": curve["last20"],
         "reached": reached(curve, LEVEL),
+        "between": between_updates(run_dir),
     }
 
 
@@ -120,7 +155,7 @@ def per_mode(rows: list[dict]) -> str:
     columns = ["mode", "runs", "s per step (mean)", "step / update (mean)", "held by sync, s", "last 20 (mean)",
                f"{LEVEL} reached, s (median of those that did)"]  # fmt: skip
     out = []
-    for mode in MODES:
+    for mode in (*MODES, "baseline"):
         rs = [r for r in rows if r["name"].startswith(mode)]
         if not rs:
             continue
@@ -132,28 +167,45 @@ def per_mode(rows: list[dict]) -> str:
     return markdown(columns, out)
 
 
+def gaps(rows: list[dict]) -> str:
+    """Where the trainer's time between two updates went (seconds per step, from the trace)."""
+    columns = ["run", "between updates, s", *(f"{k}, s" for k in GAP_SPANS), "untraced, s"]
+    return markdown(columns, [
+        [r["name"], f"{r['between']['gap']:.4f}", *(f"{r['between'][k]:.4f}" for k in (*GAP_SPANS, "untraced"))]
+        for r in rows if r["between"]
+    ])  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=100, help="trainer.total_steps (the default job's: 100)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bgsync"))
     parser.add_argument("--table-only", action="store_true", help="summarise the runs already under --out")
+    parser.add_argument("--baseline", type=Path, help="another checkout: its background sync against this one's")
     parser.add_argument("overrides", nargs="*", help="further key=value overrides for every run")
     args = parser.parse_args()
+    modes = ("baseline", "background") if args.baseline else MODES
     if not args.table_only:
         for seed in args.seeds:
-            order = MODES if seed % 2 == 0 else tuple(reversed(MODES))
+            order = modes if seed % 2 == 0 else tuple(reversed(modes))
             for mode in order:
-                wall = run(args.out / f"{mode}_s{seed}", mode, seed, args.steps, args.overrides)
+                checkout = args.baseline if mode == "baseline" else REPO
+                wall = run(args.out / f"{mode}_s{seed}", mode, seed, args.steps, args.overrides, checkout)
                 print(f"{mode} seed {seed}: {wall:.0f} s wall", flush=True)
     rows = [
-        summarize(d) for mode in MODES for d in sorted(args.out.glob(f"{mode}_s*")) if (d / "metrics.jsonl").exists()
+        summarize(d)
+        for mode in (*MODES, "baseline")
+        for d in sorted(args.out.glob(f"{mode}_s*"))
+        if (d / "metrics.jsonl").exists()
     ]
     if not rows:
         raise SystemExit(f"no finished runs under {args.out}")
     print(per_run(rows))
     print()
     print(per_mode(rows))
+    print()
+    print(gaps(rows))
 
 
 if __name__ == "__main__":
