@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fully_async.engines import watchdog
 from fully_async.engines.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class ServerProcess:
             # of this lifeline pipe closes, i.e. when this process is gone however it died.
             lifeline_r, self._lifeline = os.pipe()
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "fully_async.engines.watchdog", str(lifeline_r), "--", *cmd],
+                watchdog.command(lifeline_r, cmd),
                 pass_fds=(lifeline_r,),
                 stdin=subprocess.DEVNULL,
                 stdout=log,

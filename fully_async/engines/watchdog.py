@@ -20,9 +20,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 POLL_S = 0.5
 GRACE_S = 10.0
+
+
+def command(lifeline_fd: int, argv: Sequence[str]) -> list[str]:
+    """The command line that runs `argv` under this watchdog: this file by its path, isolated (-I). Not `-m
+    fully_async.engines.watchdog`, which imports the package's __init__ first (0.8 CPU-s per launch here, paid by every
+    gateway episode's agent process); -I also keeps this file's folder off sys.path, where engines/types.py would
+    stand in for the standard library's `types`."""
+    return [sys.executable, "-I", str(Path(__file__).resolve()), str(lifeline_fd), "--", *argv]
 
 
 def _group_members() -> list[int]:

@@ -19,13 +19,13 @@ import inspect
 import json
 import os
 import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fully_async.engines import watchdog
 from fully_async.envs.failures import InfraError
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class CommandAgent:
         lifeline_r, self._lifeline = os.pipe()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "fully_async.engines.watchdog", str(lifeline_r), "--", *self.argv,
+                *watchdog.command(lifeline_r, self.argv),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 pass_fds=(lifeline_r,), start_new_session=True, env=self.env, cwd=self.cwd,
             )  # fmt: skip
