@@ -6,7 +6,7 @@ import ipaddress
 import shlex
 from dataclasses import dataclass, field
 
-from fully_async.config.base import ConfigError, check_dotted, require
+from fully_async.config.base import FILE_FUNCTION, ConfigError, check_dotted, require
 
 GATEWAY_LOOP = "fully_async.gateway.loop:GatewayAgentLoop"
 
@@ -16,7 +16,7 @@ class GatewayConfig:
     command: str = ""
     """The agent, run once per episode as this command line (e.g. 'python /abs/path/my_agent.py'; split like a shell does, no shell runs it): OPENAI_BASE_URL and OPENAI_API_KEY name its session, FULLY_ASYNC_TASK (and stdin) hold the prompt's fields as JSON; its answer is a POST to FULLY_ASYNC_REWARD_URL, else the JSON file FULLY_ASYNC_ANSWER_FILE, else stdout's last line (docs/agents.md); empty = use `function`."""
     function: str | None = None
-    """Or the agent as a Python callable 'pkg.mod:fn', `fn(base_url, api_key, task) -> answer` (async, or sync run in a thread; `task`: the prompt's fields); null = use `command`."""
+    """Or the agent as a Python callable 'pkg.mod:fn' (or '/abs/path/file.py:fn'), `fn(base_url, api_key, task) -> answer` (async, or sync run in a thread; `task`: the prompt's fields); null = use `command`."""
     cwd: str | None = None
     """Working directory of the agent command; null = the rollouter's."""
     env: dict[str, str] = field(default_factory=dict)
@@ -33,7 +33,8 @@ class GatewayConfig:
     """The model id /v1/models lists (requests may name any model: the policy answers them all)."""
 
     def validate_section(self, p: str) -> None:
-        check_dotted(p + "function", self.function)
+        if not (self.function and FILE_FUNCTION.match(self.function)):  # a file by absolute path loads as it is
+            check_dotted(p + "function", self.function)
         if self.command and self.function:
             raise ConfigError(f"{p}command and {p}function both name the agent; set only one")
         if self.command:

@@ -230,6 +230,19 @@ def test_the_agent_gets_the_prompts_fields_but_never_the_ground_truth(tok):
     assert seen["base_url"].startswith("http://127.0.0.1:") and seen["base_url"].endswith("/v1")
 
 
+def test_the_examples_agent_runs_as_a_callable_named_by_its_file(tok):
+    # examples/openai_agent/agent.py imports nothing of ours; named by its absolute path it runs in the rollouter's
+    # process (no `examples` package on a Ray worker's path), two calls, the second answer is the result.
+    agent = Path(__file__).resolve().parents[3] / "examples" / "openai_agent" / "agent.py"
+    loop, _, t = episode(tok, ["a", "b"], function=f"{agent}:run")
+    assert not isinstance(t, Exception), t
+    assert t.reward_info["turns"] == 2 and loop.reward_text(t) == "b"
+    cfg = compose([f"rollout.agent_loop={GATEWAY_LOOP}", f"rollout.multi_turn.gateway.function={agent}:run"])
+    assert cfg.rollout.multi_turn.gateway.function == f"{agent}:run"
+    with pytest.raises(ConfigError, match="gateway.function must be a dotted path"):
+        compose(["rollout.multi_turn.gateway.function=examples/openai_agent/agent.py:run"])  # relative: refused
+
+
 def test_gateway_config():
     cfg = compose([f"rollout.agent_loop={GATEWAY_LOOP}", "rollout.multi_turn.gateway.command=python a.py"])
     assert cfg.rollout.multi_turn.gateway.command == "python a.py"
