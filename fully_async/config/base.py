@@ -265,6 +265,14 @@ def check_dotted(key: str, value: str | None) -> None:
         raise ConfigError(f"{key} must be a dotted path 'package.module:attribute', got {value!r}")
 
 
+def check_callable(key: str, value: str | None) -> None:
+    """Raise ConfigError naming `key` unless `value` is null, a dotted path 'package.module:attribute', or a function in
+    a Python file by absolute path '/dir/file.py:function' (plugins.load imports either)."""
+    if value is not None and not (DOTTED_PATH.match(value) or FILE_FUNCTION.match(value)):
+        raise ConfigError(f"{key} must be a dotted path 'package.module:attribute' or '/abs/path/file.py:function', "
+                          f"got {value!r}")  # fmt: skip
+
+
 _NOTED: set[str] = set()
 
 

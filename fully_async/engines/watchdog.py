@@ -1,6 +1,6 @@
 """Runs a server so that it, and everything it spawns, dies with the process that launched it.
 
-    python -m fully_async.engines.watchdog LIFELINE_FD -- COMMAND...
+    python -I fully_async/engines/watchdog.py LIFELINE_FD -- COMMAND...   (watchdog.command builds it)
 
 Why: PR_SET_PDEATHSIG covers only the direct child and fires when the launching *thread* exits; vLLM's engine core
 is a grandchild that outlives a killed API server; and Ray SIGKILLs the direct children of a worker that exits, so
@@ -87,7 +87,7 @@ def _watch(lifeline: int, command: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m fully_async.engines.watchdog LIFELINE_FD -- COMMAND...", file=sys.stderr)
+        print("usage: python -I watchdog.py LIFELINE_FD -- COMMAND...", file=sys.stderr)
         return 2
     lifeline, command = int(argv[0]), argv[2:]
     pid = os.fork()

@@ -6,7 +6,7 @@ import ipaddress
 import shlex
 from dataclasses import dataclass, field
 
-from fully_async.config.base import FILE_FUNCTION, ConfigError, check_dotted, require
+from fully_async.config.base import ConfigError, check_callable, require
 
 GATEWAY_LOOP = "fully_async.gateway.loop:GatewayAgentLoop"
 
@@ -33,8 +33,7 @@ class GatewayConfig:
     """The model id /v1/models lists (requests may name any model: the policy answers them all)."""
 
     def validate_section(self, p: str) -> None:
-        if not (self.function and FILE_FUNCTION.match(self.function)):  # a file by absolute path loads as it is
-            check_dotted(p + "function", self.function)
+        check_callable(p + "function", self.function)
         if self.command and self.function:
             raise ConfigError(f"{p}command and {p}function both name the agent; set only one")
         if self.command:
