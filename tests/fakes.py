@@ -693,13 +693,13 @@ class ServersRollouter(EnginePortByName):
         return self.servers.kind.unverifiable
 
     async def load_adapter(self, name: str, path: str, node_dirs=None) -> None:
-        await self.servers.adapters.load(name, path, node_dirs)
+        await self.servers.weights.adapters.load(name, path, node_dirs)
 
     async def activate_adapter(self, name: str, version: int) -> None:
-        await self.servers.adapters.activate(name, version)
+        await self.servers.weights.adapters.activate(name, version)
 
     async def unload_adapters(self) -> dict:
-        return await self.servers.adapters.unload()
+        return await self.servers.weights.adapters.unload()
 
 
 # -- the trainer's side of a LoRA adapter sync (until the verl backend exports adapters itself) -----------------------

@@ -1,5 +1,6 @@
 """LoRA adapters served by an engine pool: which versioned adapters each server holds, which one new requests name,
-and which ones requests still use (the adapter sync, fully_async/weights/lora.py, drives it).
+and which ones requests still use (the adapter sync, fully_async/weights/lora.py, drives it). The pool holds them in
+what its servers must load before they serve (`EngineServers.weights.adapters`, served.py).
 
 Version N > 0 of the policy is the adapter `policy-vN`, loaded beside the base model in every server; version 0 is
 the base model itself (LoRA's B starts at zero, so base == adapter v0) and names no adapter. A sync loads the new

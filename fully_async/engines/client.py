@@ -241,7 +241,7 @@ class EngineClient:
                 continue
             failed = None
             take = min(len(seg.token_ids), max_tokens - len(result.token_ids))  # never past the budget
-            adapters = self.servers.adapters is not None
+            adapters = self.servers.weights.adapters is not None
             _append(result, seg, take, _labels(seg, sent_version, adapters), sent_version)
             record_segment(self.stats, state.on_sync, result, seg, take, sent_version, len(sent))
             result.servers.append(url)
@@ -301,7 +301,7 @@ class EngineClient:
         """One generate call on server `idx`; with adapters, under the adapter of `version` (counted in use until the
         answer, so that no sync unloads it meanwhile)."""
         url = self.servers.generate_url(idx)
-        adapters = self.servers.adapters
+        adapters = self.servers.weights.adapters
         adapter = adapters.acquire(version) if adapters is not None else None
         start = time.time()
         self.outstanding[idx] += 1

@@ -17,8 +17,9 @@ failed otherwise (connection refused, an HTTP error) is dropped from the call wh
 node) is gone (`_drop_dead`, which asks within `deadline_s`); a live server that failed still fails the call.
 
 The shapes of the calls come from the engine kind (base.py `EngineKind.*_call`); the servers, their states and the
-membership lock from the pool (pool.py). engine=sim runs this same fan-out, deadlines and set-aside included, and only
-delivers each call in process (sim.py `SimControl.deliver`).
+membership lock from the pool (pool.py); a sync records what it loaded in the pool's `weights` (served.py). engine=sim
+runs this same fan-out, deadlines and set-aside included, and only delivers each call in process (sim.py
+`SimControl.deliver`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fully_async.engines.auth import auth_headers
 from fully_async.engines.base import EngineKind
 from fully_async.engines.call_log import CallLog
 from fully_async.engines.errors import EngineError
+from fully_async.engines.served import ServedWeights
 from fully_async.engines.set_aside import Unanswered, drop_dead, set_aside, set_aside_lost, set_aside_unanswered
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, HttpCall, PauseMode
@@ -55,9 +57,7 @@ class ControlledPool(Protocol):
     state: EngineState
     slots: Slots
     procs: list[Any]
-    epoch: int
-    weights_dir: Path | None
-    node_dirs: dict[str, Path]
+    weights: ServedWeights
 
     @property
     def membership(self) -> NamedLock: ...
@@ -191,9 +191,10 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """The reload of `EngineServers.load_weights`, the innermost of three `load_weights` (the engine port's in
         service.py, the pool's in pool.py, this one, which sends the control calls): every serving server reloads
-        (stale ones included, so they serve again), the prefix caches are reset and the version set, all under the
-        pool's membership lock. A node mapped to None in
-        `node_dirs` got no copy of this version (the disk transport abandoned it): its servers are set aside.
+        (stale ones included, so they serve again), the directory and its node copies become the pool's
+        `weights.directory` and `weights.node_dirs` (what a server that comes back reloads), the prefix caches are
+        reset and the version set, all under the pool's membership lock. A node mapped to None in `node_dirs` got no
+        copy of this version (the disk transport abandoned it): its servers are set aside.
         Returns {url: its workers' answers to the reload} of the servers that reloaded (vLLM: each worker's digest
         of what its loader took, the proof of the sync without another round trip, weights/verify.py)."""
         pool = self.pool
@@ -201,7 +202,7 @@ class ControlPlane:
         async with pool.membership:
             routed = await self.route_copies("reload weights", node_dirs)
             answers = await self._reload_serving(weights_dir, routed)
-            pool.weights_dir, pool.node_dirs = weights_dir, routed
+            pool.weights.directory, pool.weights.node_dirs = weights_dir, routed
             rejoin = bool(pool.slots.count(SlotState.STALE))
             pool.slots.sync_reached()  # every server in the pool, stale ones included, holds this version now
             await self._reset_after_sync("a weight reload")
@@ -227,14 +228,15 @@ class ControlPlane:
 
     async def weights_received(self, version: int, epoch: int) -> None:
         """`EngineServers.weights_received`: the version without a reload; stale servers serve again only when the
-        weight group that reached every server was formed at the pool's current epoch."""
+        weight group that reached every server was formed at the pool's current `weights.epoch`; the pool's
+        `weights.directory` becomes None (a server that comes back waits as stale for the next sync)."""
         pool = self.pool
-        pool.weights_dir = None  # the latest weights are in no directory: a restart must wait for the next sync
+        pool.weights.directory = None  # the latest weights are in no directory: a restart must wait for the next sync
         await self._reset_after_sync("a weight sync")
         await self.reset_encoder_cache()  # a trained vision tower's outputs change too
         async with pool.membership:
             await self.set_version(version)
-        if epoch == pool.epoch and pool.slots.count(SlotState.STALE):
+        if epoch == pool.weights.epoch and pool.slots.count(SlotState.STALE):
             pool.slots.sync_reached()
             await pool.sync_router_async()
 

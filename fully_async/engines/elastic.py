@@ -1,19 +1,19 @@
 """Elastic changes to an engine pool while the run goes on: servers join (`join`) and leave (`leave`).
 
-A joining server serves only once it holds the current weights and version (loaded under the pool's membership lock,
-so a sync never interleaves), or waits out of rotation as STALE when those weights exist in no directory. A leaving
-server is retired first (no new requests, out of the router), then what it still runs is aborted (the client
-continues it on the others), and only then is it stopped and its host freed. Both change the pool's epoch: a weight
-group that spans the old members must be re-formed. `fully_async.ctl engines` drives them through the Rollouter
-(service.py); docs/elastic.md tells the whole story. A server that died comes back through `relaunch`: in
-place, or replaced on a new engine host when its host (or the host's node) is gone.
+A joining server serves only once it holds the current weights and version (what the pool's `weights` names,
+served.py; loaded under the pool's membership lock, so a sync never interleaves), or waits out of rotation as STALE
+when those weights exist in no directory. A leaving server is retired first (no new requests, out of the router), then
+what it still runs is aborted (the client continues it on the others), and only then is it stopped and its host
+freed. Both change the weight group's epoch (`weights.epoch`): a weight group that spans the old members must be
+re-formed. `fully_async.ctl engines` drives them through the Rollouter (service.py); docs/elastic.md tells the whole
+story. A server that died comes back through `relaunch`: in place, or replaced on a new engine host when its host (or
+the host's node) is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from fully_async.aio import NamedLock
@@ -23,6 +23,7 @@ from fully_async.engines.control import ControlPlane
 from fully_async.engines.errors import EngineError
 from fully_async.engines.hung import wait_for_host
 from fully_async.engines.process import ServerProcess, node_of
+from fully_async.engines.served import ServedWeights
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState
 from fully_async.engines.warmup import WarmupPlan, warm
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 @runtime_checkable
 class ElasticPool(Protocol):
     """What joins, leaves and comebacks read and change of the pool (pool.py `EngineServers`): its members, their
-    weights and hosts; the pool's own fields, since membership is what this room changes."""
+    weights (what they must load: `weights`, served.py) and hosts; the pool's own fields, since membership is what
+    this room changes."""
 
     kind: EngineKind
     cfg: EngineConfig
@@ -41,10 +43,7 @@ class ElasticPool(Protocol):
     slots: Slots
     procs: list[Any]
     control: ControlPlane
-    adapters: Any
-    epoch: int
-    weights_dir: Path | None
-    node_dirs: dict[str, Path]
+    weights: ServedWeights
     hosts: list[Any] | None
     host_factory: Any
     warmup: WarmupPlan | None
@@ -53,8 +52,6 @@ class ElasticPool(Protocol):
 
     @property
     def membership(self) -> NamedLock: ...
-    @property
-    def stale_on_return(self) -> bool: ...
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> Any: ...
     def node_of(self, index: int) -> dict[str, Any]: ...
     def node_dead(self, index: int) -> bool: ...
@@ -77,24 +74,25 @@ async def join(pool: ElasticPool, count: int) -> list[int]:
     joined: list[int] = []
     async with pool.membership:
         urls = [p.url for p in started]
+        weights = pool.weights
         if urls:
-            if pool.weights_dir is not None:
-                nodes = [node_of(p)["node_id"] if pool.node_dirs else None for p in started]
-                await pool.control.reload(pool.weights_dir, pool.node_dirs, started, nodes)
-            if pool.adapters is not None:
-                await pool.adapters.bring_current(started)
+            if weights.directory is not None:
+                nodes = [node_of(p)["node_id"] if weights.node_dirs else None for p in started]
+                await pool.control.reload(weights.directory, weights.node_dirs, started, nodes)
+            if weights.adapters is not None:
+                await weights.adapters.bring_current(started)
             await pool.control.call_all("set version", pool.kind.set_version_call(pool.state.version), urls)
             if pool.state.paused and not pool.state.clients_only:  # joined during a sync: paused like the others
                 await pool.control.call_all("pause", pool.kind.pause_call("abort"), urls)
         # The current weights in no directory (collective transport): it serves from the next sync on, which
         # re-forms the weight group with it (the epoch says the members changed).
-        state = SlotState.STALE if pool.stale_on_return else SlotState.SERVING
+        state = SlotState.STALE if weights.stale_on_return else SlotState.SERVING
         for proc in started:
             pool.procs.append(proc)
             joined.append(pool.slots.append(state))
             pool.pool_events.append(("join", joined[-1], proc.url, None))
         if started:
-            pool.epoch += 1
+            weights.epoch += 1
     await pool.sync_router_async()
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
@@ -132,7 +130,7 @@ async def leave(pool: ElasticPool, index: int, drained: Any = None) -> None:
     url = pool.procs[index].url
     async with pool.membership:
         pool.retire(index)
-        pool.epoch += 1  # a weight group that spans it must be re-formed without it
+        pool.weights.epoch += 1  # a weight group that spans it must be re-formed without it
     await pool.sync_router_async()  # before the abort: the router must not send the continuations back to it
     try:
         await pool.control.call_all("pause", pool.kind.pause_call("abort"), [url])
@@ -151,22 +149,23 @@ async def bring_current(pool: ElasticPool, indices) -> None:
     """Servers `indices` of `pool`, healthy again (started or restarted): the current weights (or STALE where their
     node has no copy yet), the current adapter (adapter syncs), the current version, and paused when the pool is."""
     urls = [pool.procs[i].url for i in indices]
-    if pool.weights_dir is not None:
+    weights = pool.weights
+    if weights.directory is not None:
         try:
-            await pool.control.reload_indices(pool.weights_dir, pool.node_dirs, list(indices))
+            await pool.control.reload_indices(weights.directory, weights.node_dirs, list(indices))
         except EngineError as e:
             # Multi-node disk weights: a server replaced onto a node that has no copy yet cannot read the
             # trainer's directory. It waits out of rotation (stale) for the next sync, which copies to its node.
-            uncopied = [i for i in indices if pool.node_dirs and pool.node_of(i)["node_id"] not in pool.node_dirs]
+            uncopied = [i for i in indices if weights.node_dirs and pool.node_of(i)["node_id"] not in weights.node_dirs]
             if not uncopied:
                 raise
             logger.warning("servers %s have no copy of the weights on their node yet (%s); they serve from the "
                            "next sync on", [pool.procs[i].url for i in uncopied], e)  # fmt: skip
             for i in uncopied:
                 pool.slots.mark_stale(i)
-            pool.epoch += 1
-    if pool.adapters is not None:  # the current adapter, from its node's copy where there is one
-        await pool.adapters.bring_current([pool.procs[i] for i in indices])
+            weights.epoch += 1
+    if weights.adapters is not None:  # the current adapter, from its node's copy where there is one
+        await weights.adapters.bring_current([pool.procs[i] for i in indices])
     await pool.control.call_all("set version", pool.kind.set_version_call(pool.state.version), urls)
     if pool.state.paused and not pool.state.clients_only:  # back during a sync: paused like the others
         await pool.control.call_all("pause", pool.kind.pause_call("abort"), urls)
@@ -178,17 +177,17 @@ def came_back(pool: ElasticPool, index: int) -> None:
     formed meanwhile without it: the epoch moves, so the next sync re-forms the group with it (else that group's
     "every server received it" would clear a mark it never reached)."""
     was_down = pool.slots[index] is SlotState.DOWN
-    pool.slots.back_up(index, stale=pool.stale_on_return)
+    pool.slots.back_up(index, stale=pool.weights.stale_on_return)
     if was_down and pool.slots[index] is SlotState.STALE:
-        pool.epoch += 1
+        pool.weights.epoch += 1
 
 
 def relaunch(pool: ElasticPool, index: int) -> None:
     """Start server `index` of `pool` again and wait until healthy (weights not loaded yet). A server whose engine
     host is gone (its node lost) gets a new host from `host_factory`, on whatever node has room: a new address."""
     proc = pool.procs[index]
-    pool.epoch += 1  # its workers are new processes: any weight group it was in is gone
-    if pool.stale_on_return and pool.slots[index] is SlotState.SERVING:
+    pool.weights.epoch += 1  # its workers are new processes: any weight group it was in is gone
+    if pool.weights.stale_on_return and pool.slots[index] is SlotState.SERVING:
         pool.slots.mark_stale(index)  # it comes back on its start-up weights; the next sync brings it up to date
     verdict = host_verdict(pool, index) if pool.replaceable(index) else "alive"
     if verdict != "alive":

@@ -1,5 +1,7 @@
 """The engine pool: N servers of one kind, their lifecycle (start, stop, restart, relaunch, replace), membership and
-elastic changes (add, remove), one state per server slot (slots.py), and the router's worker list.
+elastic changes (add, remove), one state per server slot (slots.py), and the router's worker list. What the servers
+must load before they serve (the latest weights' directory and node copies, the adapters, the weight group's epoch)
+is one object the pool holds, `weights` (served.py).
 
 An `EngineServers` owns its server processes (children of this process, or each under an `EngineHost` actor on its
 node, or attached by address) and drives all of them at once through its `ControlPlane` (control.py). It holds one
@@ -8,10 +10,10 @@ control one server; `EngineClient` (client.py) sends generate requests to the se
 died (`server_died`) or leave (`retire`).
 
 Versions: `state.version` is the number of completed weight syncs whose weights the serving servers hold. A server
-that joins or comes back gets the current weights and version before it serves (under `membership`, the lock a
-sync's reload and version also hold), or waits out of rotation as STALE when those weights exist in no directory.
-`epoch` changes whenever the servers' workers change (a restart, a join, a node without a weights copy): a weight
-group formed at an older epoch must be re-formed.
+that joins or comes back gets the current weights (`weights`) and version before it serves (under `membership`, the
+lock a sync's reload and version also hold), or waits out of rotation as STALE when those weights exist in no
+directory. `weights.epoch` changes whenever the servers' workers change (a restart, a join, a node without a weights
+copy): a weight group formed at an older epoch must be re-formed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fully_async.engines.elastic import join, leave, relaunch
 from fully_async.engines.errors import EngineError
 from fully_async.engines.lifecycle import server_process
 from fully_async.engines.process import ServerProcess, node_of
+from fully_async.engines.served import ServedWeights
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState, PauseMode
 from fully_async.engines.warmup import WarmupPlan
@@ -63,24 +66,20 @@ class EngineServers:
         addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
         host's node; neither: the servers are child processes of this one. weight_receiver: the run uses the
-        collective transport (async_training.weight_transport=collective); vLLM servers load the worker extension
-        whatever it says."""
+        collective transport (async_training.weight_transport=collective; kept as `weights.collective`); vLLM servers
+        load the worker extension whatever it says."""
         self.kind = kind
         self.cfg: EngineConfig = kind.cfg
         self.model_path = kind.model_path
         self.run_dir = Path(run_dir)
         self.device = kind.device
         self.state = EngineState()
-        self.weights_dir: Path | None = None
-        """Directory of the weights loaded last; a restarted server reloads it (or its node's copy, below)."""
-        self.node_dirs: dict[str, Path] = {}
-        """Ray node id -> that node's copy of `weights_dir`, for servers on nodes that cannot read it (disk
-        transport, fully_async/weights/disk.py)."""
-        self.weight_receiver = weight_receiver
-        self.adapters = Adapters(self, kind.lora) if kind.lora is not None else None
-        """The versioned LoRA adapters the servers hold (None: full-weight syncs only)."""
-        self.epoch = 0
-        """Bumped whenever the servers' workers change: a weight group formed at an older epoch must be re-formed."""
+        """The version and pause state the control plane and the clients of this process share (types.py): the pool's,
+        not `weights`'s, since every request reads the version beside the pause; `weights` reads it from here."""
+        adapters = Adapters(self, kind.lora) if kind.lora is not None else None
+        self.weights = ServedWeights(self.state, adapters, collective=weight_receiver)
+        """What a server that joins or comes back loads before it serves (served.py): the latest weights' directory
+        and node copies, the adapters, the weight group's epoch."""
         self.hosts = hosts
         self.host_factory: Any = None
         """Makes engine hosts for servers added or replaced while the run goes on (`create(index)`, `release(host)`);
@@ -149,13 +148,6 @@ class EngineServers:
     def retire(self, index: int) -> None:
         """Server `index` takes no new request from now on (the first step of `remove`)."""
         self.slots.retire(index)
-
-    @property
-    def stale_on_return(self) -> bool:
-        """Whether a server that (re)starts now cannot get the current weights: they are in no directory (collective
-        transport) and differ from the start-up ones. With adapters it can: the base model it starts on and the
-        current adapter it loads (`elastic.bring_current`)."""
-        return self.weights_dir is None and self.state.version > 0 and self.adapters is None
 
     # ---- addresses, logs, router -------------------------------------------------------------------------------------
     @property
@@ -279,8 +271,9 @@ class EngineServers:
         (control.py `load_weights`; None for an adapter). The middle one of three `load_weights`: the engine port's
         (service.py: a transport's call, which also tells the Rollouter of the sync) calls this one, which chooses
         between an adapter and a reload; ControlPlane.load_weights (control.py) runs the reload on the servers."""
-        if self.adapters is not None and (Path(weights_dir) / "adapter_config.json").is_file():
-            await self.adapters.resume(weights_dir, version, node_dirs)
+        adapters = self.weights.adapters
+        if adapters is not None and (Path(weights_dir) / "adapter_config.json").is_file():
+            await adapters.resume(weights_dir, version, node_dirs)
             return None
         return await self.control.load_weights(weights_dir, version, node_dirs)
 
@@ -290,11 +283,11 @@ class EngineServers:
         await self.control.weights_received(version, epoch)
 
     def layout(self, down: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
-        """For the collective transport: the pool's epoch and the servers a weight group spans now (all in the pool
-        but `down`), each with its index, URL and worker count."""
+        """For the collective transport: the weight group's epoch (`weights.epoch`) and the servers it spans now (all
+        in the pool but `down`), each with its index, URL and worker count."""
         servers = [{"index": i, "url": self.procs[i].url, "workers": self.kind.workers_per_server}
                    for i in self.live if i not in down]  # fmt: skip
-        return {"epoch": self.epoch, "servers": servers}
+        return {"epoch": self.weights.epoch, "servers": servers}
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------------
     def new_process(self, index: int, port: int | None = None, host: Any = None) -> ServerProcess:

@@ -74,8 +74,8 @@ class EngineService:
         return out
 
     def layout(self) -> dict[str, Any]:
-        """For the collective transport: the pool's epoch and the servers a weight group spans now (not those the
-        client holds down), each with its index, URL and worker count."""
+        """For the collective transport: the weight group's epoch and the servers a weight group spans now (not those
+        the client holds down), each with its index, URL and worker count."""
         return self.servers.layout(self.servers.down)
 
     async def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> list[Any]:
@@ -110,16 +110,16 @@ class EngineService:
 
     async def load_adapter(self, name: str, path: str, node_dirs: dict[str, str | None] | None = None) -> None:
         """Every engine loads the LoRA adapter in `path` (or its node's copy) as `name` (the adapter transport)."""
-        await self.servers.adapters.load(name, path, node_dirs)
+        await self.servers.weights.adapters.load(name, path, node_dirs)
 
     async def activate_adapter(self, name: str, version: int) -> None:
         """New requests name adapter `name`: the engines serve `version` from now on (no pause was needed)."""
-        await self.servers.adapters.activate(name, version)
+        await self.servers.weights.adapters.activate(name, version)
         self.synced(version, True)
 
     async def unload_adapters(self) -> dict[str, list[str]]:
         """Unload the adapters no request names any more, beyond the newest kept (engines/adapters.py)."""
-        return await self.servers.adapters.unload()
+        return await self.servers.weights.adapters.unload()
 
     async def rpc_all(self, method: str, spec: str) -> dict[str, Any] | None:
         """The worker extension's `method(spec)` on every serving server at once, each within

@@ -24,8 +24,9 @@ the send with an error naming the servers before ParamSync's watchdog would fire
 message names the servers that had not answered.
 
 A server restarted between syncs comes back on its start-up weights: the engine pool keeps it out of rotation
-(its slot is STALE, engines/slots.py) and bumps its epoch; the next sync re-forms the group and sends it the current version like
-every other server (weights already in memory on the trainer; nothing is written to disk).
+(its slot is STALE, engines/slots.py) and bumps the epoch of its weights (engines/served.py); the next sync re-forms
+the group and sends it the current version like every other server (weights already in memory on the trainer;
+nothing is written to disk).
 
 Background syncs (async_training.sync_mode=background): the trainer's next update waits only for `stage` (a reading
 phase), a copy of the weights into one staging buffer per bucket (advanced.staging: `device`, a second copy on the

@@ -65,7 +65,8 @@ class EnginePort:
 
     @_call
     def layout(self) -> InFlight[dict[str, Any]]:
-        """The pool's epoch and the servers a weight group spans now, each with its index, URL and worker count."""
+        """The weight group's epoch (the pool's `weights.epoch`) and the servers a weight group spans now, each with its
+        index, URL and worker count."""
 
     @_call
     def rpc(self, index: int, method: str, spec: str, timeout_s: float) -> InFlight[list[Any]]:

@@ -270,8 +270,7 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     try:
         for count in args.servers:
             pool = build_engine(cfg, model, work / "run", addresses=launched.addresses[:count])
-            if hasattr(pool, "weight_receiver"):
-                pool.weight_receiver = launched.weight_receiver
+            pool.weights.collective = launched.weights.collective
             handle = LocalActor(BenchRollouter(pool))
             syncs = {}
             for kind, why in kinds.items():

@@ -162,13 +162,13 @@ async def test_a_server_added_when_the_weights_are_in_no_directory_waits_for_the
     await asyncio.to_thread(servers.start)
     try:
         client = EngineClient(servers)
-        await servers.weights_received(2, servers.epoch)  # a collective sync: version 2, no directory
-        epoch = servers.epoch
+        await servers.weights_received(2, servers.weights.epoch)  # a collective sync: version 2, no directory
+        epoch = servers.weights.epoch
         (index,) = await servers.add(1)
-        assert servers.stale == {index} and servers.epoch == epoch + 1
+        assert servers.stale == {index} and servers.weights.epoch == epoch + 1
         results = await asyncio.gather(*(client.generate([3, i], 2) for i in range(4)))
         assert all(r.servers == [servers.address(0)] for r in results)  # never the stale one
-        await servers.weights_received(3, servers.epoch)  # the next sync reached it
+        await servers.weights_received(3, servers.weights.epoch)  # the next sync reached it
         assert servers.stale == set()
         await client.close()
     finally:

@@ -222,7 +222,7 @@ async def test_reload_equals_fresh_server_on_new_weights(engine, models):
     assert reloaded == engine.fresh_outputs  # what this server gave when it had just started on the new weights
     assert reloaded != old_out
     out = await client.generate(PROMPTS[0], 4, GREEDY)
-    assert out.versions == [7] * 4 and engine.weights_dir == new.resolve()
+    assert out.versions == [7] * 4 and engine.weights.directory == new.resolve()
     await client.close()
 
 
@@ -310,7 +310,7 @@ async def test_killed_server_mid_request_is_retried_elsewhere_then_restarted(kin
 async def test_killed_lone_server_fails_with_its_log_then_restarts_on_its_weights(kind, engine, models):
     """SGLang only (vLLM kills its second server above): the session's only server is killed mid-request; with no
     other server the request fails after its retries naming the server and its log; the restarted server serves the
-    weights and version it had (reloaded from engine.weights_dir, version set), so outputs equal those before."""
+    weights and version it had (reloaded from engine.weights.directory, version set), so outputs equal those before."""
     if kind == "vllm":
         pytest.skip("vLLM runs the two-server kill test (test_killed_server_mid_request_is_retried_elsewhere_...)")
     new = models[1]

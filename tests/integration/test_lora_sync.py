@@ -126,7 +126,7 @@ def test_outputs_under_a_loaded_adapter_equal_the_merged_model_and_change_with_t
     backend = sync.backend
     timings = sync.sync(1)
     assert "timing_s/param_sync/pause" not in timings and "timing_s/param_sync/verify" in timings
-    assert servers.state.version == 1 and servers.adapters.current == "policy-v1"
+    assert servers.state.version == 1 and servers.weights.adapters.current == "policy-v1"
     v1 = asyncio.run(_generate(servers))
     for prompt, got in zip(PROMPTS, v1):
         tokens, logprobs = _merged_greedy(backend, prompt, N)
@@ -157,9 +157,9 @@ def test_an_old_version_in_flight_finishes_on_its_own_adapter_while_newer_ones_a
     thread = threading.Thread(target=in_flight)
     thread.start()
     deadline = time.monotonic() + 30
-    while servers.adapters.in_use.get("policy-v11", 0) < len(long_prompts) and time.monotonic() < deadline:
+    while servers.weights.adapters.in_use.get("policy-v11", 0) < len(long_prompts) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert servers.adapters.in_use["policy-v11"] == len(long_prompts)
+    assert servers.weights.adapters.in_use["policy-v11"] == len(long_prompts)
     # The client counts a request from the moment it picks its adapter; wait until the server runs all of them (a
     # request that reached the server only after the pause below would not be frozen mid-generation).
     while _running(servers) < len(long_prompts) and time.monotonic() < deadline:
@@ -173,17 +173,17 @@ def test_an_old_version_in_flight_finishes_on_its_own_adapter_while_newer_ones_a
             backend.step(version)
             sync.sync(version)
         still_running = thread.is_alive()
-        loaded = servers.adapters.state()["loaded"]
+        loaded = servers.weights.adapters.state()["loaded"]
     finally:
         asyncio.run(servers.resume())
     thread.join(120)
     assert still_running
-    assert "policy-v11" in loaded and servers.adapters.current == "policy-v13"
+    assert "policy-v11" in loaded and servers.weights.adapters.current == "policy-v13"
     for got, want in zip(box["out"], alone):
         assert list(got.token_ids) == list(want.token_ids)  # on its own adapter to the end
         assert set(got.versions) == {11}
     sync.sync(14)  # nothing names v11 now: it goes
-    assert servers.adapters.state()["loaded"] == ["policy-v13", "policy-v14"]
+    assert servers.weights.adapters.state()["loaded"] == ["policy-v13", "policy-v14"]
     assert sorted(p.name for p in sync.transport.root.glob("v*")) == ["v13", "v14"]
 
 
@@ -196,7 +196,7 @@ def test_an_adapter_the_server_refuses_fails_the_sync_within_the_watchdog_naming
     with pytest.raises(ParamSyncError, match=rf"'load' failed.*{servers.addresses[0]}"):
         sync.sync(22)
     assert time.monotonic() - start < SYNC_TIMEOUT_S
-    assert servers.state.version == 21 and servers.adapters.current == "policy-v21"
+    assert servers.state.version == 21 and servers.weights.adapters.current == "policy-v21"
     after = asyncio.run(_generate(servers))
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
 
@@ -237,7 +237,7 @@ def test_a_server_stopped_during_a_load_fails_the_sync_naming_it_and_restarted_i
         assert time.monotonic() - start < SYNC_TIMEOUT_S
     finally:
         os.killpg(group, signal.SIGCONT)
-    assert servers.state.version == 41 and servers.adapters.current == "policy-v41"
+    assert servers.state.version == 41 and servers.weights.adapters.current == "policy-v41"
     asyncio.run(servers.restart_async(0))  # what the client's recovery does with a server set aside
     assert verify_engines(handle, sync.transport.expected[41], "fa_adapter_digest", {"name": "policy-v41"}, "v41")
     got = asyncio.run(_generate(servers))

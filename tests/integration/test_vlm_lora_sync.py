@@ -135,7 +135,7 @@ def test_image_prompts_under_a_synced_adapter_equal_the_merged_model_and_a_sync_
         # No pause, and the verify phase passed: the server holds exactly the file's adapter.
         assert "timing_s/param_sync/pause" not in timings
         assert timings["fully_async/param_sync/verified_servers"] == 1.0
-        assert servers.adapters.current == "policy-v1"
+        assert servers.weights.adapters.current == "policy-v1"
         v1 = asyncio.run(generate_images(servers, prompts))
         for (ids, images), got in zip(prompts, v1, strict=True):
             tokens, logprobs = _merged_greedy(backend, model, ids, images)

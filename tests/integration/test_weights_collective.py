@@ -225,9 +225,9 @@ def test_a_restarted_server_rejoins_and_gets_the_current_version_before_serving(
     sync = _sync(handle, StateDictBackend(models[1]), tmp_path)
     try:
         sync.sync(3)
-        epoch = servers.epoch
+        epoch = servers.weights.epoch
         servers.restart(1)  # comes back on its start-up weights (models[0])
-        assert servers.epoch == epoch + 1 and servers.stale == {1}
+        assert servers.weights.epoch == epoch + 1 and servers.stale == {1}
         client = EngineClient(servers)
         assert {client.pick() for _ in range(4)} == {0}  # kept out of rotation meanwhile
         asyncio.run(client.close())

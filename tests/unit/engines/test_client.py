@@ -128,7 +128,7 @@ async def test_abort_continue_keeps_budget_and_splits_versions(fakes, tmp_path, 
     # The continuation was sent as prompt + tokens so far with the remaining budget.
     assert fake.prompts[-1] == prompt + out.token_ids[:k]
     assert fake.reloads == [str(tmp_path.resolve())]
-    assert servers.state.version == 1 and servers.weights_dir == tmp_path.resolve()
+    assert servers.state.version == 1 and servers.weights.directory == tmp_path.resolve()
 
 
 async def test_a_pause_that_meets_no_request_in_flight_holds_only_the_client_and_a_new_request_waits(fakes, tmp_path):

@@ -41,7 +41,7 @@ async def _across_a_sync(fake: FakeEngine, on_sync: str):
     kept = servers.state.cache_kept
     await asyncio.sleep(0.05)
     assert not task.done()
-    await servers.weights_received(3, servers.epoch)
+    await servers.weights_received(3, servers.weights.epoch)
     await servers.resume()
     out = await task
     await client.close()

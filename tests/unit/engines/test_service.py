@@ -124,7 +124,7 @@ async def test_the_port_answers_its_calls_tells_the_rollouter_of_syncs_and_refus
         assert await port.call("unverifiable") == "engine=sim holds no weights"
         await port.call("load_weights", str(tmp_path), 3)
         assert servers.state.version == 3 and synced == [(3, False)]  # a reload serves from the resume on
-        await port.call("weights_received", 4, servers.epoch)
+        await port.call("weights_received", 4, servers.weights.epoch)
         assert servers.state.version == 4 and synced == [(3, False), (4, False)]
         assert (await port.call("remove", "sim://engine-1"))["live"] == 1  # engine.min_servers=1 from the config
         with pytest.raises(ValueError, match="engine.min_servers=1"):

@@ -65,9 +65,9 @@ async def test_a_server_that_died_is_down_until_restarted_then_serves():
 async def test_a_removed_server_is_retired_and_never_picked_again():
     pool = sim_pool()
     client = EngineClient(pool)
-    epoch = pool.epoch
+    epoch = pool.weights.epoch
     moved = await client.remove_server(0, drain_timeout_s=1.0)
-    assert moved == 0 and pool.slots[0] is S.RETIRED and client.retired == {0} and pool.epoch == epoch + 1
+    assert moved == 0 and pool.slots[0] is S.RETIRED and client.retired == {0} and pool.weights.epoch == epoch + 1
     assert pool.live == [1, 2] and pool.layout()["servers"] == [
         {"index": i, "url": pool.address(i), "workers": 1} for i in (1, 2)
     ]
@@ -80,16 +80,16 @@ async def test_a_removed_server_is_retired_and_never_picked_again():
 
 async def test_the_pool_retires_a_server_it_removes_on_its_own():
     pool = sim_pool(2)
-    epoch = pool.epoch
+    epoch = pool.weights.epoch
     await pool.remove(1)  # no client in front: the pool itself takes it out of rotation and of the weight group
-    assert pool.slots[1] is S.RETIRED and pool.live == [0] and pool.epoch == epoch + 1
+    assert pool.slots[1] is S.RETIRED and pool.live == [0] and pool.weights.epoch == epoch + 1
 
 
 async def test_a_stale_server_gets_the_next_sync_and_serves_again():
     pool = sim_pool(2)
     pool.slots.mark_stale(1)
     assert pool.serving == [0, 1] and pool.routed_urls() == [pool.address(0)]
-    await pool.weights_received(1, pool.epoch - 1)  # a weight group formed before it came back: still stale
+    await pool.weights_received(1, pool.weights.epoch - 1)  # a weight group formed before it came back: still stale
     assert pool.stale == {1}
     await pool.load_weights("/tmp", 2)  # a disk sync reloads every serving server, stale ones included
     assert pool.stale == frozenset() and [e.version for e in pool.kind.engines] == [2, 2]
@@ -105,7 +105,7 @@ async def test_a_dead_server_back_on_old_weights_is_stale_until_a_group_formed_a
     fakes = [await FakeEngine().start() for _ in range(2)]
     pool = build_engine(EngineConfig(control_timeout_s=5.0), "/nonexistent", tmp_path, addresses=[f.url for f in fakes])
     try:
-        await pool.weights_received(2, pool.epoch)  # a collective sync: version 2 exists in no directory
+        await pool.weights_received(2, pool.weights.epoch)  # a collective sync: version 2 exists in no directory
         pool.server_died(1)
         await pool.restart_async(1)
         assert pool.slots[1] is S.STALE and fakes[1].version == "2"  # labelled, but on its start-up weights

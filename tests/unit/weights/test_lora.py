@@ -108,7 +108,7 @@ async def test_sglang_adapter_sync_calls_and_the_unload_rule_against_a_stand_in_
     fake = await FakeSGLangLora(token_delay_s=0.01).start()
     cfg = EngineConfig(kind="sglang", python=python, control_deadline_s=5, control_timeout_s=5)
     pool = build_engine(cfg, model, tmp_path, addresses=[fake.url], device="cuda", lora=LoraServing(2, 8))
-    adapters = pool.adapters
+    adapters = pool.weights.adapters
     client = EngineClient(pool)
     try:
         base = await client.generate([1, 2], 3, Sampling(temperature=0.0))
@@ -152,7 +152,7 @@ async def test_a_weights_directory_holding_an_adapter_is_loaded_and_activated_as
     try:
         await pool.load_weights(_adapter(tmp_path, "v5"), 5)  # what Rollouter.start does with a checkpoint's export
         assert fake.calls == [("load", "policy-v5")] and pool.state.version == 5
-        assert pool.adapters.current == "policy-v5" and pool.adapters.acquire(5) == "policy-v5"
+        assert pool.weights.adapters.current == "policy-v5" and pool.weights.adapters.acquire(5) == "policy-v5"
     finally:
         await fake.stop()
 

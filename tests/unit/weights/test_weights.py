@@ -210,7 +210,7 @@ async def test_the_reload_goes_to_each_nodes_copy_and_a_restarted_server_reloads
         await bring_current(servers, [1])  # what restart() runs once the server is healthy again
         assert fakes[1].reloads == [str(copy_b)] * 2
         await servers.load_weights(src, 2)  # back on one node: everything from the source
-        assert [f.reloads[-1] for f in fakes] == [str(src.resolve())] * 3 and servers.node_dirs == {}
+        assert [f.reloads[-1] for f in fakes] == [str(src.resolve())] * 3 and servers.weights.node_dirs == {}
     finally:
         for f in fakes:
             await f.stop()
