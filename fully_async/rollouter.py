@@ -47,7 +47,6 @@ from fully_async.reward import RewardAgent
 from fully_async.staleness import StalenessLedger
 from fully_async.trace import Tracer
 from fully_async.validation import Validation
-from fully_async.weights.factory import engine_receiver
 from fully_async.weights.lora import adapter_sync_plan
 
 log = logging.getLogger(__name__)
@@ -142,10 +141,9 @@ class Rollouter:
             at = self.cfg.async_training
             self.admission.ledger = StalenessLedger.from_state(ledger_state, at.max_staleness, at.groups_per_version)
         device = run_device(self.cfg.trainer.device)  # the job has decided it; "auto" only outside a job
-        collective = engine_receiver(self.cfg.async_training.weight_transport)
         lora, _ = adapter_sync_plan(self.cfg, device)  # the job says once why a LoRA run syncs merged weights
         self.servers = build_engine(self.cfg.engine, self.model_path, self.run_dir, hosts=hosts, device=device,
-                                    weight_receiver=collective, lora=lora)  # fmt: skip
+                                    lora=lora)  # fmt: skip
         self.servers.host_factory = host_factory if hosts else None
         self.servers.state.on_sync = self.cfg.async_training.on_sync  # what a sync does to requests in flight
         # The servers' launch is the start-up's critical path: it begins before the tokenizer's import and load and

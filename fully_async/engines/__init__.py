@@ -57,14 +57,12 @@ def build_engine(
     addresses: list[str] | None = None,
     hosts: list | None = None,
     device: str | None = None,
-    weight_receiver: bool = False,
     lora: Any = None,
 ) -> EngineServers:
     """An unstarted server pool of kind cfg.kind (call start(); or pass addresses of servers already running).
     `hosts`: EngineHost actors that run the servers on their nodes (engines/host.py); `device`: cuda | cpu;
-    `weight_receiver`: the run uses the collective weight transport (vLLM servers load its receiver, the worker
-    extension, either way: every reload goes through it); `lora` (a LoraServing): the servers serve versioned LoRA
-    adapters (vLLM, SGLang on GPUs)."""
+    `lora` (a LoraServing): the servers serve versioned LoRA adapters (vLLM, SGLang on GPUs). vLLM servers always
+    start with the weight receiver (the worker extension every reload goes through, whatever the transport)."""
     if cfg.kind == "sim":
         from fully_async.engines.sim import SimKind
 
@@ -83,4 +81,4 @@ def build_engine(
         kind = SGLangKind(cfg, model_path, device, lora)
     else:
         raise ConfigError(f"engine.kind must be one of ['vllm', 'sglang', 'sim'], got {cfg.kind!r}")
-    return EngineServers(kind, run_dir, addresses=addresses, hosts=hosts, weight_receiver=weight_receiver)
+    return EngineServers(kind, run_dir, addresses=addresses, hosts=hosts)

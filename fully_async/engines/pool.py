@@ -60,14 +60,12 @@ class EngineServers:
         run_dir: str | Path,
         addresses: list[str] | None = None,
         hosts: list[Any] | None = None,
-        weight_receiver: bool = False,
     ):
         """kind: how to launch, address and control one server (its config, model, device and LoRA serving);
         addresses: attach to servers already running there (nothing is launched, restart is impossible);
         hosts: one `EngineHost` actor per server (engines/host.py), placed by the job: each server runs on its
-        host's node; neither: the servers are child processes of this one. weight_receiver: the run uses the
-        collective transport (async_training.weight_transport=collective; kept as `weights.collective`); vLLM servers
-        load the worker extension whatever it says."""
+        host's node; neither: the servers are child processes of this one. vLLM servers always load the weight
+        receiver (the worker extension every reload goes through, whatever the transport)."""
         self.kind = kind
         self.cfg: EngineConfig = kind.cfg
         self.model_path = kind.model_path
@@ -77,7 +75,7 @@ class EngineServers:
         """The version and pause state the control plane and the clients of this process share (types.py): the pool's,
         not `weights`'s, since every request reads the version beside the pause; `weights` reads it from here."""
         adapters = Adapters(self, kind.lora) if kind.lora is not None else None
-        self.weights = ServedWeights(self.state, adapters, collective=weight_receiver)
+        self.weights = ServedWeights(self.state, adapters)
         """What a server that joins or comes back loads before it serves (served.py): the latest weights' directory
         and node copies, the adapters, the weight group's epoch."""
         self.hosts = hosts

@@ -28,7 +28,7 @@ class ServedWeights:
     """What a server of one pool must load before it serves (see the module docstring). Written by a sync under the
     pool's membership lock, read by joins and comebacks under it."""
 
-    def __init__(self, state: EngineState, adapters: Any = None, collective: bool = False) -> None:
+    def __init__(self, state: EngineState, adapters: Any = None) -> None:
         self._state = state
         self.directory: Path | None = None
         """Directory of the weights loaded last; a restarted or joining server reloads it (or its node's copy, below).
@@ -42,10 +42,6 @@ class ServedWeights:
         self.epoch = 0
         """Bumped whenever the servers' workers change (a restart, a join, a leave, a node without a weights copy;
         elastic.py): a weight group formed at an older epoch must be re-formed."""
-        self.collective = collective
-        """Whether the run's weights reach the servers by collective (async_training.weight_transport=collective; the
-        pool's `weight_receiver` argument). No rule reads it: vLLM servers load the receiver whatever it says
-        (vllm.py), and a collective sync says itself that its weights are in no directory (`directory` None)."""
 
     @property
     def stale_on_return(self) -> bool:

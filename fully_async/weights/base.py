@@ -99,8 +99,6 @@ class WeightTransport(abc.ABC):
     written outside this package (weights/factory.py)."""
 
     name: str = "?"
-    engine_receiver: bool = False
-    """Whether the engine servers must be started with the weight receiver (the collective group's worker side)."""
 
     def prepare(self, rollouter: Any) -> None:  # noqa: B027 - optional: most transports have nothing to connect
         """Get ready to send to the engine servers that `rollouter` (an actor handle) runs. ParamSync calls it once,

@@ -73,7 +73,6 @@ class CollectiveTransport(WeightTransport):
     listen, form, send and close, run where the full weights are) and `export_weights` (for `export`)."""
 
     name = "collective"
-    engine_receiver = True
 
     def __init__(
         self,

@@ -40,11 +40,6 @@ def transport_class(kind: str) -> type[WeightTransport]:
     return CollectiveTransport
 
 
-def engine_receiver(kind: str) -> bool:
-    """Whether the engine servers must start with the weight receiver for the transport `kind` names."""
-    return transport_class(kind).engine_receiver
-
-
 def build_transport(
     kind: str,
     rollouter: Any,

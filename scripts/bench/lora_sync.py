@@ -82,7 +82,7 @@ def one_size(name: str, args) -> dict[str, dict[str, float]]:
     adapter.step(0)
     work = Path(tempfile.mkdtemp(prefix="bench-lora-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=1200, control_timeout_s=600)
-    pool = build_engine(cfg, model, work / "run", weight_receiver=True, lora=LoraServing(max_loras=3, max_rank=8))
+    pool = build_engine(cfg, model, work / "run", lora=LoraServing(max_loras=3, max_rank=8))
     t0 = time.perf_counter()
     pool.start()
     print(f"[{name}] vLLM server with LoRA healthy in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

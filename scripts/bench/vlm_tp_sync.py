@@ -39,7 +39,7 @@ def one_tp(tp: int, models: tuple[Path, Path], rounds: int, tmp: Path) -> dict[s
     start, target = models
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=900, dtype="float32",
                        tensor_parallel_size=tp)  # fmt: skip
-    servers = build_engine(cfg, start, tmp / f"run-tp{tp}", device="cpu", weight_receiver=True)
+    servers = build_engine(cfg, start, tmp / f"run-tp{tp}", device="cpu")
     t0 = time.perf_counter()
     servers.start()
     started = time.perf_counter() - t0

@@ -260,9 +260,7 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     cfg = EngineConfig(num_servers=2, max_model_len=256, kv_cache_gib=args.kv_gib, startup_timeout_s=1200,
                        control_timeout_s=600, dtype=args.dtype)  # fmt: skip
     # The collective transport's worker extension is on the command line from the start (harmless for disk).
-    launched = build_engine(
-        cfg, model, work / "run", weight_receiver="collective" in kinds and kinds["collective"] is None
-    )
+    launched = build_engine(cfg, model, work / "run")
     t0 = time.perf_counter()
     launched.start()
     print(f"[{name}] 2 vLLM servers healthy in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -270,7 +268,6 @@ def one_size(name: str, args, kinds: dict[str, str | None]) -> list[dict[str, An
     try:
         for count in args.servers:
             pool = build_engine(cfg, model, work / "run", addresses=launched.addresses[:count])
-            pool.weights.collective = launched.weights.collective
             handle = LocalActor(BenchRollouter(pool))
             syncs = {}
             for kind, why in kinds.items():

@@ -76,7 +76,7 @@ def test_an_nccl_sync_of_the_vlm_serves_a_fresh_servers_image_outputs_and_sends_
     prompts = image_prompts(start)
     cfg = _cfg(CUDA_VISIBLE_DEVICES="1")
     reference = _fresh_outputs(cfg, target, prompts, tmp_path_factory)
-    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda")
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     try:
@@ -102,7 +102,7 @@ def test_a_tp2_server_of_the_vlm_takes_an_nccl_sync_and_a_disk_reload(tmp_path_f
     prompts = image_prompts(start)
     cfg = dataclasses.replace(_cfg(CUDA_VISIBLE_DEVICES="1,2"), tensor_parallel_size=2)
     reference = _fresh_outputs(cfg, target, prompts, tmp_path_factory)
-    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cuda")
     assert servers.kind.workers_per_server == 2
     servers.start()
     handle = LocalActor(ServersRollouter(servers))

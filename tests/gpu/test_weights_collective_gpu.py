@@ -50,7 +50,7 @@ def setup(tmp_path_factory):
         reference = asyncio.run(_outputs(fresh, 0))
     finally:
         fresh.stop()
-    servers = build_engine(cfg, models[0], tmp_path_factory.mktemp("run"), device="cuda", weight_receiver=True)
+    servers = build_engine(cfg, models[0], tmp_path_factory.mktemp("run"), device="cuda")
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     yield models, reference, servers, handle

@@ -63,7 +63,7 @@ def test_both_transports_sync_a_tied_model_proven_by_the_digest_and_serving_the_
     assert all("lm_head.weight" not in b.state for b in backends.values())  # a tied checkpoint: the embedding once
     want = {"first": _hf_greedy(first), "second": _hf_greedy(second)}
     assert want["first"] != want["second"]
-    servers = build_engine(CFG, first, tmp_path / "run", weight_receiver=True)
+    servers = build_engine(CFG, first, tmp_path / "run")
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     try:

@@ -65,7 +65,7 @@ def test_a_tp2_cpu_server_of_the_vlm_takes_a_collective_sync_and_a_disk_reload(t
     assert [w[0] for w in want_start] != [w[0] for w in want_target]  # the two models disagree
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=900, dtype="float32",
                        tensor_parallel_size=TP)  # fmt: skip
-    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cpu", weight_receiver=True)
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), device="cpu")
     assert servers.kind.workers_per_server == TP and "--tensor-parallel-size" in servers.kind.command(0, 1)
     servers.start()
     handle = LocalActor(ServersRollouter(servers))

@@ -106,7 +106,7 @@ def test_a_collective_sync_of_the_vlm_serves_the_targets_image_outputs_and_sends
     module = AutoModelForImageTextToText.from_pretrained(str(target), dtype=torch.float32).eval()
     want = [hf_greedy(module, target, ids, images) for ids, images in prompts]
     cfg = EngineConfig(num_servers=1, max_model_len=256, kv_cache_gib=1, startup_timeout_s=600, dtype="float32")
-    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"), weight_receiver=True)
+    servers = build_engine(cfg, start, tmp_path_factory.mktemp("run"))
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     try:

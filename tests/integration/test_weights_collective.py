@@ -87,7 +87,7 @@ def reference(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(models, reference, tmp_path_factory):
-    servers = build_engine(CFG, models[0], tmp_path_factory.mktemp("run"), weight_receiver=True)
+    servers = build_engine(CFG, models[0], tmp_path_factory.mktemp("run"))
     servers.start()
     handle = LocalActor(ServersRollouter(servers))
     yield servers, handle

@@ -35,8 +35,8 @@ async def test_the_pools_syncs_write_its_weights_and_its_version_is_the_one_they
     assert pool.weights.directory is None and pool.state.version == 2 and pool.weights.stale_on_return
 
 
-def test_the_pool_keeps_its_weights_in_one_place_and_the_receiver_flag_there(tmp_path):
-    pool = FakeProcessServers(EngineConfig(), tmp_path, tmp_path, weight_receiver=True)
-    assert pool.weights.collective and pool.weights.epoch == 0
+def test_the_pool_keeps_its_weights_in_one_place(tmp_path):
+    pool = FakeProcessServers(EngineConfig(), tmp_path, tmp_path)
+    assert pool.weights.epoch == 0
     for moved in ("weights_dir", "node_dirs", "adapters", "epoch", "weight_receiver", "stale_on_return"):
         assert not hasattr(pool, moved), f"the pool holds `{moved}` again: it is `pool.weights`'s (served.py)"

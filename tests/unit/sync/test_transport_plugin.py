@@ -11,7 +11,7 @@ from fully_async.config import ConfigError, FullyAsyncConfig
 from fully_async.handles import LocalActor
 from fully_async.sync import ParamSync
 from fully_async.weights.base import SyncPlan, WeightTransport
-from fully_async.weights.factory import build_transport, engine_receiver
+from fully_async.weights.factory import build_transport
 from tests.fakes import StubRollouter
 
 ME = "tests.unit.sync.test_transport_plugin"
@@ -21,7 +21,6 @@ class RecordingTransport(WeightTransport):
     """Records its phases; reads, ahead and engines as a real transport splits them."""
 
     name = "recording"
-    engine_receiver = True
 
     def __init__(self, rollouter, backend, root, dtype, verify=True) -> None:
         self.root, self.ran = Path(root), []
@@ -60,7 +59,6 @@ def test_a_transport_named_by_its_dotted_path_runs_its_plan_in_order_around_the_
     assert [c[0] for c in stub.calls] == ["pause", "resume"]
     assert sync.transport.plan(3, mode == "background").names() == ["read", "write", "pause", "load", "resume"]
     assert {"timing_s/param_sync/read", "timing_s/param_sync/load", "timing_s/param_sync/pause"} <= set(timings)
-    assert engine_receiver(f"{ME}:RecordingTransport") and not engine_receiver("disk")
 
 
 def test_a_dotted_path_that_is_not_a_transport_or_not_a_path_is_a_config_error(tmp_path):

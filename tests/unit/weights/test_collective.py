@@ -432,8 +432,7 @@ def test_every_vllm_engine_gets_the_extension_and_imports_it_alone(tmp_path):
     from fully_async.config import EngineConfig
     from fully_async.engines import build_engine
 
-    for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu", weight_receiver=True),
-                    build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu")):  # fmt: skip
+    for servers in (build_engine(EngineConfig(), tmp_path, tmp_path, device="cpu"),):
         cmd, env = servers.kind.command(0, 8000), servers.kind.environment(0)
         assert cmd[cmd.index("--worker-extension-cls") + 1] == "fa_weight_receiver.WeightReceiver"
         assert env["PYTHONPATH"] == str(EXTENSION_DIR)
