@@ -1,7 +1,7 @@
 """On-policy distillation benchmarks (issue 50, docs/distillation.md).
 
     .venv/bin/python scripts/bench/distill.py --only latency      # a slow teacher hidden behind generation (minutes)
-    .venv/bin/python scripts/bench/distill.py --only sync --out /tmp/dsync   # async against sync distillation (~15 min)
+    .venv/bin/python scripts/bench/distill.py --only sync --out /tmp/dsync   # async against sync distillation (~15 min; --seed N)
 
 - latency: the reward-delay benchmark's method (scripts/bench/reward.py --only sim-delay) with the teacher in the
   reward's place: two runs of scripts/bench/pipeline.py (the whole pipeline in simulation: real Rollouter,
@@ -101,7 +101,7 @@ def runner(out: Path, overrides: list[str]) -> float:
     return time.monotonic() - start
 
 
-def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int) -> None:
+def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int, seed0: int) -> None:
     sys.path.insert(0, str(HERE))
     from e2e_runs import load  # the sibling script's learning-curve reader
 
@@ -117,13 +117,13 @@ def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps
     for pair in range(pairs):
         order = list(SYNC_MODES) if pair % 2 == 0 else list(reversed(SYNC_MODES))
         for name in order:
-            run = out / f"{name}_{pair}"
+            run = out / f"{name}_{seed0 + pair}"
             if not (run / "metrics.jsonl").exists():
-                wall = runner(run, [*distill, f"seed={pair}", *SYNC_MODES[name]])
+                wall = runner(run, [*distill, f"seed={seed0 + pair}", *SYNC_MODES[name]])
                 print(f"sync: {name} pair {pair}: {wall:.0f} s wall", flush=True)
             runs[name].append(load(run))
     print(
-        "\n| pair | run | s per step | last 20 | common level | training s to it | async / sync |\n|---|---|---|---|---|---|---|"
+        "\n| seed | run | s per step | last 20 | common level | training s to it | async / sync |\n|---|---|---|---|---|---|---|"
     )
     for pair in range(pairs):
         a, s_ = runs["async"][pair], runs["sync"][pair]
@@ -134,7 +134,7 @@ def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps
             to[name] = r["elapsed"][hit + 19]
         ratio = to["async"] / to["sync"]
         for name, r in (("async", a), ("sync", s_)):
-            print(f"| {pair} | {name} | {r['step_s']:.3f} | {r['last20']:.3f} | {level:.3f} | {to[name]:.1f} | "
+            print(f"| {seed0 + pair} | {name} | {r['step_s']:.3f} | {r['last20']:.3f} | {level:.3f} | {to[name]:.1f} | "
                   f"{ratio:.2f} |")  # fmt: skip
 
 
@@ -150,13 +150,14 @@ def main() -> None:
     ap.add_argument("--teacher-steps", type=int, default=300, help="sync: steps of the teacher's default job")
     ap.add_argument("--steps", type=int, default=150, help="sync: steps of each student run")
     ap.add_argument("--pairs", type=int, default=1, help="sync: async/sync pairs (seeds 0, 1, ...; order alternates)")
+    ap.add_argument("--seed", type=int, default=0, help="sync: the first pair's seed (the next pairs count on)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     if args.only == "latency":
         latency(args.versions, args.time_scale)
     else:
         out = args.out or Path(tempfile.mkdtemp(prefix="fully_async-distill-sync-"))
-        sync_vs_async(out, args.teacher, args.teacher_steps, args.steps, args.pairs)
+        sync_vs_async(out, args.teacher, args.teacher_steps, args.steps, args.pairs, args.seed)
 
 
 if __name__ == "__main__":
