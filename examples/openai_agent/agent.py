@@ -18,8 +18,9 @@ import sys
 from openai import OpenAI
 
 
-def answer(client: OpenAI, model: str, task: dict) -> str:
+def answer(client: OpenAI, task: dict) -> str:
     """The episode: ask, read a check (the question again), ask again; the second answer is the result."""
+    model = os.environ.get("FULLY_ASYNC_MODEL", "policy")
     messages = list(task["messages"])
     question = messages[-1]["content"]
     first = client.chat.completions.create(model=model, messages=messages).choices[0].message.content or ""
@@ -32,13 +33,13 @@ def answer(client: OpenAI, model: str, task: dict) -> str:
 def run(base_url: str, api_key: str, task: dict) -> str:
     """The same agent as a callable (rollout.multi_turn.gateway.function=/abs/path/agent.py:run): no process
     per episode, so no interpreter start and no `import openai` per episode."""
-    return answer(OpenAI(base_url=base_url, api_key=api_key), os.environ.get("FULLY_ASYNC_MODEL", "policy"), task)
+    return answer(OpenAI(base_url=base_url, api_key=api_key), task)
 
 
 def main() -> int:
     task = json.loads(sys.stdin.readline())
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
-    print(answer(client, os.environ.get("FULLY_ASYNC_MODEL", "policy"), task))
+    print(answer(client, task))
     return 0
 
 
