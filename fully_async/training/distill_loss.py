@@ -1,11 +1,15 @@
 """On-policy distillation's per-token advantage, mixed into the estimator's (docs/distillation.md).
 
 Contract:
-- The teacher's signal at response token t of a sample is r_t = log pi_teacher(y_t | prefix) - log pi_behave(y_t |
+- The teacher's signal at response token t of a sample is r_t = log pi_teacher(y_t | prefix) - log pi_student(y_t |
   prefix): the negative of the per-token reverse-KL estimate log pi_student - log pi_teacher, taken at the token the
-  student sampled. pi_behave is the engine's log-prob the token was sampled with (the Trajectory's behaviour
-  log-probs): the same distribution the rollout correction's importance weights start from, so a stale sample's
-  signal is corrected exactly as its task advantage is (the loss weighs both by min(pi_prox / pi_behave, cap)).
+  student sampled. pi_student is the trainer's current policy, the proximal log-probs the backend computes before the
+  update (pi_prox, `old_log_probs`): the reverse KL's gradient at the weights being trained is
+  E[grad log pi (log pi_teacher - log pi)] at those weights, and the loss's importance weight min(pi_prox / pi_behave,
+  cap) carries a stale sample over to them, exactly as for a task advantage. Taking r_t against the behaviour
+  log-prob instead (the engine's, up to max_staleness versions old) adds grad KL(pi || pi_behave) to the ascent: a
+  push away from the policy that sampled, which a trust region exists to stop. With no proximal pass
+  (`algorithm.bypass`) pi_prox is the behaviour policy and r_t is taken against it.
 - With `discount` g the advantage is the discounted sum over the sample's later loss tokens,
   A_t = sum_{k >= t, mask_k = 1} g^(number of loss tokens between t and k) r_k; g = 0 is r_t alone. Tokens off the
   loss mask (tool and environment output, padding) carry no signal and get advantage 0; the sum bridges them.
@@ -23,17 +27,18 @@ from fully_async.protocol import NO_VERSION
 from fully_async.training.correction import BUCKETS
 
 
-def teacher_signal(teacher: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, R) r_t = teacher - behaviour log-prob on loss tokens, 0 elsewhere (float32)."""
+def teacher_signal(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) r_t = teacher - student log-prob on loss tokens, 0 elsewhere (float32)."""
     keep = mask > 0
-    return torch.where(keep, teacher.float() - behave.float(), torch.zeros_like(behave, dtype=torch.float32))
+    return torch.where(keep, teacher.float() - student.float(), torch.zeros_like(student, dtype=torch.float32))
 
 
 def teacher_advantages(
-    teacher: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
+    teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
 ) -> torch.Tensor:
-    """(B, R) the teacher's per-token advantage (module docstring), 0 off the mask."""
-    signal = teacher_signal(teacher, behave, mask)
+    """(B, R) the teacher's per-token advantage (module docstring) against the student's log-probs `student`
+    (pi_prox), 0 off the mask."""
+    signal = teacher_signal(teacher, student, mask)
     if discount == 0.0:
         return signal
     keep = mask > 0
@@ -87,11 +92,14 @@ def distill_advantages(
     coef: float,
     discount: float,
     trainer_version: int | None = None,
+    student: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(the advantages trained on, distill metrics) for a batch's (B, R) tensors; `teacher` None is refused."""
+    """(the advantages trained on, distill metrics) for a batch's (B, R) tensors; `teacher` None is refused. The
+    signal is taken against `student`, the proximal log-probs (None: no proximal pass ran, the behaviour log-probs
+    stand for them); the metrics describe the sampled policy (behaviour log-probs)."""
     if teacher is None:
         raise ValueError("distill.enable=true but the batch holds no teacher log-probs (a sample was never scored)")
-    adv = teacher_advantages(teacher, behave, mask, discount)
+    adv = teacher_advantages(teacher, behave if student is None else student, mask, discount)
     metrics = teacher_metrics(teacher, behave, mask, versions, trainer_version)
     keep = mask > 0
     if keep.any():

@@ -377,8 +377,8 @@ def _require_patch(name: str, module: str, marker: str) -> None:
 def _estimated(groups, full: B.PaddedBatch, algo: AlgorithmConfig, by_prox: dict, distill: DistillConfig | None,
                version: int | None, metrics: dict) -> torch.Tensor:  # fmt: skip
     """The estimator's advantages of the task reward over `full` (rows split off one sample share their sample's),
-    with the teacher's per-token signal mixed in by distill.coef when distillation is on (training/distill_loss.py;
-    its metrics into `metrics`)."""
+    with the teacher's per-token signal mixed in by distill.coef when distillation is on (training/distill_loss.py,
+    taken against pi_prox from `by_prox`; its metrics into `metrics`)."""
     components = B.reward_components(groups, algo.gdpo_reward_keys) if algo.adv_estimator == "gdpo" else None
     owners = B.sample_owners(groups)
     advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
@@ -386,7 +386,7 @@ def _estimated(groups, full: B.PaddedBatch, algo: AlgorithmConfig, by_prox: dict
         return advantages
     advantages, distilled = distill_advantages(advantages, full.teacher_logprobs, full.behaviour_logprobs,
                                                full.response_mask, full.token_versions, distill.coef,
-                                               distill.discount, version)  # fmt: skip
+                                               distill.discount, version, student=by_prox.get("old_log_probs"))  # fmt: skip
     metrics.update(distilled)
     return advantages
 

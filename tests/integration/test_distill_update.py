@@ -59,3 +59,31 @@ def test_pure_distillation_moves_the_student_toward_the_teacher(ray_local, tiny_
     expect = SHIFT * (sum(t.response_length for t in trajs) - 2 * fav) / sum(t.response_length for t in trajs)
     assert metrics["distill/teacher_kl"] == pytest.approx(expect, abs=1e-5)
     assert "offpolicy/k3" in metrics  # the decoupled correction ran on the same batch
+
+
+def test_a_student_that_equals_the_teacher_is_not_moved_by_stale_samples(ray_local, tiny_model):
+    """The signal is taken against the trainer's current log-probs (pi_prox), not the ones the samples were drawn
+    with: a teacher that says exactly what the student now says gives no signal, however far the behaviour policy
+    was from both (here every token's behaviour log-prob is 1.0 below the student's, as for a sample from a policy
+    that has since moved toward the teacher). Against pi_behave every token would get +1.0 and rise."""
+    from fully_async.training import build_backend
+
+    trainer = TrainerConfig(n_gpus_per_node=1, max_token_len_per_gpu=512, total_steps=20, lr=1e-2)
+    be = build_backend(trainer, AlgorithmConfig(), tiny_model, device="cpu",
+                       distill=DistillConfig(enable=True, coef=1.0))  # fmt: skip
+    try:
+        groups = make_groups(4, 2, seed=5, response_len=(3, 6))
+        trajs = flatten(groups)
+        before = be.compute_log_probs(groups)
+        for t, lp in zip(trajs, before):
+            t.behaviour_logprobs = (lp - SHIFT).astype(np.float32)
+            t.teacher_logprobs = lp.astype(np.float32)
+        metrics = be.update(groups, version=2)
+        after = be.compute_log_probs(groups)
+    finally:
+        be.shutdown()
+    assert abs(metrics["distill/advantage_mean"]) < 1e-4, metrics["distill/advantage_mean"]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
+    assert moved < 1e-3, moved
+    # The KL metric describes the sampled policy: mean(behave - teacher) = -SHIFT.
+    assert metrics["distill/teacher_kl"] == pytest.approx(-SHIFT, abs=1e-5)

@@ -2,8 +2,8 @@
 
 Off by default (`distill.enable=false`). On: each finished sample is also scored by the teacher (its log-prob of
 every response token, prompt + response in one request), beside the reward and under the same kind of limits, and
-the trainer's per-token advantage becomes coef x (teacher log-prob - behaviour log-prob), plus (1 - coef) x the
-estimator's advantage of the task reward.
+the trainer's per-token advantage becomes coef x (teacher log-prob - the student's current log-prob), plus (1 - coef)
+x the estimator's advantage of the task reward.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class DistillConfig:
     coef: float = 1.0
     """Weight of the teacher's per-token advantage: 1.0 = pure distillation, below 1 = coef x teacher + (1 - coef) x the task reward's advantage."""
     discount: float = 0.0
-    """Discount of the teacher's per-token signal over later tokens of the sample: 0 = each token's own (teacher - behaviour) log-prob, 1 = the sum over the rest of the response."""
+    """Discount of the teacher's per-token signal over later tokens of the sample: 0 = each token's own (teacher - student) log-prob, 1 = the sum over the rest of the response."""
     timeout_s: float = 120.0
     """Most seconds one teacher call may take (an attempt; retries each get their own)."""
     retries: int = 3

@@ -28,7 +28,7 @@ def _traj(sample: int, behave, teacher, reward=0.0, loss_mask=None, versions=Non
     )
 
 
-def test_per_token_advantage_is_teacher_minus_behaviour_by_hand():
+def test_per_token_advantage_is_teacher_minus_student_by_hand():
     # A multi-turn sample: token 2 is tool output (mask 0), so it carries no teacher signal.
     t = _traj(0, behave=[-1.0, -2.0, -0.5, -3.0], teacher=[-0.5, -2.5, -9.0, -1.0], loss_mask=[1, 1, 0, 1])
     b = B.assemble([TrajectoryGroup(t.prompt, [t])])
@@ -61,6 +61,21 @@ def test_coef_mixes_with_grpo_group_advantage_by_hand():
     # reverse KL per token (behave - teacher), mean over the 2 loss tokens: (-0.8 + 1.0) / 2
     assert metrics["distill/teacher_kl"] == pytest.approx(0.1)
     assert metrics["distill/staleness_0/teacher_kl"] == pytest.approx(0.1)
+
+
+def test_signal_is_taken_against_the_proximal_log_probs_and_metrics_against_behaviour():
+    g = TrajectoryGroup(PromptRef(0, 0), [_traj(0, [-3.0, -1.0], [-0.5, -2.0], versions=[1, 1])])
+    b = B.assemble([g])
+    prox = torch.tensor([[-1.0, -1.5]])
+    adv, metrics = D.distill_advantages(torch.zeros(1, 2), b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                        b.token_versions, coef=1.0, discount=0.0, trainer_version=3, student=prox)  # fmt: skip
+    assert adv[0].tolist() == pytest.approx([0.5, -0.5])  # teacher - prox, not teacher - behave (2.5, -1.0)
+    # the sampled policy's reverse KL: mean(behave - teacher) = (-2.5 + 1.0) / 2, in the staleness-2 bucket
+    assert metrics["distill/teacher_kl"] == pytest.approx(-0.75)
+    assert metrics["distill/staleness_2/teacher_kl"] == pytest.approx(-0.75)
+    bypass, _ = D.distill_advantages(torch.zeros(1, 2), b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                     b.token_versions, coef=1.0, discount=0.0)  # fmt: skip
+    assert bypass[0].tolist() == pytest.approx([2.5, -1.0])  # no proximal pass: the behaviour log-probs stand in
 
 
 def test_teacher_kl_by_staleness_bucket():
