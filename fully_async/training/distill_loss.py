@@ -13,6 +13,12 @@ Contract:
 - With `discount` g the advantage is the discounted sum over the sample's later loss tokens,
   A_t = sum_{k >= t, mask_k = 1} g^(number of loss tokens between t and k) r_k; g = 0 is r_t alone. Tokens off the
   loss mask (tool and environment output, padding) carry no signal and get advantage 0; the sum bridges them.
+- With `baseline` "group" the signal is first centred per group: each row's r_t less b, the mean over the group's
+  OTHER samples of each sample's mean r over its loss tokens (leave-one-out: b does not depend on the row's own
+  tokens, so E[grad log pi x b] = 0 and the gradient stays unbiased; a sample split into rows is one sample; a
+  group of one sample gets b = 0). The reverse KL's per-token value is mostly a constant for a student far from
+  the teacher (every sampled token is one the teacher disfavours); that constant carries no information, only
+  variance, and under gradient clipping it takes the step's norm from the part that does.
 - The advantage trained on is coef x A_teacher + (1 - coef) x A_task, where A_task is the estimator's advantage of
   the task reward (GRPO's group baseline, ...). Both are 0 off the mask.
 - A batch in which any trajectory lacks its teacher log-probs is refused (ValueError): a missing score is never
@@ -21,6 +27,9 @@ Contract:
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from fully_async.protocol import NO_VERSION
@@ -33,15 +42,42 @@ def teacher_signal(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Ten
     return torch.where(keep, teacher.float() - student.float(), torch.zeros_like(student, dtype=torch.float32))
 
 
+def group_baseline(signal: torch.Tensor, mask: torch.Tensor, groups: np.ndarray, owners: np.ndarray) -> torch.Tensor:
+    """(B,) the leave-one-out group baseline of each row (module docstring): `groups` the rows' group ids, `owners`
+    the row each row's sample is owned by (training/batch.py `sample_owners`)."""
+    keep = (mask > 0).float()
+    row_sum, row_n = (signal * keep).sum(dim=1).double(), keep.sum(dim=1).double()
+    samples: dict[int, list[float]] = {}
+    for i, owner in enumerate(owners.tolist()):
+        acc = samples.setdefault(owner, [0.0, 0.0])
+        acc[0] += float(row_sum[i])
+        acc[1] += float(row_n[i])
+    means = {o: (acc[0] / acc[1] if acc[1] > 0 else None) for o, acc in samples.items()}
+    members: dict[Any, list[int]] = {}
+    for owner in samples:
+        members.setdefault(groups[owner], []).append(owner)
+    out = torch.zeros(signal.shape[0], dtype=torch.float32)
+    for i, owner in enumerate(owners.tolist()):
+        others = [means[o] for o in members[groups[owner]] if o != owner and means[o] is not None]
+        out[i] = sum(others) / len(others) if others else 0.0
+    return out
+
+
 def teacher_advantages(
-    teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
+    teacher: torch.Tensor,
+    student: torch.Tensor,
+    mask: torch.Tensor,
+    discount: float = 0.0,
+    baseline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, R) the teacher's per-token advantage (module docstring) against the student's log-probs `student`
-    (pi_prox), 0 off the mask."""
+    (pi_prox), less the (B,) `baseline` per row when given, 0 off the mask."""
     signal = teacher_signal(teacher, student, mask)
+    keep = mask > 0
+    if baseline is not None:
+        signal = torch.where(keep, signal - baseline[:, None], signal)
     if discount == 0.0:
         return signal
-    keep = mask > 0
     out = torch.zeros_like(signal)
     running = torch.zeros(signal.shape[0], dtype=torch.float32)
     for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
@@ -93,15 +129,21 @@ def distill_advantages(
     discount: float,
     trainer_version: int | None = None,
     student: torch.Tensor | None = None,
+    groups: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(the advantages trained on, distill metrics) for a batch's (B, R) tensors; `teacher` None is refused. The
     signal is taken against `student`, the proximal log-probs (None: no proximal pass ran, the behaviour log-probs
-    stand for them); the metrics describe the sampled policy (behaviour log-probs)."""
+    stand for them); the metrics describe the sampled policy (behaviour log-probs). `groups` (the rows' group ids,
+    their sample owners) centres the signal on the leave-one-out group baseline; None leaves it uncentred."""
     if teacher is None:
         raise ValueError("distill.enable=true but the batch holds no teacher log-probs (a sample was never scored)")
-    adv = teacher_advantages(teacher, behave if student is None else student, mask, discount)
+    student = behave if student is None else student
+    base = None if groups is None else group_baseline(teacher_signal(teacher, student, mask), mask, *groups)
+    adv = teacher_advantages(teacher, student, mask, discount, base)
     metrics = teacher_metrics(teacher, behave, mask, versions, trainer_version)
     keep = mask > 0
     if keep.any():
         metrics["distill/advantage_mean"] = float(adv[keep].mean())
+        if base is not None:
+            metrics["distill/baseline_mean"] = float(base[keep.any(dim=1)].mean())
     return mix(task, adv, coef) * mask.float(), metrics

@@ -384,9 +384,11 @@ def _estimated(groups, full: B.PaddedBatch, algo: AlgorithmConfig, by_prox: dict
     advantages = B.compute_advantages(full, algo, components=components, owners=owners, **by_prox)
     if distill is None:
         return advantages
+    centre = (full.group_index, owners) if distill.baseline == "group" else None
     advantages, distilled = distill_advantages(advantages, full.teacher_logprobs, full.behaviour_logprobs,
                                                full.response_mask, full.token_versions, distill.coef,
-                                               distill.discount, version, student=by_prox.get("old_log_probs"))  # fmt: skip
+                                               distill.discount, version, student=by_prox.get("old_log_probs"),
+                                               groups=centre)  # fmt: skip
     metrics.update(distilled)
     return advantages
 

@@ -87,3 +87,28 @@ def test_a_student_that_equals_the_teacher_is_not_moved_by_stale_samples(ray_loc
     assert moved < 1e-3, moved
     # The KL metric describes the sampled policy: mean(behave - teacher) = -SHIFT.
     assert metrics["distill/teacher_kl"] == pytest.approx(-SHIFT, abs=1e-5)
+
+
+def test_the_group_baseline_takes_a_constant_teacher_offset_out(ray_local, tiny_model):
+    """distill.baseline=group: a teacher whose log-prob is the student's less a constant on every token says nothing
+    about which token is better; centred on the other samples' mean, every advantage is 0 and the student does not
+    move (uncentred, every sampled token would be pushed down by the constant)."""
+    from fully_async.training import build_backend
+
+    trainer = TrainerConfig(n_gpus_per_node=1, max_token_len_per_gpu=512, total_steps=20, lr=1e-2)
+    be = build_backend(trainer, AlgorithmConfig(), tiny_model, device="cpu",
+                       distill=DistillConfig(enable=True, coef=1.0, baseline="group"))  # fmt: skip
+    try:
+        groups = make_groups(4, 3, seed=7, response_len=(3, 6))
+        before = be.compute_log_probs(groups)
+        for t, lp in zip(flatten(groups), before):
+            t.behaviour_logprobs = lp.astype(np.float32)
+            t.teacher_logprobs = (lp - 5.0).astype(np.float32)
+        metrics = be.update(groups, version=0)
+        after = be.compute_log_probs(groups)
+    finally:
+        be.shutdown()
+    assert metrics["distill/baseline_mean"] == pytest.approx(-5.0, abs=1e-4)
+    assert abs(metrics["distill/advantage_mean"]) < 1e-4, metrics["distill/advantage_mean"]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
+    assert moved < 1e-3, moved

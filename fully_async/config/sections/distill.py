@@ -19,6 +19,8 @@ TEACHER_KINDS = ("vllm",)
 generate endpoint with sampling_params.prompt_logprobs). SGLang's CPU build and the simulated engine do not."""
 TEACHER_SOURCE = "teacher"
 """The teacher's name in reward stats and metrics (fully_async/reward/teacher/*) and its limiter actor's name."""
+TEACHER_BASELINES = ("none", "group")
+"""Values of distill.baseline (fully_async/training/distill_loss.py)."""
 TEACHER_FAILURE_POLICIES = ("drop", "raise")
 """What a teacher call that failed after its retries does: drop = the sample's group is re-issued; raise = the run
 stops. There is no fallback: a made-up teacher log-prob would be a training signal nobody measured."""
@@ -65,6 +67,8 @@ class DistillConfig:
     """Weight of the teacher's per-token advantage: 1.0 = pure distillation, below 1 = coef x teacher + (1 - coef) x the task reward's advantage."""
     discount: float = 0.0
     """Discount of the teacher's per-token signal over later tokens of the sample: 0 = each token's own (teacher - student) log-prob, 1 = the sum over the rest of the response."""
+    baseline: str = "none"
+    """Centring of the teacher's signal: none = each token's (teacher - student) log-prob as it is; group = less the mean over the group's other samples (leave-one-out, unbiased): far less variance while the student is far from the teacher (docs/distillation.md)."""
     timeout_s: float = 120.0
     """Most seconds one teacher call may take (an attempt; retries each get their own)."""
     retries: int = 3
@@ -81,6 +85,7 @@ class DistillConfig:
     def validate_section(self, p: str) -> None:
         require(0.0 < self.coef <= 1.0, p + "coef", self.coef, "in (0, 1] (1 = pure distillation)")
         require(0.0 <= self.discount <= 1.0, p + "discount", self.discount, "in [0, 1]")
+        require(self.baseline in TEACHER_BASELINES, p + "baseline", self.baseline, f"one of {list(TEACHER_BASELINES)}")
         require(self.timeout_s > 0, p + "timeout_s", self.timeout_s, "> 0")
         require(self.retries >= 0, p + "retries", self.retries, ">= 0")
         require(self.backoff_s >= 0, p + "backoff_s", self.backoff_s, ">= 0")

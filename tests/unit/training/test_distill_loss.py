@@ -78,6 +78,27 @@ def test_signal_is_taken_against_the_proximal_log_probs_and_metrics_against_beha
     assert bypass[0].tolist() == pytest.approx([2.5, -1.0])  # no proximal pass: the behaviour log-probs stand in
 
 
+def test_group_baseline_is_the_other_samples_mean_signal_by_hand():
+    # Group A: three samples; sample 0 split into two rows (one sample: its mean over both rows' loss tokens);
+    # group B: one sample (no other sample, baseline 0).
+    a0a = _traj(0, behave=[-1.0, -1.0], teacher=[-2.0, -4.0], index=0)  # r = -1, -3
+    a0b = _traj(0, behave=[-1.0], teacher=[0.0], index=0)  # r = 1; sample 0's mean: (-1 - 3 + 1) / 3 = -1
+    a1 = _traj(1, behave=[-2.0], teacher=[-1.0], index=0)  # r = 1
+    a2 = _traj(2, behave=[-1.0, -1.0], teacher=[-1.0, -5.0], loss_mask=[1, 0], index=0)  # r = 0 (tool token off)
+    b0 = _traj(0, behave=[-1.0], teacher=[-3.0], index=1)  # r = -2
+    groups = [TrajectoryGroup(PromptRef(0, 0), [a0a, a0b, a1, a2]), TrajectoryGroup(PromptRef(0, 1), [b0])]
+    b = B.assemble(groups)
+    owners = B.sample_owners(groups)
+    base = D.group_baseline(D.teacher_signal(b.teacher_logprobs, b.behaviour_logprobs, b.response_mask),
+                            b.response_mask, b.group_index, owners)  # fmt: skip
+    # sample 0: mean(1, 0) = 0.5; sample 1: mean(-1, 0) = -0.5; sample 2: mean(-1, 1) = 0; group B: 0
+    assert base.tolist() == pytest.approx([0.5, 0.5, -0.5, 0.0, 0.0])
+    adv, metrics = D.distill_advantages(torch.zeros(5, 2), b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                        b.token_versions, 1.0, 0.0, groups=(b.group_index, owners))  # fmt: skip
+    assert adv[:, :2].flatten().tolist() == pytest.approx([-1.5, -3.5, 0.5, 0.0, 1.5, 0.0, 0.0, 0.0, -2.0, 0.0])
+    assert metrics["distill/baseline_mean"] == pytest.approx(0.1)
+
+
 def test_teacher_kl_by_staleness_bucket():
     t = _traj(0, behave=[-1.0, -1.0, -1.0], teacher=[-1.0, -2.0, -4.0], versions=[3, 2, NO_VERSION],
               loss_mask=[1, 1, 1])  # fmt: skip
