@@ -18,7 +18,9 @@ Contract:
   tokens, so E[grad log pi x b] = 0 and the gradient stays unbiased; a sample split into rows is one sample; a
   group of one sample gets b = 0). The reverse KL's per-token value is mostly a constant for a student far from
   the teacher (every sampled token is one the teacher disfavours); that constant carries no information, only
-  variance, and under gradient clipping it takes the step's norm from the part that does.
+  variance, and under gradient clipping it takes the step's norm from the part that does. With a discount, b is
+  subtracted once from each token's discounted sum, never from each r_k inside it: there every later token would
+  add -b to the advantage, a reward for length.
 - The advantage trained on is coef x A_teacher + (1 - coef) x A_task, where A_task is the estimator's advantage of
   the task reward (GRPO's group baseline, ...). Both are 0 off the mask.
 - A batch in which any trajectory lacks its teacher log-probs is refused (ValueError): a missing score is never
@@ -74,15 +76,14 @@ def teacher_advantages(
     (pi_prox), less the (B,) `baseline` per row when given, 0 off the mask."""
     signal = teacher_signal(teacher, student, mask)
     keep = mask > 0
-    if baseline is not None:
-        signal = torch.where(keep, signal - baseline[:, None], signal)
-    if discount == 0.0:
-        return signal
-    out = torch.zeros_like(signal)
-    running = torch.zeros(signal.shape[0], dtype=torch.float32)
-    for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
-        running = torch.where(keep[:, t], signal[:, t] + discount * running, running)
-        out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+    out = signal if discount == 0.0 else torch.zeros_like(signal)
+    if discount != 0.0:
+        running = torch.zeros(signal.shape[0], dtype=torch.float32)
+        for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
+            running = torch.where(keep[:, t], signal[:, t] + discount * running, running)
+            out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+    if baseline is not None:  # once per token, after the sum: inside it every later token would pay -b (length)
+        out = torch.where(keep, out - baseline[:, None], out)
     return out
 
 

@@ -99,6 +99,17 @@ def test_group_baseline_is_the_other_samples_mean_signal_by_hand():
     assert metrics["distill/baseline_mean"] == pytest.approx(0.1)
 
 
+def test_with_a_discount_the_group_baseline_is_taken_once_from_each_discounted_sum_by_hand():
+    s0 = _traj(0, behave=[-1.0, -1.0], teacher=[0.0, 2.0])  # r = 1, 3 (mean 2)
+    s1 = _traj(1, behave=[-1.0, -1.0], teacher=[-1.0, -3.0])  # r = 0, -2 (mean -1)
+    groups = [TrajectoryGroup(PromptRef(0, 0), [s0, s1])]
+    b = B.assemble(groups)
+    adv, _ = D.distill_advantages(torch.zeros(2, 2), b.teacher_logprobs, b.behaviour_logprobs, b.response_mask,
+                                  b.token_versions, 1.0, 0.5, groups=(b.group_index, B.sample_owners(groups)))  # fmt: skip
+    # baselines: s0 -> -1, s1 -> 2; discounted sums [1 + 0.5 x 3, 3] and [0 + 0.5 x -2, -2], each less its baseline
+    assert adv.flatten().tolist() == pytest.approx([3.5, 4.0, -3.0, -4.0])
+
+
 def test_teacher_kl_by_staleness_bucket():
     t = _traj(0, behave=[-1.0, -1.0, -1.0], teacher=[-1.0, -2.0, -4.0], versions=[3, 2, NO_VERSION],
               loss_mask=[1, 1, 1])  # fmt: skip
