@@ -29,8 +29,6 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -47,21 +45,30 @@ def teacher_signal(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Ten
 def group_baseline(signal: torch.Tensor, mask: torch.Tensor, groups: np.ndarray, owners: np.ndarray) -> torch.Tensor:
     """(B,) the leave-one-out group baseline of each row (module docstring): `groups` the rows' group ids, `owners`
     the row each row's sample is owned by (training/batch.py `sample_owners`)."""
-    keep = (mask > 0).float()
-    row_sum, row_n = (signal * keep).sum(dim=1).double(), keep.sum(dim=1).double()
-    samples: dict[int, list[float]] = {}
-    for i, owner in enumerate(owners.tolist()):
-        acc = samples.setdefault(owner, [0.0, 0.0])
-        acc[0] += float(row_sum[i])
-        acc[1] += float(row_n[i])
-    means = {o: (acc[0] / acc[1] if acc[1] > 0 else None) for o, acc in samples.items()}
-    members: dict[Any, list[int]] = {}
-    for owner in samples:
-        members.setdefault(groups[owner], []).append(owner)
-    out = torch.zeros(signal.shape[0], dtype=torch.float32)
-    for i, owner in enumerate(owners.tolist()):
-        others = [means[o] for o in members[groups[owner]] if o != owner and means[o] is not None]
-        out[i] = sum(others) / len(others) if others else 0.0
+    keep = (mask > 0).double()
+    tokens = np.zeros(len(owners))
+    total = np.zeros(len(owners))
+    np.add.at(tokens, owners, keep.sum(dim=1).numpy())  # per sample, at its owner row
+    np.add.at(total, owners, (signal.double() * keep).sum(dim=1).numpy())
+    scored = tokens > 0  # owner rows of samples with loss tokens
+    mean = np.where(scored, total / np.maximum(tokens, 1.0), 0.0)
+    _, gid = np.unique(np.asarray(groups, dtype=str), return_inverse=True)
+    group_sum, group_n = np.zeros(gid.max() + 1), np.zeros(gid.max() + 1)
+    np.add.at(group_sum, gid[scored], mean[scored])
+    np.add.at(group_n, gid[scored], 1.0)
+    own = scored[owners]  # whether the row's own sample counts in its group's sums
+    others = group_n[gid[owners]] - own
+    sums = group_sum[gid[owners]] - np.where(own, mean[owners], 0.0)
+    return torch.from_numpy(np.where(others > 0, sums / np.maximum(others, 1.0), 0.0)).float()
+
+
+def discounted(signal: torch.Tensor, keep: torch.Tensor, discount: float) -> torch.Tensor:
+    """(B, R) each loss token's discounted sum of the signal over the row's later loss tokens (0 off the mask)."""
+    out = torch.zeros_like(signal)
+    running = torch.zeros(signal.shape[0], dtype=torch.float32)
+    for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
+        running = torch.where(keep[:, t], signal[:, t] + discount * running, running)
+        out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
     return out
 
 
@@ -76,12 +83,7 @@ def teacher_advantages(
     (pi_prox), less the (B,) `baseline` per row when given, 0 off the mask."""
     signal = teacher_signal(teacher, student, mask)
     keep = mask > 0
-    out = signal if discount == 0.0 else torch.zeros_like(signal)
-    if discount != 0.0:
-        running = torch.zeros(signal.shape[0], dtype=torch.float32)
-        for t in range(signal.shape[1] - 1, -1, -1):  # responses are short next to the forward pass this precedes
-            running = torch.where(keep[:, t], signal[:, t] + discount * running, running)
-            out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+    out = signal if discount == 0.0 else discounted(signal, keep, discount)
     if baseline is not None:  # once per token, after the sum: inside it every later token would pay -b (length)
         out = torch.where(keep, out - baseline[:, None], out)
     return out
