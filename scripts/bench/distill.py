@@ -1,7 +1,7 @@
 """On-policy distillation benchmarks (issue 50, docs/distillation.md).
 
     .venv/bin/python scripts/bench/distill.py --only latency      # a slow teacher hidden behind generation (minutes)
-    .venv/bin/python scripts/bench/distill.py --only sync --out /tmp/dsync   # async against sync distillation (~15 min; --seed N)
+    .venv/bin/python scripts/bench/distill.py --only sync --out /tmp/dsync   # async against sync (~9 min a pair; --seed N)
 
 - latency: the reward-delay benchmark's method (scripts/bench/reward.py --only sim-delay) with the teacher in the
   reward's place: two runs of scripts/bench/pipeline.py (the whole pipeline in simulation: real Rollouter,
@@ -14,8 +14,9 @@
   (the same byte-level tokenizer) by pure distillation (distill.coef=1, the teacher on a vLLM-CPU server of its own);
   once fully async (background sync; max_staleness 1, the job's default, or --max-staleness) and once synchronous
   (max_staleness 0, blocking sync: each step's batch generated, rewarded and teacher-scored by the weights just
-  trained, the trainer waiting for it), alternating with --pairs. Prints each run's training seconds to the common reward level (the lower last-20
-  mean of the two, less 0.02, as scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6).
+  trained, the trainer waiting for it), alternating with --pairs; --baseline group sets distill.baseline in both.
+  Prints each run's training seconds to the common reward level (the lower last-20 mean of the two, less 0.02, as
+  scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6).
 """
 
 from __future__ import annotations
