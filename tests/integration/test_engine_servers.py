@@ -5,9 +5,10 @@ mid-request (then restarted).
 
 One server per kind (`engine`) serves the module, started on the NEW weights: its greedy outputs before any reload are
 a fresh server's on those weights (`fresh_outputs`), the reference for reloads. vLLM also starts `fresh` (a second
-server, new weights) for the two-server kill test; SGLang gets no second server (a start costs ~35-90 s here): its kill
-test kills and restarts its only server, and retry-on-another-server (the client's, engine-independent) is covered by
-vLLM's.
+server, new weights) for the two-server kill test, launched beside `engine` so that the two start-ups overlap (each is
+three interpreter starts one after the other, mostly one core's work: ~30 s); SGLang gets no second server (a start
+costs ~35-90 s here): its kill test kills and restarts its only server, and retry-on-another-server (the client's,
+engine-independent) is covered by vLLM's.
 
 Where SGLang's CPU build differs from its GPU behaviour (torch-native attention and sampler instead of FlashInfer,
 float32, --sleep-on-idle, two import shims): see the notes in the tests and docs/engines.md.
@@ -86,7 +87,19 @@ def kind(request):
 
 
 @pytest.fixture(scope="module")
-def engine(kind, models, tmp_path_factory):
+def launched_fresh(kind, models, tmp_path_factory):
+    """vLLM's second server, launched (not waited for) before `engine` starts; `fresh` waits for it. None for SGLang."""
+    if kind != "vllm":
+        yield None
+        return
+    servers = build_engine(_cfg(kind), models[1], tmp_path_factory.mktemp("run-fresh"))
+    servers.launch()
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(kind, models, launched_fresh, tmp_path_factory):
     servers = _started(kind, models[1], tmp_path_factory.mktemp(f"run-{kind}"))
     servers.fresh_outputs = asyncio.run(_fresh_outputs(servers))
     yield servers
@@ -105,13 +118,12 @@ async def _fresh_outputs(servers):
 
 
 @pytest.fixture(scope="module")
-def fresh(kind, models, tmp_path_factory):
+def fresh(kind, engine, launched_fresh):
     """A second server on the new weights, for the two-server kill test (vLLM only; see the module docstring)."""
     if kind != "vllm":
         pytest.skip(f"{kind}: one server per session; its kill test is test_killed_lone_server_...")
-    servers = _started(kind, models[1], tmp_path_factory.mktemp("run-fresh"))
-    yield servers
-    servers.stop()
+    launched_fresh.start()  # launched with `engine`: waits until healthy
+    return launched_fresh
 
 
 async def _greedy(client, prompts, n):

@@ -1,6 +1,10 @@
 """Small simulated pipelines (engine=sim, trainer=sim) with the real Rollouter, MessageQueue, ledger, ParamSync and
 Trainer on local Ray: the staleness bound holds in trajectories.jsonl, partial rollout really carries samples across
-versions, a draining sync aborts nothing, and throughput stays above a loose floor of the analytic bound."""
+versions, a draining sync aborts nothing, and throughput stays above a loose floor of the analytic bound.
+
+A run's fixed cost (the rollouter's actor, its tokenizer import, the shutdown: ~8 s here) exceeds a short schedule's
+steps, so tests whose properties do not depend on each other's options read one run (a module fixture): the start-up
+and shutdown record comes from the fully async run, group_fn's rescoring from the draining run."""
 
 from __future__ import annotations
 
@@ -42,23 +46,43 @@ def trajectories(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
 
 
-def test_fully_async_holds_the_bound_carries_partial_samples_and_keeps_up(ray_local, tmp_path):
-    cfg = compose([*SMALL, "async_training.max_staleness=1", "async_training.partial_rollout=true"])
-    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
-    trajs = trajectories(tmp_path)
+def _run(tmp_path_factory, name: str, overrides: list[str]):
+    cfg = compose([*SMALL, *overrides])
+    run_dir = tmp_path_factory.mktemp(name)
+    run_schedule(cfg, run_dir, str(resolve_model_path(cfg.model)))
+    return cfg, run_dir
+
+
+@pytest.fixture(scope="module")
+def fully_async_run(ray_local, tmp_path_factory):
+    """8 steps, max_staleness 1, partial rollout: also the start-up and shutdown test's run."""
+    overrides = ["async_training.max_staleness=1", "async_training.partial_rollout=true"]
+    return _run(tmp_path_factory, "fully-async", overrides)
+
+
+@pytest.fixture(scope="module")
+def draining_run(ray_local, tmp_path_factory):
+    """8 steps, one step off with a draining sync, and reward.group_fn (it only rescores finished groups)."""
+    overrides = ["async_training.max_staleness=1", "async_training.drain_on_sync=true",
+                 "reward.group_fn=tests.fakes:rank_group"]  # fmt: skip
+    return _run(tmp_path_factory, "draining", overrides)
+
+
+def test_fully_async_holds_the_bound_carries_partial_samples_and_keeps_up(fully_async_run):
+    cfg, run_dir = fully_async_run
+    trajs = trajectories(run_dir)
     assert len(trajs) == 8 * 4 * 4
     assert max(t["trained_version"] - t["min_version"] for t in trajs) <= 1
     assert max(t["response_length"] for t in trajs) <= 256
     assert any(t["max_version"] > t["min_version"] for t in trajs)  # tokens of two versions in one sample
-    summary = summarize(tmp_path, cfg)
+    summary = summarize(run_dir, cfg)
     bound = capacity(cfg, PROMPT_TOKENS, mean_len=summary["trained_length_steady"])["bound"]
     assert summary["samples_per_s_steady"] / bound > 0.5, (summary, bound)
 
 
-def test_one_step_off_drains_instead_of_aborting(ray_local, tmp_path):
-    cfg = compose([*SMALL, "async_training.max_staleness=1", "async_training.drain_on_sync=true"])
-    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
-    trajs = trajectories(tmp_path)
+def test_one_step_off_drains_instead_of_aborting(draining_run):
+    _, run_dir = draining_run
+    trajs = trajectories(run_dir)
     assert len(trajs) == 8 * 4 * 4
     assert all(t["num_aborts"] == 0 and t["max_version"] == t["min_version"] for t in trajs)
     assert max(t["trained_version"] - t["min_version"] for t in trajs) <= 1
@@ -156,26 +180,25 @@ def test_a_failed_push_to_the_queue_fails_the_run_and_keeps_the_groups(ray_local
     assert stats["ledger/accepted"] == stats["groups_pushed"], stats  # nothing counted that the queue never got
 
 
-def test_group_fn_rescores_whole_groups_before_they_are_queued(ray_local, tmp_path):
+def test_group_fn_rescores_whole_groups_before_they_are_queued(draining_run):
     """reward.group_fn in a real run: every trained reward is the group ranking's, the per-sample score is kept,
     the call's latency is in the reward metrics and each call is a span on the trace."""
-    cfg = compose([*SMALL, "trainer.total_steps=2", "reward.group_fn=tests.fakes:rank_group"])
-    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
-    trajs = trajectories(tmp_path)
-    assert len(trajs) == 2 * 4 * 4
+    _, run_dir = draining_run
+    trajs = trajectories(run_dir)
+    assert len(trajs) == 8 * 4 * 4
     by_group: dict[str, list[float]] = {}
     for t in trajs:
         by_group.setdefault(t["prompt_uid"], []).append(t["reward"])
     for rewards in by_group.values():  # ranks 0..3 of the group's 4 samples, / 3
         assert sorted(rewards) == [0.0, 1 / 3, 2 / 3, 1.0], rewards
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sum(m["fully_async/reward/group_fn/calls"] for m in metrics) >= 8
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["fully_async/reward/group_fn/calls"] for m in metrics) >= 8 * 4
     assert all(
         m["fully_async/reward/group_fn/errors"] == m["fully_async/reward/group_fn/timeouts"] == 0 for m in metrics
     )
     assert any(m["fully_async/reward/group_fn/latency_s"] > 0 for m in metrics)
-    spans = [json.loads(line) for line in (tmp_path / "trace" / "rollouter.jsonl").read_text().splitlines()]
-    assert sum(s.get("name") == "group_fn" and s.get("lane") == "reward" for s in spans) >= 8
+    spans = [json.loads(line) for line in (run_dir / "trace" / "rollouter.jsonl").read_text().splitlines()]
+    assert sum(s.get("name") == "group_fn" and s.get("lane") == "reward" for s in spans) >= 8 * 4
 
 
 def test_dynamic_sampling_trains_only_varying_groups_within_the_bound_and_each_prompt_once(ray_local, tmp_path):
@@ -265,20 +288,19 @@ def test_background_syncs_never_exceed_the_bound_over_random_timings(ray_local, 
         assert len({(t["prompt_uid"], t["sample_index"]) for t in trajs}) == len(trajs), label
 
 
-def test_the_start_up_and_shutdown_are_timed_into_the_first_row_the_trace_and_startup_json(ray_local, tmp_path):
-    cfg = compose([*SMALL, "trainer.total_steps=2"])
-    run_schedule(cfg, tmp_path, str(resolve_model_path(cfg.model)))
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_the_start_up_and_shutdown_are_timed_into_the_first_row_the_trace_and_startup_json(fully_async_run):
+    _, run_dir = fully_async_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = {k.split("/", 2)[2]: v for k, v in rows[0].items() if k.startswith("timing_s/startup/")}
     assert {"placement", "data", "trainer_ranks", "wait_engines", "first_step", "total"} <= set(first)
     assert first["total"] >= first["first_step"] + first["trainer_ranks"] > 0
     assert not any(k.startswith("timing_s/startup/") for k in rows[1])  # the first step's row only
-    spans = [s for s in load(tmp_path)[0] if s.lane == "startup"]
+    spans = [s for s in load(run_dir)[0] if s.lane == "startup"]
     assert {s.name for s in spans} == set(first) - {"total"}
-    record = json.loads((tmp_path / "startup.json").read_text())
+    record = json.loads((run_dir / "startup.json").read_text())
     assert record["startup"]["metrics"] == {f"timing_s/startup/{k}": v for k, v in first.items()}
     down = record["shutdown"]["parts"]
     assert {"rollouter", "trainer_ranks", "plots", "engine_hosts", "placement"} <= set(down)
     # The rollouter and the ranks stop at once: each begins before the other ended.
     assert down["rollouter"][0] < down["trainer_ranks"][1] and down["trainer_ranks"][0] < down["rollouter"][1]
-    assert (tmp_path / "reward_staleness.png").stat().st_size > 1000  # drawn during the shutdown, waited for
+    assert (run_dir / "reward_staleness.png").stat().st_size > 1000  # drawn during the shutdown, waited for
