@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from fully_async.trace import load
-from tests.integration.test_end_to_end import REPO, alive, command, engine_pids, env, read_jsonl, run
+from tests.integration.test_end_to_end import REPO, assert_engines_gone, command, env, read_jsonl, run
 from tests.sync_hold import HOLD_ENV, TRANSPORT
 
 pytestmark = pytest.mark.slow
@@ -59,10 +59,7 @@ def killed_then_resumed(tmp_path_factory):
     resumed_at = time.time()
     resumed = run(run_dir, *ARGS)
     yield SimpleNamespace(run_dir=run_dir, killed=killed, resumed=resumed, resumed_at=resumed_at)
-    deadline = time.monotonic() + 20
-    while any(alive(p) for p in engine_pids(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in engine_pids(run_dir) if alive(p)], "engine servers outlived the run"
+    assert_engines_gone(run_dir)
 
 
 def test_background_sync_at_bound_one_keeps_the_bound_and_the_trainer_waits_for_the_export_only(killed_then_resumed):

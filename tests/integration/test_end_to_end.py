@@ -71,10 +71,15 @@ def alive(pid: int) -> bool:
 @pytest.fixture(autouse=True)
 def no_leaked_engines(tmp_path):
     yield
-    deadline = time.monotonic() + 20
-    while any(alive(p) for p in engine_pids(tmp_path)) and time.monotonic() < deadline:
+    assert_engines_gone(tmp_path)
+
+
+def assert_engines_gone(run_dir: Path, grace_s: float = 20) -> None:
+    """The engine servers that the runs under `run_dir` logged are gone within `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in engine_pids(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not [p for p in engine_pids(tmp_path) if alive(p)], "engine servers outlived the run"
+    assert not [p for p in engine_pids(run_dir) if alive(p)], "engine servers outlived the run"
 
 
 METRIC_KEYS = [
