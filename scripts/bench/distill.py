@@ -16,7 +16,9 @@
   (max_staleness 0, blocking sync: each step's batch generated, rewarded and teacher-scored by the weights just
   trained, the trainer waiting for it), alternating with --pairs; --baseline group sets distill.baseline in both.
   Prints each run's training seconds to the common reward level (the lower last-20 mean of the two, less 0.02, as
-  scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6).
+  scripts/bench/e2e_runs.py --pair) and the async / sync ratio (goal <= 0.6), then the training seconds to each
+  reward level on the seed-averaged curves. KEY=VALUE arguments go to every run (a GPU machine's device and
+  placement).
 """
 
 from __future__ import annotations
@@ -110,19 +112,41 @@ def runner(out: Path, overrides: list[str]) -> float:
     return time.monotonic() - start
 
 
+def seed_averaged(runs: dict[str, list[dict]], mean_at) -> None:
+    """Training seconds to each reward level on the seed-averaged curves of the two ways (the 20-step mean of each
+    run at a time, averaged over seeds; times every 5 s up to the shortest run's end): one comparison over all seeds,
+    less at the mercy of one run's noise than the per-seed ratios."""
+    end = min(r["elapsed"][-1] for rs in runs.values() for r in rs)
+    grid = [t * 5.0 for t in range(1, int(end // 5) + 1)]
+    curves = {}
+    for name, rs in runs.items():
+        points = [[mean_at(r, t) for r in rs] for t in grid]
+        curves[name] = [sum(p) / len(p) if None not in p else None for p in points]
+    (fast, a), (slow, s_) = curves.items()
+    print(f"\nseed-averaged curves ({len(runs[fast])} seeds, training s up to {end:.0f}):\n"
+          f"| mean reward | {fast} s | {slow} s | ratio |\n|---|---|---|---|")  # fmt: skip
+    for tenth in range(1, 10):
+        level = tenth / 10
+        ta = next((t for t, m in zip(grid, a) if m is not None and m >= level), None)
+        ts = next((t for t, m in zip(grid, s_) if m is not None and m >= level), None)
+        if ta is not None and ts is not None:
+            print(f"| {level:.1f} | {ta:.0f} | {ts:.0f} | {ta / ts:.2f} |")
+
+
 def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps: int, pairs: int, seed0: int,
-                  max_staleness: int, baseline: str) -> None:  # fmt: skip
+                  max_staleness: int, baseline: str, extra: list[str]) -> None:  # fmt: skip
     sys.path.insert(0, str(HERE))
-    from e2e_runs import load  # the sibling script's learning-curve reader
+    from e2e_runs import load, mean_at  # the sibling script's learning-curve readers
 
     if teacher_dir is None:
         run = out / "teacher"
         teacher_dir = run / "checkpoints" / f"step_{teacher_steps}" / "hf"
         if not (teacher_dir / "config.json").exists():
-            wall = runner(run, [f"trainer.total_steps={teacher_steps}"])
+            wall = runner(run, [f"trainer.total_steps={teacher_steps}", *extra])
             print(f"sync: teacher trained in {wall:.0f} s, last-20 reward {load(run)['last20']:.3f}", flush=True)
     distill = ["distill.enable=true", f"distill.teacher.path={teacher_dir}", "distill.coef=1.0",
-               "algorithm.filter_groups.enable=false", f"trainer.total_steps={steps}", "trainer.save_hf=false"]  # fmt: skip
+               "algorithm.filter_groups.enable=false", f"trainer.total_steps={steps}", "trainer.save_hf=false",
+               *extra]  # fmt: skip
     modes = sync_modes(max_staleness, baseline)
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     for pair in range(pairs):
@@ -148,6 +172,7 @@ def sync_vs_async(out: Path, teacher_dir: Path | None, teacher_steps: int, steps
         for name, r in ((fast, a), (slow, s_)):
             print(f"| {seed0 + pair} | {name} | {r['step_s']:.3f} | {r['last20']:.3f} | {level:.3f} | {to[name]:.1f} | "
                   f"{ratio:.2f} |")  # fmt: skip
+    seed_averaged(runs, mean_at)
 
 
 def main() -> None:
@@ -166,6 +191,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=1,
                     help="sync: the fully async run's async_training.max_staleness (1: the job's default)")  # fmt: skip
     ap.add_argument("--baseline", default="none", choices=["none", "group"], help="sync: distill.baseline of both runs")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="sync: more overrides for every run, the teacher's too (a GPU machine: trainer.device=cuda, "
+                    "the engine's and placement's keys as docs/cluster.md)")  # fmt: skip
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     if args.only == "latency":
@@ -173,7 +201,15 @@ def main() -> None:
     else:
         out = args.out or Path(tempfile.mkdtemp(prefix="fully_async-distill-sync-"))
         sync_vs_async(
-            out, args.teacher, args.teacher_steps, args.steps, args.pairs, args.seed, args.max_staleness, args.baseline
+            out,
+            args.teacher,
+            args.teacher_steps,
+            args.steps,
+            args.pairs,
+            args.seed,
+            args.max_staleness,
+            args.baseline,
+            args.overrides,
         )
 
 
