@@ -26,12 +26,18 @@ TOKENS = 24
 
 
 async def test_teacher_log_probs_equal_the_engines_own_and_a_killed_teacher_fakes_nothing(tmp_path):
-    base = compose(["trainer.device=cpu"])
+    await teacher_scores_as_its_engine_and_survives_a_kill(tmp_path, "cpu", atol=1e-5)
+
+
+async def teacher_scores_as_its_engine_and_survives_a_kill(tmp_path, device: str, atol: float, overrides=()) -> None:
+    """The whole check on `device` (tests/gpu/test_distill_gpu.py runs it on a GPU): `atol` bounds prefill against
+    decode numerics of the same ids on the same weights."""
+    base = compose([f"trainer.device={device}", *overrides])
     model = resolve_model_path(base.model)
-    cfg = compose(["trainer.device=cpu", "distill.enable=true", f"distill.teacher.path={model}", "distill.retries=1",
-                   "distill.backoff_s=0.05", "distill.backoff_max_s=0.1", "distill.timeout_s=20",
-                   "engine.startup_timeout_s=480"])  # fmt: skip
-    teacher = await start_teacher(cfg, tmp_path, "cpu", "distill-test")
+    cfg = compose([f"trainer.device={device}", "distill.enable=true", f"distill.teacher.path={model}",
+                   "distill.retries=1", "distill.backoff_s=0.05", "distill.backoff_max_s=0.1", "distill.timeout_s=20",
+                   "engine.startup_timeout_s=480", *overrides])  # fmt: skip
+    teacher = await start_teacher(cfg, tmp_path, device, "distill-test")
     client = EngineClient(teacher.servers)
     try:
         rows = []
@@ -45,7 +51,7 @@ async def test_teacher_log_probs_equal_the_engines_own_and_a_killed_teacher_fake
             await teacher.score([t])
             assert len(t.teacher_logprobs) == t.response_length == TOKENS
             # The same ids, scored by the same weights: prefill against decode numerics only.
-            np.testing.assert_allclose(t.teacher_logprobs, t.behaviour_logprobs, atol=1e-5)
+            np.testing.assert_allclose(t.teacher_logprobs, t.behaviour_logprobs, atol=atol)
             print(
                 f"prompt {t.prompt.index}: max |teacher - engine| = {np.abs(t.teacher_logprobs - t.behaviour_logprobs).max():.2e}"
             )
