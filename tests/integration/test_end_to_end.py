@@ -65,7 +65,10 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:  # it went between the two looks (reading a vanished process's status: ENOENT or ESRCH)
+        return False
 
 
 @pytest.fixture(autouse=True)

@@ -128,8 +128,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-        return f.read().split(")")[-1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:  # it went between the two looks (reading a vanished process's stat: ENOENT or ESRCH)
+        return False
 
 
 def test_a_sigkilled_agent_restarts_its_episode_and_nothing_of_it_is_trained(tok, tmp_path, monkeypatch):
