@@ -12,6 +12,18 @@ import numpy as np
 
 from fully_async.protocol import PromptRef, Trajectory, TrajectoryGroup
 
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as gone). A process that exits between the two looks is gone too:
+    reading a vanished process's /proc stat raises ENOENT or ESRCH."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # ProcessLookupError included
+        return False
+
+
 SIM_ROLLOUT = [
     "engine=sim",
     "trainer=sim",

@@ -12,21 +12,10 @@ import pytest
 
 from tests.integration.test_distill_teacher import teacher_scores_as_its_engine_and_survives_a_kill
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(1200)]  # skipped without CUDA (tests/conftest.py)
 
 
 async def test_teacher_log_probs_on_a_gpu_equal_the_engines_own_and_a_killed_teacher_fakes_nothing(tmp_path):
-    if _gpus() < 1:
-        pytest.skip("needs a GPU")
     # float32 weights; the tolerance is GPU attention kernels' prefill against decode on the same ids (the CPU twin
     # holds 1e-5), far below a teacher signal's size (tenths of a nat a token).
     await teacher_scores_as_its_engine_and_survives_a_kill(

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import alive
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -58,17 +60,6 @@ def engine_pids(run_dir: Path) -> set[int]:
     for log in run_dir.glob("**/engines/*.log"):
         pids.update(int(p) for p in re.findall(r"\((?:APIServer|EngineCore\w*) pid=(\d+)\)", log.read_text()))
     return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:  # it went between the two looks (reading a vanished process's status: ENOENT or ESRCH)
-        return False
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ from fully_async.gateway.loop import GatewayAgentLoop
 from fully_async.models.tiny import build_tokenizer
 from fully_async.protocol import NO_VERSION, PromptRef
 from tests import fakes
+from tests.helpers import alive
 
 AGENT = Path(__file__).resolve().parents[2] / "gateway_agent.py"
 CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>'
@@ -123,18 +124,6 @@ def test_a_limit_is_an_openai_error_and_ends_the_episode_not_a_failure(tok):
     assert loop.reward_text(t) == "max_turns_exceeded"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:  # it went between the two looks (reading a vanished process's stat: ENOENT or ESRCH)
-        return False
-
-
 def test_a_sigkilled_agent_restarts_its_episode_and_nothing_of_it_is_trained(tok, tmp_path, monkeypatch):
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("AGENT_MARK", str(tmp_path / "mark"))
@@ -155,7 +144,7 @@ def test_a_sigkilled_agent_restarts_its_episode_and_nothing_of_it_is_trained(tok
     assert t.response_ids.tolist()[: len(tok.encode("two"))] == tok.encode("two")
     assert tok.encode("X")[0] not in t.response_ids.tolist() and loop.reward_text(t) == "three"
     assert len(client.prompts) == 3 and client.prompts[1] == client.prompts[0]
-    assert not _alive(killed[0])
+    assert not alive(killed[0])
 
 
 def test_a_crash_every_time_exhausts_the_retries_and_names_the_agents_stderr(tok):
@@ -171,7 +160,7 @@ def test_a_hung_agent_is_killed_at_its_timeout_and_the_episode_restarts(tok, tmp
     loop, _, t = episode(tok, ["one", "two", "three"], command=command("killed_once"), timeout_s=8.0)
     assert not isinstance(t, Exception), t
     assert t.reward_info["env_infra/agent_timeout"] == 1 and loop.reward_text(t) == "three"
-    assert not _alive(int(pid_file.read_text()))
+    assert not alive(int(pid_file.read_text()))
 
 
 def sync_agent(base_url, api_key, task):
@@ -322,9 +311,9 @@ def test_an_agent_dies_with_its_rollouter_however_that_dies(tok, tmp_path, monke
         rollouter.kill()
         rollouter.wait()
         deadline = time.monotonic() + 30
-        while _alive(agent) and time.monotonic() < deadline:
+        while alive(agent) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(agent)
+        assert not alive(agent)
     finally:
         rollouter.kill()
 
